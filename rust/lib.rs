@@ -1,0 +1,5 @@
+//! meshbind's Rust core: the FQN pattern engine, the module-tree walk, bulk plan checks and
+//! diagnostics. `python.rs` is the only file that knows about Python.
+
+pub mod matcher;
+pub mod pattern;

@@ -1,0 +1,292 @@
+//! Many patterns compiled once and answered together (SPEC §2 `PatternSet`).
+//!
+//! Exact FQNs go to a hash map; every other pattern joins one lazy DFA built over all of them
+//! (`MatchKind::All`, so one pass reports every pattern that matches). The DFA is also stepped
+//! segment by segment by the tree walk, whose pruning is "the DFA is dead and no exact FQN lies
+//! below". `re:` patterns with Unicode word boundaries, which the DFA cannot run, are asked of
+//! one meta regex per name and disable pruning.
+
+use std::sync::Mutex;
+
+use regex_automata::hybrid::dfa::{Cache, DFA};
+use regex_automata::hybrid::LazyStateID;
+use regex_automata::meta;
+use regex_automata::util::start;
+use regex_automata::{Anchored, Input, MatchKind, PatternSet as MatchSet};
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::pattern::{Pattern, PatternError, Strategy};
+
+/// The lazy DFA's cache budget: large enough that big generated plans rarely clear it.
+const DFA_CACHE_BYTES: usize = 64 << 20;
+
+#[derive(Debug)]
+pub enum MatchError {
+    /// The automaton could not be built (size limits) or could not answer.
+    Automaton(String),
+}
+
+impl std::fmt::Display for MatchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MatchError::Automaton(reason) => write!(f, "pattern automaton failed: {reason}"),
+        }
+    }
+}
+
+pub enum BuildError {
+    Pattern(PatternError),
+    Matcher(MatchError),
+}
+
+/// The indices (into the set) of the patterns each strategy answers.
+struct Automaton {
+    dfa: DFA,
+    pattern_ids: Vec<u32>,
+}
+
+struct Fallback {
+    regex: meta::Regex,
+    pattern_ids: Vec<u32>,
+}
+
+pub struct PatternSet {
+    pub patterns: Vec<Pattern>,
+    exact: FxHashMap<String, Vec<u32>>,
+    /// Every proper dotted prefix of an exact FQN: the walk must enter these.
+    exact_prefixes: FxHashSet<String>,
+    root_matches: Vec<u32>,
+    automaton: Option<Automaton>,
+    fallback: Option<Fallback>,
+    cache: Mutex<Option<Cache>>,
+}
+
+/// Where the DFA stands after a prefix of a name (`None` when the set has no automaton).
+#[derive(Clone, Copy)]
+pub struct DfaState {
+    id: LazyStateID,
+    clear_count: usize,
+}
+
+impl PatternSet {
+    pub fn new<S: AsRef<str>>(texts: &[S]) -> Result<PatternSet, BuildError> {
+        let patterns = texts
+            .iter()
+            .map(|t| Pattern::compile(t.as_ref()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(BuildError::Pattern)?;
+        let mut exact: FxHashMap<String, Vec<u32>> = FxHashMap::default();
+        let mut exact_prefixes = FxHashSet::default();
+        let mut root_matches = Vec::new();
+        let (mut dfa_regexes, mut dfa_ids) = (Vec::new(), Vec::new());
+        let (mut fallback_regexes, mut fallback_ids) = (Vec::new(), Vec::new());
+        for (index, pattern) in patterns.iter().enumerate() {
+            let index = index as u32;
+            if pattern.matches_root {
+                root_matches.push(index);
+            }
+            match &pattern.strategy {
+                Strategy::Root => {}
+                Strategy::Exact(name) => {
+                    exact.entry(name.clone()).or_default().push(index);
+                    for (dot, _) in name.match_indices('.') {
+                        exact_prefixes.insert(name[..dot].to_owned());
+                    }
+                }
+                Strategy::Automaton(regex) => {
+                    dfa_regexes.push(regex.as_str());
+                    dfa_ids.push(index);
+                }
+                Strategy::Fallback(regex) => {
+                    fallback_regexes.push(regex.as_str());
+                    fallback_ids.push(index);
+                }
+            }
+        }
+        let automaton = if dfa_regexes.is_empty() {
+            None
+        } else {
+            let dfa = DFA::builder()
+                .configure(
+                    DFA::config()
+                        .match_kind(MatchKind::All)
+                        .cache_capacity(DFA_CACHE_BYTES)
+                        .skip_cache_capacity_check(true)
+                        .minimum_cache_clear_count(None),
+                )
+                .thompson(regex_automata::nfa::thompson::Config::new().nfa_size_limit(None))
+                .build_many(&dfa_regexes)
+                .map_err(|e| BuildError::Matcher(automaton_error(e)))?;
+            Some(Automaton { dfa, pattern_ids: dfa_ids })
+        };
+        let fallback = if fallback_regexes.is_empty() {
+            None
+        } else {
+            let regex = meta::Regex::builder()
+                .configure(meta::Regex::config().match_kind(MatchKind::All).nfa_size_limit(None))
+                .build_many(&fallback_regexes)
+                .map_err(|e| BuildError::Matcher(automaton_error(e)))?;
+            Some(Fallback { regex, pattern_ids: fallback_ids })
+        };
+        let cache = Mutex::new(automaton.as_ref().map(|a| a.dfa.create_cache()));
+        Ok(PatternSet { patterns, exact, exact_prefixes, root_matches, automaton, fallback, cache })
+    }
+
+    pub fn len(&self) -> usize {
+        self.patterns.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.patterns.is_empty()
+    }
+
+    /// Whether a subtree can be skipped when its FQN leaves the DFA dead: only without fallbacks.
+    pub fn can_prune(&self) -> bool {
+        self.fallback.is_none()
+    }
+
+    /// Runs `f` with a matcher that owns the DFA cache for its duration.
+    pub fn with_matcher<R>(&self, f: impl FnOnce(&mut Matcher<'_>) -> R) -> R {
+        let mut guard = self.cache.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let dfa = self.automaton.as_ref().zip(guard.as_mut());
+        let fallback_hits = MatchSet::new(self.fallback.as_ref().map_or(0, |f| f.regex.pattern_len()));
+        f(&mut Matcher { set: self, dfa, fallback_hits })
+    }
+}
+
+/// A `PatternSet` with its DFA cache, ready to answer names or step through them.
+pub struct Matcher<'a> {
+    set: &'a PatternSet,
+    dfa: Option<(&'a Automaton, &'a mut Cache)>,
+    fallback_hits: MatchSet,
+}
+
+fn automaton_error(e: impl std::fmt::Display) -> MatchError {
+    MatchError::Automaton(e.to_string())
+}
+
+impl Matcher<'_> {
+    /// Appends to `out` the ascending indices of the patterns matching `name`.
+    pub fn match_name(&mut self, name: &str, out: &mut Vec<u32>) -> Result<(), MatchError> {
+        let start = self.start()?;
+        let state = self.advance(start, name.as_bytes())?;
+        self.finish(name, state, out)
+    }
+
+    /// The state at the start of a name (the root's state in a walk).
+    pub fn start(&mut self) -> Result<Option<DfaState>, MatchError> {
+        let Some((automaton, cache)) = &mut self.dfa else { return Ok(None) };
+        let config = start::Config::new().anchored(Anchored::Yes);
+        let id = automaton.dfa.start_state(cache, &config).map_err(automaton_error)?;
+        Ok(Some(DfaState { id, clear_count: cache.clear_count() }))
+    }
+
+    /// Feeds `bytes` after `state`.
+    pub fn advance(&mut self, state: Option<DfaState>, bytes: &[u8]) -> Result<Option<DfaState>, MatchError> {
+        let (Some((automaton, cache)), Some(state)) = (&mut self.dfa, state) else { return Ok(None) };
+        let mut id = state.id;
+        for &byte in bytes {
+            if id.is_dead() {
+                break;
+            }
+            id = automaton.dfa.next_state(cache, id, byte).map_err(automaton_error)?;
+        }
+        Ok(Some(DfaState { id, clear_count: cache.clear_count() }))
+    }
+
+    /// Whether a state saved earlier is still valid (a cache clear invalidates every state id).
+    pub fn is_current(&self, state: Option<DfaState>) -> bool {
+        match (&self.dfa, state) {
+            (Some((_, cache)), Some(s)) => s.clear_count == cache.clear_count(),
+            _ => true,
+        }
+    }
+
+    /// Whether some pattern could still match `prefix` or a name below it.
+    pub fn may_reach_below(&self, prefix: &str, state: Option<DfaState>) -> bool {
+        !self.set.can_prune()
+            || state.is_some_and(|s| !s.id.is_dead())
+            || self.set.exact_prefixes.contains(prefix)
+            || self.set.exact.contains_key(prefix)
+    }
+
+    /// The patterns matching the whole `name`, given the DFA state after all of it.
+    pub fn finish(&mut self, name: &str, state: Option<DfaState>, out: &mut Vec<u32>) -> Result<(), MatchError> {
+        let before = out.len();
+        if name.is_empty() {
+            out.extend_from_slice(&self.set.root_matches);
+            return Ok(());
+        }
+        if let Some(ids) = self.set.exact.get(name) {
+            out.extend_from_slice(ids);
+        }
+        if let (Some((automaton, cache)), Some(state)) = (&mut self.dfa, state) {
+            if !state.id.is_dead() {
+                let end = automaton.dfa.next_eoi_state(cache, state.id).map_err(automaton_error)?;
+                if end.is_match() {
+                    for k in 0..automaton.dfa.match_len(cache, end) {
+                        out.push(automaton.pattern_ids[automaton.dfa.match_pattern(cache, end, k).as_usize()]);
+                    }
+                }
+            }
+        }
+        if let Some(fallback) = &self.set.fallback {
+            self.fallback_hits.clear();
+            fallback.regex.which_overlapping_matches(&Input::new(name).anchored(Anchored::Yes), &mut self.fallback_hits);
+            out.extend(self.fallback_hits.iter().map(|p| fallback.pattern_ids[p.as_usize()]));
+        }
+        if out.len() - before > 1 {
+            out[before..].sort_unstable();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn matches(patterns: &[&str], name: &str) -> Vec<u32> {
+        let set = PatternSet::new(patterns).ok().expect("compiles");
+        let mut out = Vec::new();
+        set.with_matcher(|m| m.match_name(name, &mut out)).unwrap();
+        out
+    }
+
+    #[test]
+    fn mixes_strategies_in_ascending_order() {
+        let patterns = ["re:\\bx.*", "a.*", "a.b", "**", "", "a.{b,c}", "re:a\\.b"];
+        assert_eq!(matches(&patterns, "a.b"), vec![1, 2, 3, 5, 6]);
+        assert_eq!(matches(&patterns, ""), vec![3, 4]);
+        assert_eq!(matches(&patterns, "x.y"), vec![0, 3]);
+    }
+
+    #[test]
+    fn numeric_ranges_and_unicode() {
+        assert_eq!(matches(&["layers.<0-15>.mlp"], "layers.15.mlp"), vec![0]);
+        assert!(matches(&["layers.<0-15>.mlp"], "layers.16.mlp").is_empty());
+        assert!(matches(&["layers.<0-15>.mlp"], "layers.01.mlp").is_empty());
+        assert_eq!(matches(&["blöck.?"], "blöck.ü"), vec![0]);
+    }
+
+    #[test]
+    fn pruning_knows_exact_prefixes() {
+        let set = PatternSet::new(&["a.b.c", "x.*"]).ok().unwrap();
+        set.with_matcher(|m| {
+            let start = m.start().unwrap();
+            let a = m.advance(start, b"a").unwrap();
+            assert!(m.may_reach_below("a", a));
+            let q = m.advance(start, b"q").unwrap();
+            assert!(!m.may_reach_below("q", q));
+        });
+    }
+
+    #[test]
+    fn survives_cache_pressure_with_many_patterns() {
+        let patterns: Vec<String> = (0..2000).map(|i| format!("layers.{i}.*.w{}", i % 7)).collect();
+        let set = PatternSet::new(&patterns).ok().unwrap();
+        let mut out = Vec::new();
+        set.with_matcher(|m| m.match_name("layers.1999.mlp.w4", &mut out)).unwrap();
+        assert_eq!(out, vec![1999]);
+    }
+}
