@@ -3,3 +3,7 @@
 
 pub mod matcher;
 pub mod pattern;
+pub mod names;
+pub mod suggest;
+pub mod walk;
+mod python;

@@ -1,7 +1,9 @@
 //! Many patterns compiled once and answered together (SPEC §2 `PatternSet`).
 //!
-//! Exact FQNs go to a hash map; every other pattern joins one lazy DFA built over all of them
-//! (`MatchKind::All`, so one pass reports every pattern that matches). The DFA is also stepped
+//! A set of exact FQNs only is answered by one hash lookup per name. Otherwise every pattern,
+//! exact ones included, joins one lazy DFA (`MatchKind::All`, so one pass reports every pattern
+//! that matches): once the DFA runs anyway, a literal costs it nothing per name, while a hash
+//! lookup would hash the whole name again. The DFA is also stepped
 //! segment by segment by the tree walk, whose pruning is "the DFA is dead and no exact FQN lies
 //! below". `re:` patterns with Unicode word boundaries, which the DFA cannot run, are asked of
 //! one meta regex per name and disable pruning.
@@ -80,26 +82,38 @@ impl PatternSet {
         let mut root_matches = Vec::new();
         let (mut dfa_regexes, mut dfa_ids) = (Vec::new(), Vec::new());
         let (mut fallback_regexes, mut fallback_ids) = (Vec::new(), Vec::new());
+        let needs_automaton = patterns.iter().any(|p| matches!(p.strategy, Strategy::Automaton(_)));
+        let escaped: Vec<String> = patterns
+            .iter()
+            .map(|p| match &p.strategy {
+                Strategy::Exact(name) if needs_automaton => format!("^{}$", regex_syntax::escape(name)),
+                _ => String::new(),
+            })
+            .collect();
         for (index, pattern) in patterns.iter().enumerate() {
-            let index = index as u32;
+            let index32 = index as u32;
             if pattern.matches_root {
-                root_matches.push(index);
+                root_matches.push(index32);
             }
             match &pattern.strategy {
                 Strategy::Root => {}
+                Strategy::Exact(_) if needs_automaton => {
+                    dfa_regexes.push(escaped[index].as_str());
+                    dfa_ids.push(index32);
+                }
                 Strategy::Exact(name) => {
-                    exact.entry(name.clone()).or_default().push(index);
+                    exact.entry(name.clone()).or_default().push(index32);
                     for (dot, _) in name.match_indices('.') {
                         exact_prefixes.insert(name[..dot].to_owned());
                     }
                 }
                 Strategy::Automaton(regex) => {
                     dfa_regexes.push(regex.as_str());
-                    dfa_ids.push(index);
+                    dfa_ids.push(index32);
                 }
                 Strategy::Fallback(regex) => {
                     fallback_regexes.push(regex.as_str());
-                    fallback_ids.push(index);
+                    fallback_ids.push(index32);
                 }
             }
         }
@@ -202,12 +216,17 @@ impl Matcher<'_> {
         }
     }
 
-    /// Whether some pattern could still match `prefix` or a name below it.
-    pub fn may_reach_below(&self, prefix: &str, state: Option<DfaState>) -> bool {
-        !self.set.can_prune()
-            || state.is_some_and(|s| !s.id.is_dead())
-            || self.set.exact_prefixes.contains(prefix)
-            || self.set.exact.contains_key(prefix)
+    /// Whether some pattern can match `name` itself (`below == false`, `state` after `name`) or
+    /// a name under it (`below == true`, `state` after `name` and one more `.`).
+    pub fn may_reach(&self, name: &str, state: Option<DfaState>, below: bool) -> bool {
+        if !self.set.can_prune() || state.is_some_and(|s| !s.id.is_dead()) {
+            return true;
+        }
+        if below {
+            !self.set.exact_prefixes.is_empty() && self.set.exact_prefixes.contains(name)
+        } else {
+            !self.set.exact.is_empty() && self.set.exact.contains_key(name)
+        }
     }
 
     /// The patterns matching the whole `name`, given the DFA state after all of it.
@@ -217,8 +236,10 @@ impl Matcher<'_> {
             out.extend_from_slice(&self.set.root_matches);
             return Ok(());
         }
-        if let Some(ids) = self.set.exact.get(name) {
-            out.extend_from_slice(ids);
+        if !self.set.exact.is_empty() {
+            if let Some(ids) = self.set.exact.get(name) {
+                out.extend_from_slice(ids);
+            }
         }
         if let (Some((automaton, cache)), Some(state)) = (&mut self.dfa, state) {
             if !state.id.is_dead() {
@@ -274,10 +295,12 @@ mod tests {
         let set = PatternSet::new(&["a.b.c", "x.*"]).ok().unwrap();
         set.with_matcher(|m| {
             let start = m.start().unwrap();
-            let a = m.advance(start, b"a").unwrap();
-            assert!(m.may_reach_below("a", a));
-            let q = m.advance(start, b"q").unwrap();
-            assert!(!m.may_reach_below("q", q));
+            let a = m.advance(start, b"a.").unwrap();
+            assert!(m.may_reach("a", a, true));
+            let q = m.advance(start, b"q.").unwrap();
+            assert!(!m.may_reach("q", q, true));
+            let x = m.advance(start, b"x.y").unwrap();
+            assert!(m.may_reach("x.y", x, false));
         });
     }
 

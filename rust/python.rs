@@ -1,0 +1,280 @@
+//! The binding layer: converts arguments, maps errors, and nothing else.
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyString, PyType};
+
+use crate::matcher::{BuildError, MatchError, PatternSet};
+use crate::suggest::nearest_names;
+use crate::walk::{index_names, walk_tree, TreeIndex, WalkError, WalkMode};
+
+create_exception!(
+    meshbind._core,
+    PatternError,
+    PyValueError,
+    "A malformed FQN pattern; `pattern`, `position` (a character offset) and `reason` say what and where."
+);
+
+fn pattern_error(py: Python<'_>, error: &crate::pattern::PatternError) -> PyErr {
+    let err = PatternError::new_err(error.message());
+    let value = err.value(py);
+    let set = || -> PyResult<()> {
+        value.setattr("pattern", &error.pattern)?;
+        value.setattr("position", error.position)?;
+        value.setattr("reason", &error.reason)
+    };
+    match set() {
+        Ok(()) => err,
+        Err(e) => e,
+    }
+}
+
+fn match_error(error: MatchError) -> PyErr {
+    PyRuntimeError::new_err(error.to_string())
+}
+
+fn walk_error(error: WalkError) -> PyErr {
+    match error {
+        WalkError::Python(e) => e,
+        WalkError::Match(e) => match_error(e),
+    }
+}
+
+/// Reads a sequence of `str` (not a bare `str`), naming `what` in errors.
+fn extract_strings<'py>(values: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<Bound<'py, PyString>>> {
+    if values.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(format!("{what} must be a sequence of str, not a single str")));
+    }
+    let iterator = values
+        .try_iter()
+        .map_err(|_| PyTypeError::new_err(format!("{what} must be a sequence of str, got {}", type_name(values))))?;
+    iterator
+        .enumerate()
+        .map(|(i, item)| {
+            let item = item?;
+            item.cast_into::<PyString>().map_err(|e| {
+                PyTypeError::new_err(format!("{what}[{i}] must be a str, got {}", type_name(e.into_inner().as_any())))
+            })
+        })
+        .collect()
+}
+
+fn type_name(value: &Bound<'_, PyAny>) -> String {
+    value.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_owned())
+}
+
+/// FQN patterns compiled once (SPEC §2).
+#[pyclass(name = "PatternSet", module = "meshbind._core", frozen)]
+pub struct PyPatternSet {
+    inner: PatternSet,
+}
+
+#[pymethods]
+impl PyPatternSet {
+    #[new]
+    fn new(py: Python<'_>, patterns: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let texts = extract_strings(patterns, "patterns")?;
+        let texts: Vec<&str> = texts.iter().map(|t| t.to_str()).collect::<PyResult<_>>()?;
+        match PatternSet::new(&texts) {
+            Ok(inner) => Ok(PyPatternSet { inner }),
+            Err(BuildError::Pattern(e)) => Err(pattern_error(py, &e)),
+            Err(BuildError::Matcher(e)) => Err(PyValueError::new_err(format!("cannot compile the pattern set: {e}"))),
+        }
+    }
+
+    #[getter]
+    fn patterns(&self) -> Vec<String> {
+        self.inner.patterns.iter().map(|p| p.text.clone()).collect()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("PatternSet(<{} patterns>)", self.inner.len())
+    }
+
+    /// The ascending indices of the patterns matching `name`.
+    #[pyo3(name = "match")]
+    fn match_name(&self, name: &str) -> PyResult<Vec<u32>> {
+        let mut out = Vec::new();
+        self.inner.with_matcher(|m| m.match_name(name, &mut out)).map_err(match_error)?;
+        Ok(out)
+    }
+
+    /// `match` for every name of a sequence, in one call.
+    fn match_many(&self, names: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+        let names = extract_strings(names, "names")?;
+        self.inner.with_matcher(|m| {
+            names
+                .iter()
+                .map(|name| {
+                    let mut out = Vec::new();
+                    m.match_name(name.to_str()?, &mut out).map_err(match_error)?;
+                    Ok(out)
+                })
+                .collect()
+        })
+    }
+
+    /// Walks the module tree under `root` through `_modules`, matching every FQN (aliases
+    /// included). With `prune`, subtrees no pattern can reach are not entered and only matching
+    /// FQNs are recorded; without it, every FQN, module and class is indexed.
+    #[pyo3(signature = (root, *, prune = true))]
+    fn walk(&self, root: &Bound<'_, PyAny>, prune: bool) -> PyResult<ModuleTree> {
+        let mode = if prune { WalkMode::Pruned } else { WalkMode::Full };
+        let index = self.inner.with_matcher(|m| walk_tree(root, m, mode)).map_err(walk_error)?;
+        Ok(ModuleTree { index })
+    }
+
+    /// The offline form of `walk`: matches a plain sequence of FQNs.
+    fn index_names(&self, names: &Bound<'_, PyAny>) -> PyResult<ModuleTree> {
+        let names = extract_strings(names, "names")?;
+        let names: Vec<&str> = names.iter().map(|n| n.to_str()).collect::<PyResult<_>>()?;
+        let index = self.inner.with_matcher(|m| index_names(names.into_iter(), m)).map_err(match_error)?;
+        Ok(ModuleTree { index })
+    }
+}
+
+/// What a walk saw: every FQN, the module and class behind it, and every match.
+#[pyclass(name = "ModuleTree", module = "meshbind._core", frozen)]
+pub struct ModuleTree {
+    index: TreeIndex,
+}
+
+#[pymethods]
+impl ModuleTree {
+    /// The number of FQNs visited, aliases included.
+    fn __len__(&self) -> usize {
+        self.index.names.len()
+    }
+
+    #[getter]
+    fn module_count(&self) -> usize {
+        self.index.module_first_name.len()
+    }
+
+    /// Whether the walk visited the whole tree (nothing was pruned).
+    #[getter]
+    fn complete(&self) -> bool {
+        self.index.complete
+    }
+
+    /// The FQNs at the given name indices (all of them, in walk order, without indices).
+    #[pyo3(signature = (indices = None))]
+    fn names(&self, indices: Option<Vec<u32>>) -> PyResult<Vec<&str>> {
+        match indices {
+            None => Ok(self.index.names.iter().collect()),
+            Some(indices) => indices.iter().map(|&i| self.checked_name(i as usize)).collect(),
+        }
+    }
+
+    /// The module index each name denotes.
+    fn name_modules(&self) -> Vec<u32> {
+        self.index.name_module.clone()
+    }
+
+    /// The first FQN of every module, in tree order.
+    fn module_names(&self) -> Vec<&str> {
+        self.index.module_first_name.iter().map(|&n| self.index.names.get(n as usize)).collect()
+    }
+
+    /// The module objects at the given module indices (empty for an offline index).
+    fn modules(&self, py: Python<'_>, indices: Vec<u32>) -> PyResult<Vec<Py<PyAny>>> {
+        indices
+            .iter()
+            .map(|&i| {
+                self.index
+                    .modules
+                    .get(i as usize)
+                    .map(|m| m.clone_ref(py))
+                    .ok_or_else(|| PyValueError::new_err(format!("no module with index {i}")))
+            })
+            .collect()
+    }
+
+    /// The distinct classes met, and the class index of every module.
+    fn classes(&self, py: Python<'_>) -> Vec<Py<PyType>> {
+        self.index.classes.iter().map(|c| c.clone_ref(py)).collect()
+    }
+
+    fn module_classes(&self) -> Vec<u32> {
+        self.index.module_class.clone()
+    }
+
+    /// The indices of the modules whose class is one of `classes`, in tree order.
+    fn modules_of_classes(&self, classes: Vec<u32>) -> Vec<u32> {
+        let mut wanted = vec![false; self.index.classes.len()];
+        for c in classes {
+            if let Some(slot) = wanted.get_mut(c as usize) {
+                *slot = true;
+            }
+        }
+        (0..self.index.module_class.len() as u32)
+            .filter(|&m| wanted[self.index.module_class[m as usize] as usize])
+            .collect()
+    }
+
+    /// Every match as two parallel lists: name indices and pattern indices, in walk order.
+    fn hits(&self) -> (Vec<u32>, Vec<u32>) {
+        self.index.hits.iter().copied().unzip()
+    }
+
+    /// `{fqn: [pattern indices]}` for every matched FQN, in walk order.
+    fn matches(&self) -> Vec<(&str, Vec<u32>)> {
+        let mut out: Vec<(&str, Vec<u32>)> = Vec::new();
+        let mut last = u32::MAX;
+        for &(name, pattern) in &self.index.hits {
+            if name != last {
+                out.push((self.index.names.get(name as usize), Vec::new()));
+                last = name;
+            }
+            if let Some(entry) = out.last_mut() {
+                entry.1.push(pattern);
+            }
+        }
+        out
+    }
+
+    /// How many names each of `pattern_count` patterns matched.
+    fn hit_counts(&self, pattern_count: usize) -> Vec<u32> {
+        let mut counts = vec![0u32; pattern_count];
+        for &(_, pattern) in &self.index.hits {
+            if let Some(c) = counts.get_mut(pattern as usize) {
+                *c += 1;
+            }
+        }
+        counts
+    }
+
+    /// `(alias, ancestor FQN)` for every alias that names one of its own ancestors.
+    fn cycles(&self) -> Vec<(String, String)> {
+        self.index.cycles.clone()
+    }
+
+    /// The `count` visited FQNs nearest to `pattern` ("did you mean").
+    #[pyo3(signature = (pattern, count = 3))]
+    fn nearest(&self, pattern: &str, count: usize) -> Vec<String> {
+        nearest_names(pattern, &self.index.names, count)
+    }
+}
+
+impl ModuleTree {
+    fn checked_name(&self, index: usize) -> PyResult<&str> {
+        if index < self.index.names.len() {
+            Ok(self.index.names.get(index))
+        } else {
+            Err(PyValueError::new_err(format!("no name with index {index}")))
+        }
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("PatternError", m.py().get_type::<PatternError>())?;
+    m.add_class::<PyPatternSet>()?;
+    m.add_class::<ModuleTree>()?;
+    Ok(())
+}

@@ -1,0 +1,238 @@
+//! Walking an `nn.Module` tree through its `_modules` dictionaries, matching a pattern set on
+//! the way (SPEC §4: one walk; every alias of a shared module is a candidate; a module is keyed
+//! by its first FQN in `named_modules()` order).
+//!
+//! The walk is iterative (deep trees cannot overflow the stack), preorder like `named_modules()`,
+//! and descends into a shared module once per alias but never into its own ancestor: a cycle is
+//! recorded instead. With pruning on, it enters no subtree that no pattern can reach.
+
+use pyo3::exceptions::{PyRuntimeError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString, PyType};
+use pyo3::{ffi, intern, Borrowed};
+use rustc_hash::FxHashMap;
+
+use crate::matcher::{DfaState, MatchError, Matcher};
+use crate::names::NameTable;
+
+/// Every FQN a walk visited (or every name given offline), what each one is, and what matched.
+#[derive(Default)]
+pub struct TreeIndex {
+    pub names: NameTable,
+    /// The module each name denotes (an index into `modules`; offline, each name is its own).
+    pub name_module: Vec<u32>,
+    /// One entry per distinct module, in first-visit order (empty offline).
+    pub modules: Vec<Py<PyAny>>,
+    /// The name under which each module was first visited.
+    pub module_first_name: Vec<u32>,
+    pub module_class: Vec<u32>,
+    pub classes: Vec<Py<PyType>>,
+    /// `(alias, ancestor)`: the FQN `alias` names the module at `ancestor`, one of its own ancestors.
+    pub cycles: Vec<(String, String)>,
+    /// Matches in walk order: `(name index, pattern index)`.
+    pub hits: Vec<(u32, u32)>,
+    /// Whether every FQN of the tree was visited (no pruning happened).
+    pub complete: bool,
+}
+
+pub enum WalkError {
+    Python(PyErr),
+    Match(MatchError),
+}
+
+impl From<PyErr> for WalkError {
+    fn from(e: PyErr) -> Self {
+        WalkError::Python(e)
+    }
+}
+
+impl From<MatchError> for WalkError {
+    fn from(e: MatchError) -> Self {
+        WalkError::Match(e)
+    }
+}
+
+/// A module being walked: its `_modules` dict, where its iteration stands, and its FQN's state.
+struct Frame<'py> {
+    children: Bound<'py, PyDict>,
+    position: ffi::Py_ssize_t,
+    size: ffi::Py_ssize_t,
+    name_end: usize,
+    identity: usize,
+    /// The DFA state after this module's FQN and the `.` its children's names follow.
+    child_state: Option<DfaState>,
+}
+
+/// What a walk records. A full walk indexes every FQN, module and class (plan resolution needs
+/// them all to find family modules); a pruned walk records only the FQNs that match, enters no
+/// subtree that no pattern can reach, and never touches a module object it does not enter.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum WalkMode {
+    Full,
+    Pruned,
+}
+
+struct Walker<'m, 'a> {
+    matcher: &'m mut Matcher<'a>,
+    mode: WalkMode,
+    index: TreeIndex,
+    module_ids: FxHashMap<usize, u32>,
+    class_ids: FxHashMap<usize, u32>,
+    scratch: Vec<u32>,
+}
+
+/// Walks the tree under `root`, matching every FQN it reaches.
+pub fn walk_tree(root: &Bound<'_, PyAny>, matcher: &mut Matcher<'_>, mode: WalkMode) -> Result<TreeIndex, WalkError> {
+    let mut walker = Walker {
+        matcher,
+        mode,
+        index: TreeIndex { complete: mode == WalkMode::Full, ..TreeIndex::default() },
+        module_ids: FxHashMap::default(),
+        class_ids: FxHashMap::default(),
+        scratch: Vec::new(),
+    };
+    walker.run(root)?;
+    Ok(walker.index)
+}
+
+/// Matches a plain list of FQNs (offline: names read from a checkpoint index, say).
+pub fn index_names<'n>(names: impl Iterator<Item = &'n str>, matcher: &mut Matcher<'_>) -> Result<TreeIndex, MatchError> {
+    let mut index = TreeIndex { complete: true, ..TreeIndex::default() };
+    let mut scratch = Vec::new();
+    for name in names {
+        let at = index.names.push(name);
+        index.name_module.push(at);
+        index.module_first_name.push(at);
+        scratch.clear();
+        matcher.match_name(name, &mut scratch)?;
+        index.hits.extend(scratch.iter().map(|&p| (at, p)));
+    }
+    Ok(index)
+}
+
+impl Walker<'_, '_> {
+    fn run(&mut self, root: &Bound<'_, PyAny>) -> Result<(), WalkError> {
+        let py = root.py();
+        let modules_attr = intern!(py, "_modules");
+        let mut fqn = String::new();
+        let start = self.matcher.start()?;
+        let root_identity = root.as_ptr() as usize;
+        self.record(root_identity, root, &fqn, start)?;
+        // The root's children follow no separator: their names start the FQN.
+        let mut stack = vec![enter(root, modules_attr, &fqn, root_identity, start)?];
+        let mut on_path = rustc_hash::FxHashSet::default();
+        on_path.insert(root_identity);
+        while let Some(frame) = stack.last_mut() {
+            let (mut key, mut child) = (std::ptr::null_mut(), std::ptr::null_mut());
+            // SAFETY: the frame owns a reference to the dict; key and child are borrowed from it
+            // and used before any Python code runs, except through owned references below.
+            let more = unsafe { ffi::PyDict_Next(frame.children.as_ptr(), &mut frame.position, &mut key, &mut child) };
+            if more == 0 {
+                if let Some(done) = stack.pop() {
+                    on_path.remove(&done.identity);
+                }
+                continue;
+            }
+            // SAFETY: the dict pointer is valid for the frame's lifetime.
+            if unsafe { ffi::PyDict_Size(frame.children.as_ptr()) } != frame.size {
+                return Err(PyRuntimeError::new_err(format!(
+                    "the children of {:?} changed during the walk",
+                    &fqn[..frame.name_end]
+                ))
+                .into());
+            }
+            if child == unsafe { ffi::Py_None() } {
+                continue;
+            }
+            let (name_end, parent_state) = (frame.name_end, frame.child_state);
+            // SAFETY: borrowed from the live dict; no Python code runs before the last use of
+            // `key`, and `child` is turned into an owned reference before it is entered.
+            let (key, child) = unsafe { (Borrowed::from_ptr(py, key), Borrowed::from_ptr(py, child)) };
+            let key = key.cast::<PyString>().map_err(|_| {
+                PyTypeError::new_err(format!("module {:?} has a child whose name is not a str", &fqn[..name_end]))
+            })?;
+            let key = key.to_str()?;
+            let mut state = parent_state;
+            fqn.truncate(name_end);
+            if stack.len() > 1 {
+                fqn.push('.');
+            }
+            if !self.matcher.is_current(state) {
+                // The DFA cache was cleared since the parent's state was saved: recompute it.
+                let restart = self.matcher.start()?;
+                state = self.matcher.advance(restart, fqn.as_bytes())?;
+            }
+            fqn.push_str(key);
+            state = self.matcher.advance(state, key.as_bytes())?;
+            let identity = child.as_ptr() as usize;
+            let below = self.matcher.advance(state, b".")?;
+            let descend = self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, below, true);
+            if self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, state, false) {
+                self.record(identity, &child, &fqn, state)?;
+            }
+            if on_path.contains(&identity) {
+                let ancestor = stack.iter().find(|f| f.identity == identity).map_or(0, |f| f.name_end);
+                self.index.cycles.push((fqn.clone(), fqn[..ancestor].to_owned()));
+                continue;
+            }
+            if descend {
+                let child = child.to_owned();
+                stack.push(enter(&child, modules_attr, &fqn, identity, below)?);
+                on_path.insert(identity);
+            } else {
+                self.index.complete = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records `fqn` (a name of the module at `identity`) and its matches. A pruned walk records
+    /// only names that match.
+    fn record(&mut self, identity: usize, module: &Bound<'_, PyAny>, fqn: &str, state: Option<DfaState>) -> Result<(), WalkError> {
+        self.scratch.clear();
+        self.matcher.finish(fqn, state, &mut self.scratch)?;
+        if self.mode == WalkMode::Pruned && self.scratch.is_empty() {
+            return Ok(());
+        }
+        let name = self.index.names.push(fqn);
+        self.index.hits.extend(self.scratch.iter().map(|&p| (name, p)));
+        if self.mode == WalkMode::Full {
+            let next = self.index.modules.len() as u32;
+            let module_index = *self.module_ids.entry(identity).or_insert(next);
+            if module_index == next {
+                self.index.modules.push(module.clone().unbind());
+                self.index.module_first_name.push(name);
+                let class = module.get_type();
+                let next_class = self.index.classes.len() as u32;
+                let class_index = *self.class_ids.entry(class.as_ptr() as usize).or_insert(next_class);
+                if class_index == next_class {
+                    self.index.classes.push(class.unbind());
+                }
+                self.index.module_class.push(class_index);
+            }
+            self.index.name_module.push(module_index);
+        }
+        Ok(())
+    }
+}
+
+/// A frame over the children of `module`.
+fn enter<'py>(
+    module: &Bound<'py, PyAny>,
+    modules_attr: &Bound<'py, PyString>,
+    fqn: &str,
+    identity: usize,
+    child_state: Option<DfaState>,
+) -> PyResult<Frame<'py>> {
+    let children = module.getattr(modules_attr).map_err(|_| not_a_module(module, fqn))?;
+    let children = children.cast_into::<PyDict>().map_err(|e| not_a_module(&e.into_inner(), fqn))?;
+    let size = children.len() as ffi::Py_ssize_t;
+    Ok(Frame { children, position: 0, size, name_end: fqn.len(), identity, child_state })
+}
+
+fn not_a_module(object: &Bound<'_, PyAny>, fqn: &str) -> PyErr {
+    let type_name = object.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+    PyTypeError::new_err(format!(
+        "expected an nn.Module at {fqn:?}, got an object of type {type_name} without a _modules dict"
+    ))
+}

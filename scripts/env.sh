@@ -1,0 +1,26 @@
+# Sourced by the README commands: finds or builds the cached virtual environment, then builds
+# the Rust extension into it from this checkout.
+#
+# The environment lives outside the checkout, keyed by a hash of requirements-dev.txt, so a fresh
+# clone (CI) reuses one built before and builds it when there is none.
+set -euo pipefail
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+requirements="$repo_root/requirements-dev.txt"
+key=$(sha256sum "$requirements" | cut -c1-12)
+venv="${MESHBIND_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/meshbind/venv-$key}"
+if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
+    echo "meshbind: building the environment in $venv (first run only: torch is large)" >&2
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$requirements"
+    touch "$venv/.complete"
+fi
+export PATH="$venv/bin:$PATH"
+export VIRTUAL_ENV="$venv"
+# Build the extension from this checkout into the environment (incremental after the first time).
+build_log=$(mktemp)
+if ! (cd "$repo_root" && maturin develop --release --skip-install >"$build_log" 2>&1); then
+    cat "$build_log" >&2
+    exit 1
+fi
+rm -f "$build_log"
