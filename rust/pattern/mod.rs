@@ -44,7 +44,7 @@ impl PatternError {
         let shown: String = self.pattern.chars().flat_map(char::escape_debug).collect();
         let caret_column: usize =
             self.pattern.chars().take(self.position).map(|c| c.escape_debug().count()).sum();
-        format!("invalid pattern {shown:?}: {}\n  {shown}\n  {}^", self.reason, " ".repeat(caret_column))
+        format!("invalid pattern \"{shown}\": {}\n  {shown}\n  {}^", self.reason, " ".repeat(caret_column))
     }
 }
 

@@ -1,0 +1,5 @@
+import sys
+
+from meshbind.cli import main
+
+sys.exit(main())

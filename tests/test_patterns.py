@@ -1,0 +1,155 @@
+"""SPEC §2: the Rust PatternSet agrees with the reference matcher, and rejects every malformed form."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from reference_matcher import reference_match
+
+from meshbind import PatternError, PatternSet
+
+SEGMENTS = ["layers", "mlp", "experts", "0", "1", "7", "10", "12", "127", "128", "007", "down_proj",
+            "gate", "a", "ab", "b", "x_y", "ü", "blöck", "-", "a*b"]
+
+names = st.one_of(
+    st.just(""),
+    st.lists(st.sampled_from(SEGMENTS), min_size=1, max_size=5).map(".".join),
+)
+
+
+def _segment_pattern(draw: st.DrawFn) -> str:
+    base = draw(st.sampled_from([s for s in SEGMENTS if "*" not in s]))
+    form = draw(st.integers(0, 11))
+    if form == 0:
+        return base
+    if form == 1:
+        return base[: draw(st.integers(0, len(base)))] + "*"
+    if form == 2:
+        return "*" + base[draw(st.integers(0, len(base))) :]
+    if form == 3:
+        k = draw(st.integers(0, max(0, len(base) - 1)))
+        return base[:k] + "?" + base[k + 1 :]
+    if form == 4:
+        return draw(st.sampled_from(["[a-m]*", "[!0-9]*", "[0-9]", "[0-9][0-9]*", "[!a]b", r"[\-_x]*", "[.a]*"]))
+    if form == 5:
+        return draw(st.sampled_from(["<0-15>", "<0-127>", "<10-99>", "<7-7>", "<0-0>", "<100-200>"]))
+    if form == 6:
+        return "**"
+    if form == 7:
+        return "{" + ",".join(draw(st.lists(st.sampled_from(SEGMENTS[:12]), min_size=1, max_size=3))) + "}"
+    if form == 8:
+        return draw(st.sampled_from(["{mlp,experts.<0-9>}", "{a,b.{x_y,mlp}}", "{a,{b,ab}*}", "{layers.*,gate}", "e{xperts,}"]))
+    if form == 9:
+        return "*"
+    if form == 10:
+        return base + "<0-9>"
+    return draw(st.sampled_from(["<1-12>*", "?*", "*_*", "{0,1}<0-9>", r"a\*b", r"a\*?"]))
+
+
+@st.composite
+def patterns(draw: st.DrawFn) -> str:
+    kind = draw(st.integers(0, 12))
+    if kind == 0:
+        return draw(st.sampled_from(["", "**", "re:layers\\.[0-9]+\\..*", "re:.*proj", "re:(a|b)(\\.x_y)?", "re:", "re:a*"]))
+    count = draw(st.integers(1, 4))
+    segments = [_segment_pattern(draw) for _ in range(count)]
+    # `**` twice in a row is allowed; glue is always a dot.
+    return ".".join(segments)
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(patterns(), min_size=1, max_size=6), st.lists(names, min_size=1, max_size=8))
+@example(["**.down_proj", "layers.**", "*", ""], ["down_proj", "layers", "", "a.down_proj"])
+@example(["layers.<0-127>.mlp", "e{xperts,}.*"], ["layers.007.mlp", "layers.127.mlp", "e.0", "experts.0"])
+def test_pattern_set_agrees_with_reference(pattern_list: list[str], name_list: list[str]) -> None:
+    ps = PatternSet(pattern_list)
+    expected = [[i for i, p in enumerate(pattern_list) if reference_match(p, n)] for n in name_list]
+    assert ps.match_many(name_list) == expected
+    assert [ps.match(n) for n in name_list] == expected
+
+
+def test_offline_index_matches_every_name() -> None:
+    ps = PatternSet(["layers.*.mlp", "lm_head"])
+    tree = ps.index_names(["", "layers.0.mlp", "lm_head", "layers.1.mlp"])
+    assert tree.matches() == [("layers.0.mlp", [0]), ("lm_head", [1]), ("layers.1.mlp", [0])]
+    assert tree.hit_counts(2) == [2, 1]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "position", "reason"),
+    [
+        ("layers.[0-9", 7, "unbalanced '['"),
+        ("layers.{a,b", 7, "unbalanced '{'"),
+        ("layers.<0-9", 7, "unbalanced '<'"),
+        ("layers.a}", 8, "unbalanced '}'"),
+        ("a.[]", 2, "empty character class"),
+        ("a.[!]", 2, "empty character class"),
+        ("a.<9-1>", 2, "reversed range"),
+        ("a.<x-1>", 3, "non-numeric"),
+        ("a.<1-y>", 5, "non-numeric"),
+        ("a.<5>", 2, "not of the form"),
+        ("a**.b", 1, "whole segment"),
+        ("a.**b", 2, "whole segment"),
+        ("a.{b,**}", 5, "not allowed inside braces"),
+        ("a..b", 2, "empty segment"),
+        (".a", 0, "empty segment"),
+        ("a.", 1, "empty segment"),
+        ("a\\", 1, "trailing"),
+        ("re:a(b", 4, "invalid regex"),
+        ("re:[z-a]", 4, "invalid regex"),
+        ("{a,b}" * 11, 50, "brace expansion exceeds"),
+    ],
+)
+def test_malformed_patterns_point_at_the_problem(pattern: str, position: int, reason: str) -> None:
+    with pytest.raises(PatternError) as info:
+        PatternSet(["fine.*", pattern])
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert (err.pattern, err.position) == (pattern, position)
+    assert reason in err.reason
+    text = str(err)
+    shown = pattern.replace("\\", "\\\\")
+    assert f'"{shown}"' in text
+    caret_column = text.splitlines()[-1].index("^") - 2
+    assert caret_column == len(pattern[:position].replace("\\", "\\\\"))
+
+
+def test_caret_sits_under_the_offending_character() -> None:
+    with pytest.raises(PatternError) as info:
+        PatternSet(["layers.*.mlp.{gate,up"])
+    lines = str(info.value).splitlines()
+    assert lines[1].strip() == "layers.*.mlp.{gate,up"
+    assert lines[2].index("^") == lines[1].index("{")
+
+
+@pytest.mark.parametrize("bad", ["a.b", b"a.b", None, 3, ["a", 3], [None]])
+def test_non_string_patterns_are_type_errors(bad: object) -> None:
+    with pytest.raises(TypeError):
+        PatternSet(bad)  # type: ignore[arg-type]
+
+
+def test_many_patterns_and_names() -> None:
+    patterns = [f"layers.{i}.mlp.experts.*.down_proj" for i in range(10_000)]
+    ps = PatternSet(patterns)
+    assert ps.match("layers.9999.mlp.experts.3.down_proj") == [9999]
+    names = [f"layers.{i % 100}.mlp.experts.{i}.down_proj" for i in range(1_000_000)]
+    few = PatternSet(["layers.<0-9>.**", "**.down_proj"])
+    result = few.match_many(names)
+    assert len(result) == 1_000_000
+    assert result[5] == [0, 1] and result[55] == [1]
+
+
+def test_non_ascii_names_and_patterns() -> None:
+    ps = PatternSet(["blöck.?", "[ü]*", "re:ñ+"])
+    assert ps.match("blöck.ü") == [0]
+    assert ps.match("üx") == [1]
+    assert ps.match("ñññ") == [2]
+    assert ps.match("blöck.üü") == []
+
+
+def test_unicode_word_boundaries_fall_back_but_still_match() -> None:
+    ps = PatternSet([r"re:.*\bproj", "a.*"])
+    assert ps.match("x.proj") == [0]
+    assert ps.match("xproj") == []
+    assert ps.match("a.b") == [1]

@@ -1,0 +1,95 @@
+"""The Rust tree walk (SPEC §4 walk rules) against torch's own named_modules()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference_matcher import reference_match
+from torch import nn
+
+from meshbind import PatternSet
+from meshbind.examples.moe_tree import DEEP_PLAN, build_moe_tree, moe_tree_fqns
+
+
+@pytest.fixture(scope="module")
+def moe() -> nn.Module:
+    return build_moe_tree(3, 6)
+
+
+def test_full_walk_visits_named_modules_in_order(moe: nn.Module) -> None:
+    tree = PatternSet([]).walk(moe, prune=False)
+    assert tree.complete
+    expected = [name for name, _ in moe.named_modules()]
+    assert tree.names() == expected == moe_tree_fqns(3, 6)
+    assert tree.module_names() == expected
+    assert tree.modules([0, 5]) == [moe, dict(moe.named_modules())[expected[5]]]
+
+
+def test_matches_agree_with_reference_pruned_or_not(moe: nn.Module) -> None:
+    patterns = [*DEEP_PLAN, "**.down_proj", "layers.<1-2>.**", "re:layers\\.0\\..*norm", "", "nothing.here"]
+    ps = PatternSet(patterns)
+    expected = [
+        (name, [i for i, p in enumerate(patterns) if reference_match(p, name)])
+        for name, _ in moe.named_modules()
+    ]
+    expected = [(n, hits) for n, hits in expected if hits]
+    assert ps.walk(moe, prune=False).matches() == expected
+    pruned = ps.walk(moe)
+    assert pruned.matches() == expected
+    assert not pruned.complete
+    assert pruned.hit_counts(len(patterns))[-1] == 0
+
+
+def test_aliases_of_shared_modules_are_candidates_keyed_by_first_fqn() -> None:
+    shared = nn.Linear(2, 2)
+    model = nn.ModuleDict({"a": nn.Sequential(shared), "b": nn.Sequential(shared)})
+    tree = PatternSet(["*.0"]).walk(model, prune=False)
+    assert tree.names() == ["", "a", "a.0", "b", "b.0"]
+    modules = tree.name_modules()
+    assert modules[2] == modules[4]
+    assert tree.module_names()[modules[4]] == "a.0"
+    assert tree.matches() == [("a.0", [0]), ("b.0", [0])]
+
+
+def test_cycles_are_reported_not_followed() -> None:
+    outer = nn.Sequential(nn.Linear(2, 2))
+    inner = nn.Sequential(nn.ReLU())
+    outer.append(inner)
+    inner.append(outer)
+    for prune in (True, False):
+        tree = PatternSet(["**"]).walk(outer, prune=prune)
+        assert tree.cycles() == [("1.1", "")]
+        assert "1.1" in tree.names()
+
+
+def test_none_children_are_skipped_like_named_modules() -> None:
+    model = nn.Module()
+    model.register_module("empty", None)
+    model.real = nn.ReLU()
+    assert PatternSet(["*"]).walk(model).names() == ["real"]
+
+
+@pytest.mark.parametrize("root", [None, 3, "model", torch.zeros(2)])
+def test_non_module_roots_are_type_errors(root: object) -> None:
+    with pytest.raises(TypeError, match="expected an nn.Module"):
+        PatternSet(["*"]).walk(root)
+
+
+def test_a_deep_tree_does_not_overflow() -> None:
+    root = node = nn.Sequential()
+    for _ in range(5000):
+        child = nn.Sequential()
+        node.append(child)
+        node = child
+    tree = PatternSet(["**.0"]).walk(root)
+    assert len(tree) == 5000
+
+
+def test_did_you_mean_names_the_nearest_fqns(moe: nn.Module) -> None:
+    tree = PatternSet([]).walk(moe, prune=False)
+    assert tree.nearest("layers.*.mlp.expertz.*.down_proj", 3) == [
+        "layers.0.mlp.experts.0.down_proj",
+        "layers.0.mlp.experts.1.down_proj",
+        "layers.0.mlp.experts.2.down_proj",
+    ]
+    assert tree.nearest("lm_haed", 1) == ["lm_head"]
