@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from reference_matcher import reference_match
-
 from meshbind import PatternError, PatternSet
+from reference_matcher import reference_match
 
 SEGMENTS = ["layers", "mlp", "experts", "0", "1", "7", "10", "12", "127", "128", "007", "down_proj",
             "gate", "a", "ab", "b", "x_y", "ü", "blöck", "-", "a*b"]

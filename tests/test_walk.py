@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_matcher import reference_match
-from torch import nn
-
 from meshbind import PatternSet
 from meshbind.examples.moe_tree import DEEP_PLAN, build_moe_tree, moe_tree_fqns
+from reference_matcher import reference_match
+from torch import nn
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +70,7 @@ def test_none_children_are_skipped_like_named_modules() -> None:
 
 @pytest.mark.parametrize("root", [None, 3, "model", torch.zeros(2)])
 def test_non_module_roots_are_type_errors(root: object) -> None:
-    with pytest.raises(TypeError, match="expected an nn.Module"):
+    with pytest.raises(TypeError, match=r"expected an nn\.Module"):
         PatternSet(["*"]).walk(root)
 
 

@@ -20,9 +20,9 @@ def _demo(args: argparse.Namespace) -> int:
     patterns = PatternSet(DEEP_PLAN)
     tree = patterns.walk(model)
     counts = tree.hit_counts(len(patterns))
-    unmatched = [p for p, c in zip(DEEP_PLAN, counts) if c == 0]
+    unmatched = [p for p, c in zip(DEEP_PLAN, counts, strict=False) if c == 0]
     elapsed = time.perf_counter() - started
-    rows = [{"pattern": p, "matches": c} for p, c in zip(DEEP_PLAN, counts)]
+    rows = [{"pattern": p, "matches": c} for p, c in zip(DEEP_PLAN, counts, strict=False)]
     if args.json:
         print(json.dumps({"modules_matched": len(tree), "seconds": elapsed, "patterns": rows}))
     else:
