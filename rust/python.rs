@@ -222,7 +222,7 @@ impl ModuleTree {
         self.index.hits.iter().copied().unzip()
     }
 
-    /// `{fqn: [pattern indices]}` for every matched FQN, in walk order.
+    /// `(fqn, [pattern indices])` for every matched FQN, in walk order.
     fn matches(&self) -> Vec<(&str, Vec<u32>)> {
         let mut out: Vec<(&str, Vec<u32>)> = Vec::new();
         let mut last = u32::MAX;
