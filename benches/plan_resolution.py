@@ -113,7 +113,7 @@ def meshbind_resolution(model: nn.Module, plan: tuple[str, ...]) -> int:
 
 def rust_walk_floor(model: nn.Module, plan: tuple[str, ...]) -> int:
     """A Rust walk over every module that matches nothing: the floor of any full walk."""
-    return 0 if PatternSet([]).walk(model, prune=False) is None else -1
+    return len(PatternSet([]).walk(model, prune=False))
 
 
 METHODS: dict[str, Callable[[nn.Module, tuple[str, ...]], int]] = {
