@@ -22,10 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshbind import PatternSet
-from meshbind.examples.moe_tree import DEEP_PLAN, build_moe_tree
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from meshbind import PatternSet
+from meshbind.examples.moe_tree import DEEP_PLAN, build_moe_tree
 
 PLANS: dict[str, tuple[str, ...]] = {
     "deep": DEEP_PLAN,
@@ -169,8 +170,9 @@ def run(sizes: list[tuple[int, int]], plans: list[str], repeat: int) -> list[Row
                     continue
                 if method in COUNTED:
                     counts[method] = matches
-                rows.append(Row(f"{layers}x{experts}", modules, plan_name, method, median,
-                                matches if method in COUNTED else None))
+                rows.append(
+                    Row(f"{layers}x{experts}", modules, plan_name, method, median, matches if method in COUNTED else None)
+                )
                 print(f"  {plan_name:<8} {method:<26} {median:9.4f} s", file=sys.stderr)
             # torch hands each selected module once; the others count FQNs (the same on this tree).
             if len(set(counts.values())) > 1:
@@ -181,23 +183,23 @@ def run(sizes: list[tuple[int, int]], plans: list[str], repeat: int) -> list[Row
 def print_table(rows: list[Row]) -> None:
     print(f"{'tree':<9} {'modules':>8} {'plan':<8} {'method':<26} {'median s':>10} {'matches':>8} {'x meshbind':>11}")
     for row in rows:
-        reference = next(r.median_s for r in rows
-                         if (r.tree, r.plan, r.method) == (row.tree, row.plan, "meshbind"))
+        reference = next(r.median_s for r in rows if (r.tree, r.plan, r.method) == (row.tree, row.plan, "meshbind"))
         if row.median_s is None:
             print(f"{row.tree:<9} {row.modules:>8} {row.plan:<8} {row.method:<26} {'n/a':>10}")
             continue
         ratio = row.median_s / reference if reference else float("nan")
         matches = "" if row.matches is None else row.matches
-        print(f"{row.tree:<9} {row.modules:>8} {row.plan:<8} {row.method:<26} {row.median_s:>10.4f} "
-              f"{matches:>8} {ratio:>10.2f}x")
+        print(f"{row.tree:<9} {row.modules:>8} {row.plan:<8} {row.method:<26} {row.median_s:>10.4f} {matches:>8} {ratio:>10.2f}x")
     for tree in dict.fromkeys(r.tree for r in rows):
         for plan in dict.fromkeys(r.plan for r in rows):
             group = {r.method: r.median_s for r in rows if (r.tree, r.plan) == (tree, plan)}
             best = min((group[m] for m in PYTHON_BASELINES if group.get(m) is not None), default=None)
             ours, floor = group.get("meshbind"), group.get("rust_walk_floor")
             if best and ours and floor:
-                print(f"{tree} {plan}: fastest Python baseline / meshbind = {best / ours:.1f}x; "
-                      f"meshbind / rust_walk_floor = {ours / floor:.2f}x")
+                print(
+                    f"{tree} {plan}: fastest Python baseline / meshbind = {best / ours:.1f}x; "
+                    f"meshbind / rust_walk_floor = {ours / floor:.2f}x"
+                )
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:

@@ -1,6 +1,7 @@
 //! meshbind's Rust core: the FQN pattern engine, the module-tree walk, bulk plan checks and
 //! diagnostics. `python.rs` is the only file that knows about Python.
 
+pub mod checks;
 pub mod matcher;
 pub mod pattern;
 pub mod names;

@@ -5,6 +5,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyType};
 
+use crate::checks::{check_placements, AxisTable, PlacementKind, PlacementRow};
 use crate::matcher::{BuildError, MatchError, PatternSet};
 use crate::suggest::nearest_names;
 use crate::walk::{index_names, walk_tree, TreeIndex, WalkError, WalkMode};
@@ -181,6 +182,17 @@ impl ModuleTree {
         self.index.module_first_name.iter().map(|&n| self.index.names.get(n as usize)).collect()
     }
 
+    /// The first FQN of each module at the given module indices.
+    fn module_fqns(&self, indices: Vec<u32>) -> PyResult<Vec<&str>> {
+        indices
+            .iter()
+            .map(|&i| match self.index.module_first_name.get(i as usize) {
+                Some(&name) => Ok(self.index.names.get(name as usize)),
+                None => Err(PyValueError::new_err(format!("no module with index {i}"))),
+            })
+            .collect()
+    }
+
     /// The module objects at the given module indices (empty for an offline index).
     fn modules(&self, py: Python<'_>, indices: Vec<u32>) -> PyResult<Vec<Py<PyAny>>> {
         indices
@@ -238,6 +250,13 @@ impl ModuleTree {
         out
     }
 
+    /// Which owner selects each module, where `pattern_owner[p]` owns pattern `p` (`None`: skip):
+    /// `(modules ascending, the owner of each one's first match, [(module, another owner)])`.
+    fn owners(&self, pattern_owner: Vec<Option<u32>>) -> (Vec<u32>, Vec<u32>, Vec<(u32, u32)>) {
+        let ownership = self.index.owners(&pattern_owner);
+        (ownership.modules, ownership.first, ownership.others)
+    }
+
     /// How many names each of `pattern_count` patterns matched.
     fn hit_counts(&self, pattern_count: usize) -> Vec<u32> {
         let mut counts = vec![0u32; pattern_count];
@@ -271,10 +290,77 @@ impl ModuleTree {
     }
 }
 
+/// SPEC §4 `layout` and §5 rule 5 over every planned module at once. Rows are parallel lists
+/// (module, label, axis, kind 0=Shard 1=Replicate 2=Partial, dim, parameter rank and shape[0] or
+/// None), in any order; `num_experts[m]` is set for `ep` modules. Returns
+/// `(module, code, message)` for every problem.
+#[pyfunction]
+#[pyo3(name = "check_placements")]
+#[allow(clippy::too_many_arguments)]
+fn py_check_placements(
+    axis_names: Vec<String>,
+    axis_sizes: Vec<Option<i64>>,
+    labels: Vec<String>,
+    label_is_param: Vec<bool>,
+    row_module: Vec<u32>,
+    row_label: Vec<u32>,
+    row_axis: Vec<u32>,
+    row_kind: Vec<u8>,
+    row_dim: Vec<i64>,
+    row_rank: Vec<Option<i64>>,
+    row_first_dim: Vec<Option<i64>>,
+    num_experts: Vec<Option<i64>>,
+) -> PyResult<Vec<(u32, &'static str, String)>> {
+    let rows_len = row_module.len();
+    if axis_sizes.len() != axis_names.len() || label_is_param.len() != labels.len() {
+        return Err(PyValueError::new_err("axis_sizes and label_is_param must be as long as their name lists"));
+    }
+    if [row_label.len(), row_axis.len(), row_kind.len(), row_dim.len(), row_rank.len(), row_first_dim.len()].iter().any(|&n| n != rows_len) {
+        return Err(PyValueError::new_err("every row list must have the same length"));
+    }
+    if let Some(m) = row_module.iter().find(|&&m| m as usize >= num_experts.len()) {
+        return Err(PyValueError::new_err(format!("row module {m} is not below len(num_experts)")));
+    }
+    let mut rows = Vec::with_capacity(rows_len);
+    for i in 0..rows_len {
+        let kind = match row_kind[i] {
+            0 => PlacementKind::Shard,
+            1 => PlacementKind::Replicate,
+            2 => PlacementKind::Partial,
+            other => return Err(PyValueError::new_err(format!("row {i}: unknown placement kind {other}"))),
+        };
+        let (label, axis) = (row_label[i], row_axis[i]);
+        let is_param = label_is_param
+            .get(label as usize)
+            .copied()
+            .ok_or_else(|| PyValueError::new_err(format!("row {i}: no label {label}")))?;
+        if axis as usize >= axis_names.len() {
+            return Err(PyValueError::new_err(format!("row {i}: no axis {axis}")));
+        }
+        rows.push(PlacementRow {
+            module: row_module[i],
+            label,
+            axis,
+            kind,
+            dim: row_dim[i],
+            rank: row_rank[i],
+            first_dim: row_first_dim[i],
+            is_param,
+        });
+    }
+    let ep = axis_names.iter().position(|n| n == "ep").map(|p| p as u32);
+    let axes = AxisTable { names: &axis_names, sizes: &axis_sizes, ep };
+    Ok(check_placements(&axes, &labels, &rows, &num_experts)
+        .into_iter()
+        .map(|p| (p.module, p.code.as_str(), p.message))
+        .collect())
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PatternError", m.py().get_type::<PatternError>())?;
     m.add_class::<PyPatternSet>()?;
     m.add_class::<ModuleTree>()?;
+    m.add_function(wrap_pyfunction!(py_check_placements, m)?)?;
     Ok(())
 }

@@ -169,12 +169,7 @@ def _match(els: list[Element], i: int, name: str, j: int) -> bool:
     if e.kind == "any":
         return j < len(name) and name[j] != "." and _match(els, i + 1, name, j + 1)
     if e.kind == "class":
-        return (
-            j < len(name)
-            and name[j] != "."
-            and _in_class(e.text, name[j]) != e.negated
-            and _match(els, i + 1, name, j + 1)
-        )
+        return j < len(name) and name[j] != "." and _in_class(e.text, name[j]) != e.negated and _match(els, i + 1, name, j + 1)
     if e.kind == "star":
         m = j
         while True:

@@ -5,11 +5,34 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+
 from meshbind import PatternError, PatternSet
+
 from reference_matcher import reference_match
 
-SEGMENTS = ["layers", "mlp", "experts", "0", "1", "7", "10", "12", "127", "128", "007", "down_proj",
-            "gate", "a", "ab", "b", "x_y", "ü", "blöck", "-", "a*b"]
+SEGMENTS = [
+    "layers",
+    "mlp",
+    "experts",
+    "0",
+    "1",
+    "7",
+    "10",
+    "12",
+    "127",
+    "128",
+    "007",
+    "down_proj",
+    "gate",
+    "a",
+    "ab",
+    "b",
+    "x_y",
+    "ü",
+    "blöck",
+    "-",
+    "a*b",
+]
 
 names = st.one_of(
     st.just(""),

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from meshbind import PatternSet
 from meshbind.examples.moe_tree import DEEP_PLAN, build_moe_tree, moe_tree_fqns
+
 from reference_matcher import reference_match
-from torch import nn
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +29,7 @@ def test_full_walk_visits_named_modules_in_order(moe: nn.Module) -> None:
 def test_matches_agree_with_reference_pruned_or_not(moe: nn.Module) -> None:
     patterns = [*DEEP_PLAN, "**.down_proj", "layers.<1-2>.**", "re:layers\\.0\\..*norm", "", "nothing.here"]
     ps = PatternSet(patterns)
-    expected = [
-        (name, [i for i, p in enumerate(patterns) if reference_match(p, name)])
-        for name, _ in moe.named_modules()
-    ]
+    expected = [(name, [i for i, p in enumerate(patterns) if reference_match(p, name)]) for name, _ in moe.named_modules()]
     expected = [(n, hits) for n, hits in expected if hits]
     assert ps.walk(moe, prune=False).matches() == expected
     pruned = ps.walk(moe)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
-from meshbind import PatternSet
+import torch
+
+from meshbind import LayoutContext, NativeParallelBindingRequest, PatternSet, PlanError, resolve_plan
 from meshbind.examples.moe_tree import DEEP_PLAN, build_moe_tree
 
 
@@ -36,6 +40,65 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
+    factory = _load(args.model_factory, "MODEL_FACTORY")
+    if not callable(factory):
+        raise _UsageError(f"MODEL_FACTORY {args.model_factory} is not callable")
+    plan_object = _load(args.plan, "PLAN")
+    requests = plan_object() if callable(plan_object) else plan_object
+    if isinstance(requests, NativeParallelBindingRequest):
+        requests = (requests,)
+    if isinstance(requests, str) or not all(isinstance(r, NativeParallelBindingRequest) for r in requests):
+        raise _UsageError(f"PLAN {args.plan} must be, or return, a sequence of NativeParallelBindingRequest")
+    context = LayoutContext(dict(args.axis))
+    print(f"building {args.model_factory} on meta ...", file=sys.stderr)
+    with torch.device("meta"):
+        model = factory()
+    started = time.perf_counter()
+    try:
+        plan = resolve_plan(model, requests, context)
+    except PlanError as error:
+        if args.json:
+            problems = [{"code": p.code, "fqn": p.fqn, "request": p.request, "message": p.message} for p in error.problems]
+            print(json.dumps({"ok": False, "problems": problems, "plan": None}))
+        print(str(error), file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - started
+    if args.json:
+        print(json.dumps({"ok": True, "problems": [], "plan": plan.to_dict(), "seconds": elapsed}))
+    else:
+        print(plan.explain())
+        print(f"resolved and validated in {elapsed * 1e3:.1f} ms", file=sys.stderr)
+    return 0
+
+
+class _UsageError(Exception):
+    """A bad command line: one line on stderr, exit status 2."""
+
+
+def _load(reference: str, what: str) -> Any:
+    """``package.module:attribute`` → the attribute."""
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute:
+        raise _UsageError(f"{what} must be written module:attribute, got {reference!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise _UsageError(f"{what} {reference}: cannot import {module_name!r}: {error}") from error
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise _UsageError(f"{what} {reference}: module {module_name!r} has no attribute {attribute!r}") from None
+
+
+def _axis(text: str) -> tuple[str, int]:
+    name, _, size = text.partition("=")
+    if not name or not size.isdigit() or int(size) < 1:
+        raise argparse.ArgumentTypeError(f"an axis is NAME=SIZE with a positive size, got {text!r}")
+    return name, int(size)
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -51,12 +114,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--experts", type=_positive, default=64)
     demo.add_argument("--json", action="store_true", help="one JSON object on stdout")
     demo.set_defaults(run=_demo)
+    check = commands.add_parser("check", help="offline pre-flight of a plan against a model built on meta")
+    check.add_argument("model_factory", metavar="MODEL_FACTORY", help="module:function returning the nn.Module")
+    check.add_argument("plan", metavar="PLAN", help="module:attribute, a sequence of requests or a function returning one")
+    check.add_argument("--axis", type=_axis, action="append", default=[], metavar="NAME=SIZE", help="a mesh axis (repeatable)")
+    check.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    check.set_defaults(run=_check)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    result: int = args.run(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result: int = args.run(args)
+    except (_UsageError, ValueError, TypeError) as error:
+        print(f"meshbind {args.command}: {error}", file=sys.stderr)
+        return 2
     return result
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
+
+from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
 
 HIDDEN = 8
 INTERMEDIATE = 4
@@ -94,3 +97,19 @@ DEEP_PLAN: tuple[str, ...] = (
     "embed_tokens",
 )
 """The per-expert projections, the attention projections, the router and the two ends."""
+
+
+def small_moe_tree() -> MoeForCausalLM:
+    """A 4 x 8 tree: the default model of ``meshbind check`` examples."""
+    return MoeForCausalLM(4, 8)
+
+
+def deep_plan_requests() -> tuple[NativeParallelBindingRequest, ...]:
+    """``DEEP_PLAN`` as requests: every projection a ``linear`` module with a replicated weight."""
+    spec = ParallelModuleSpec("linear", stages={"forward": ("input",)})
+    replicated = ModuleShardingSpec(params={"weight": {"tp": Replicate()}})
+
+    def sharding(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        return replicated
+
+    return tuple(NativeParallelBindingRequest((pattern,), spec, sharding) for pattern in DEEP_PLAN)

@@ -1,0 +1,391 @@
+"""Plan resolution (SPEC §4): one walk, every problem collected, one ``PlanError``.
+
+Requests and override patterns are compiled into one ``PatternSet`` and matched in a single full
+walk of the tree (Rust), which also reports every class met, so family modules are found without
+a second pass. Then, in tree order: ownership (``conflict``), nesting (``nested``), layouts from the
+providers with overrides merged (``layout``), and the §5 checks of ``ValidationBatch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from torch import nn
+
+from meshbind._core import ModuleTree, PatternSet
+from meshbind.family import family_spec, record_family_layout
+from meshbind.specs import (
+    SHARDING_FIELDS,
+    LayoutContext,
+    ModuleShardingSpec,
+    NativeParallelBindingRequest,
+    ParallelModuleSpec,
+)
+from meshbind.validation import ValidationBatch
+
+_FAMILY = -1
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """One problem: its code (SPEC §4), the FQN it concerns (``None`` for a pattern), the request, why."""
+
+    code: str
+    fqn: str | None
+    request: str | None
+    message: str
+
+    def line(self) -> str:
+        where = "(pattern)" if self.fqn is None else repr(self.fqn)
+        source = f" [{self.request}]" if self.request else ""
+        return f"{self.code:<9} {where}: {self.message}{source}"
+
+
+class PlanError(ValueError):
+    """Every problem of a plan, sorted by FQN; ``problems`` holds them as ``PlanProblem``."""
+
+    def __init__(self, problems: Sequence[PlanProblem]) -> None:
+        self.problems = tuple(sorted(problems, key=lambda p: (p.fqn is not None, p.fqn or "", p.code)))
+        count = len(self.problems)
+        lines = "\n".join("  " + p.line() for p in self.problems)
+        super().__init__(f"the plan has {count} problem{'s' if count != 1 else ''}:\n{lines}")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A resolved, validated plan: immutable, in tree order."""
+
+    parallel_modules: Mapping[str, ParallelModuleSpec]
+    sharding: Mapping[str, ModuleShardingSpec]
+    context: LayoutContext
+    sources: Mapping[str, str]
+    """Which request (``requests[i]``) or family class put each module in the plan."""
+
+    def explain(self) -> str:
+        """A table: FQN, protocol, binding kind, source and parameter placements."""
+        header = ("FQN", "protocol", "kind", "source", "params")
+        rows = [
+            (
+                fqn or "<root>",
+                f"{spec.protocol} v{spec.version}",
+                spec.binding_kind,
+                self.sources[fqn],
+                ", ".join(
+                    f"{path}=" + "/".join(f"{axis}:{p}" for axis, p in named.items())
+                    for path, named in self.sharding[fqn].params.items()
+                )
+                or "-",
+            )
+            for fqn, spec in self.parallel_modules.items()
+        ]
+        widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows]]
+        axes = ", ".join(f"{axis}={size}" for axis, size in self.context.axis_sizes.items())
+        lines.append(f"{len(rows)} planned module{'s' if len(rows) != 1 else ''}; layout {axes or '(no axes)'}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the context and every planned module with its spec and sharding."""
+        return {
+            "context": dict(self.context.axis_sizes),
+            "modules": [
+                {
+                    "fqn": fqn,
+                    "protocol": spec.protocol,
+                    "version": spec.version,
+                    "binding_kind": spec.binding_kind,
+                    "source": self.sources[fqn],
+                    "sharding": self.sharding[fqn].to_dict(),
+                }
+                for fqn, spec in self.parallel_modules.items()
+            ],
+        }
+
+
+def resolve_plan(
+    model: nn.Module | Sequence[str],
+    requests: Sequence[NativeParallelBindingRequest],
+    context: LayoutContext,
+    *,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    param_shapes: Mapping[str, Sequence[int]] | None = None,
+) -> ParallelPlan:
+    """Resolve and validate a plan over a module tree or, offline, a sequence of FQNs.
+
+    ``overrides`` maps a pattern to sharding fields (``{"params": ...}``) that replace the
+    provider's fields on every planned module it selects, in the mapping's order. Offline,
+    ``param_shapes`` (``{"layers.0.mlp.w1": (8, 16, 32)}``) enables the shape checks, the providers
+    receive ``module=None``, and the class-level rules and ``validate`` (which need a module) do
+    not run. Raises ``PlanError`` listing every problem.
+    """
+    requests = _checked_requests(requests)
+    if not isinstance(context, LayoutContext):
+        raise TypeError(f"context must be a LayoutContext, got {type(context).__name__}")
+    override_items = _checked_overrides(overrides)
+    patterns = [pattern for request in requests for pattern in request.match]
+    owners = [index for index, request in enumerate(requests) for _ in request.match]
+    patterns += [pattern for pattern, _ in override_items]
+    owners += [-1 - index for index in range(len(override_items))]
+    pattern_set = PatternSet(patterns)
+    tree, offline = _index(pattern_set, model)
+    return _Resolution(requests, context, override_items, param_shapes, tree, offline, patterns, owners).run()
+
+
+def _checked_requests(requests: object) -> list[NativeParallelBindingRequest]:
+    if isinstance(requests, (str, NativeParallelBindingRequest)) or not isinstance(requests, Sequence):
+        raise TypeError(f"requests must be a sequence of NativeParallelBindingRequest, got {type(requests).__name__}")
+    for index, request in enumerate(requests):
+        if not isinstance(request, NativeParallelBindingRequest):
+            raise TypeError(f"requests[{index}] must be a NativeParallelBindingRequest, got {type(request).__name__}")
+    return list(requests)
+
+
+def _checked_overrides(overrides: object) -> list[tuple[str, Mapping[str, Any]]]:
+    if overrides is None:
+        return []
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"overrides must map patterns to sharding fields, got {type(overrides).__name__}")
+    for pattern, fields in overrides.items():
+        if not isinstance(pattern, str) or not isinstance(fields, Mapping):
+            raise TypeError(f"overrides[{pattern!r}] must map a pattern str to a mapping of sharding fields")
+    return list(overrides.items())
+
+
+def _index(pattern_set: PatternSet, model: object) -> tuple[ModuleTree, bool]:
+    if isinstance(model, nn.Module):
+        return pattern_set.walk(model, prune=False), False
+    if isinstance(model, str) or not isinstance(model, Sequence):
+        raise TypeError(f"model must be an nn.Module or a sequence of FQNs, got {type(model).__name__}")
+    names = list(model)
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        duplicate = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+        raise ValueError(f"the FQN list names {duplicate!r} more than once")
+    return pattern_set.index_names(names), True
+
+
+class _Resolution:
+    """One resolve_plan call; ``run`` reads top to bottom as the SPEC §4 steps."""
+
+    def __init__(
+        self,
+        requests: list[NativeParallelBindingRequest],
+        context: LayoutContext,
+        overrides: list[tuple[str, Mapping[str, Any]]],
+        param_shapes: Mapping[str, Sequence[int]] | None,
+        tree: ModuleTree,
+        offline: bool,
+        patterns: list[str],
+        owners: list[int],
+    ) -> None:
+        self.requests = requests
+        self.context = context
+        self.overrides = overrides
+        self.param_shapes = param_shapes
+        self.tree = tree
+        self.offline = offline
+        self.patterns = patterns
+        self.owners = owners
+        self.problems: list[PlanProblem] = []
+        self.family_specs: dict[int, ParallelModuleSpec] = {}
+        self.classes: list[type] = [] if offline else tree.classes()
+        self.module_classes: list[int] = [] if offline else tree.module_classes()
+
+    def run(self) -> ParallelPlan:
+        self._report_cycles()
+        owner, override_hits = self._assign_requests()
+        self._join_families(owner)
+        planned = sorted(owner)
+        fqns = self.tree.module_fqns(planned)
+        modules: list[nn.Module | None] = [None] * len(planned) if self.offline else self.tree.modules(planned)  # type: ignore[assignment]
+        request_specs = [request.parallel for request in self.requests]
+        specs = [request_specs[owner[m]] if owner[m] != _FAMILY else self.family_specs[self.module_classes[m]] for m in planned]
+        self._report_unmatched(owner, override_hits)
+        self._report_nested(fqns, specs)
+        shardings = self._shardings(planned, owner, modules, fqns, override_hits)
+        rows = [row for row, sharding in enumerate(shardings) if sharding is not None]
+        if len(rows) < len(planned):
+            planned, modules, fqns, specs = ([values[row] for row in rows] for values in (planned, modules, fqns, specs))  # type: ignore[assignment]
+            shardings = [shardings[row] for row in rows]
+        sources = self._sources(planned, owner)
+        batch = ValidationBatch(self.context, self.param_shapes if self.offline else None)
+        for row, code, message in batch.check(modules, fqns, specs, shardings):  # type: ignore[arg-type]
+            self.problems.append(PlanProblem(code, fqns[row], sources[row], message))
+        if self.problems:
+            raise PlanError(self.problems)
+        plan = ParallelPlan(
+            parallel_modules=MappingProxyType(dict(zip(fqns, specs, strict=True))),
+            sharding=MappingProxyType(dict(zip(fqns, shardings, strict=True))),  # type: ignore[arg-type]
+            context=self.context,
+            sources=MappingProxyType(dict(zip(fqns, sources, strict=True))),
+        )
+        self._record_families(planned, modules, fqns, specs, shardings)
+        return plan
+
+    def _report_cycles(self) -> None:
+        for alias, ancestor in self.tree.cycles():
+            message = f"this FQN names its own ancestor {ancestor!r}: the module tree has a cycle of shared modules"
+            self.problems.append(PlanProblem("layout", alias, None, message))
+
+    def _assign_requests(self) -> tuple[dict[int, int], dict[int, list[int]]]:
+        """Module → owning request, and module → override indices; conflicts are reported."""
+        request_of = [owner if owner >= 0 else None for owner in self.owners]
+        modules, first, others = self.tree.owners(request_of)
+        owner = dict(zip(modules, first, strict=True))
+        conflicts = sorted({(m, owner[m], r) for m, r in others if self.requests[owner[m]].parallel != self.requests[r].parallel})
+        for module, first_request, second in conflicts:
+            if module not in owner:
+                continue
+            fqn = self.tree.module_fqns([module])[0]
+            a, b = self.requests[first_request].parallel, self.requests[second].parallel
+            message = (
+                f"selected by requests[{first_request}] ({a.describe()}) and requests[{second}] ({b.describe()}) "
+                "with different specs"
+            )
+            self.problems.append(PlanProblem("conflict", fqn, f"requests[{first_request}], requests[{second}]", message))
+            del owner[module]
+        override_hits: dict[int, list[int]] = {}
+        if self.overrides:
+            override_of = [-1 - owner if owner < 0 else None for owner in self.owners]
+            modules, first, others = self.tree.owners(override_of)
+            override_hits = {module: [index] for module, index in zip(modules, first, strict=True)}
+            for module, index in others:
+                override_hits[module].append(index)
+            for hits in override_hits.values():
+                hits.sort()
+        return owner, override_hits
+
+    def _join_families(self, owner: dict[int, int]) -> None:
+        """Family members join the plan; a request giving one a different spec is a conflict."""
+        for index, cls in enumerate(self.classes):
+            spec = family_spec(cls)
+            if spec is None:
+                continue
+            if not isinstance(spec, ParallelModuleSpec):
+                message = f"{cls.__qualname__}.parallel_spec must be a ParallelModuleSpec, got {type(spec).__name__}"
+                self.problems.append(PlanProblem("binding", None, f"family {cls.__qualname__}", message))
+                continue
+            self.family_specs[index] = spec
+        if not self.family_specs:
+            return
+        for module in self.tree.modules_of_classes(list(self.family_specs)):
+            spec = self.family_specs[self.module_classes[module]]
+            request = owner.get(module)
+            if request is None:
+                owner[module] = _FAMILY
+            elif self.requests[request].parallel != spec:
+                cls = self.classes[self.module_classes[module]]
+                message = (
+                    f"requests[{request}] gives it {self.requests[request].parallel.describe()}, "
+                    f"but its class {cls.__qualname__} owns {spec.describe()}"
+                )
+                fqn = self.tree.module_fqns([module])[0]
+                self.problems.append(PlanProblem("conflict", fqn, f"requests[{request}], family {cls.__qualname__}", message))
+                del owner[module]
+
+    def _sources(self, planned: list[int], owner: dict[int, int]) -> list[str]:
+        labels = [f"requests[{index}]" for index in range(len(self.requests))]
+        return [labels[owner[m]] if owner[m] != _FAMILY else self._source(_FAMILY, m) for m in planned]
+
+    def _source(self, request: int, module: int) -> str:
+        if request == _FAMILY:
+            return f"family {self.classes[self.module_classes[module]].__qualname__}"
+        return f"requests[{request}]"
+
+    def _report_unmatched(self, owner: dict[int, int], override_hits: dict[int, list[int]]) -> None:
+        counts = self.tree.hit_counts(len(self.patterns))
+        overrides_used = {o for module, hits in override_hits.items() if module in owner for o in hits}
+        for index, (pattern, request) in enumerate(zip(self.patterns, self.owners, strict=True)):
+            if request >= 0 and counts[index] == 0:
+                source = f"requests[{request}]"
+            elif request < 0 and -1 - request not in overrides_used:
+                source = f"overrides[{pattern!r}]"
+            else:
+                continue
+            nearest = self.tree.nearest(pattern, 3)
+            hint = f"; did you mean {', '.join(repr(n) for n in nearest)}?" if nearest else ""
+            what = "any module" if request >= 0 else "any planned module"
+            self.problems.append(PlanProblem("unmatched", None, source, f"pattern {pattern!r} does not select {what}{hint}"))
+
+    def _report_nested(self, fqns: list[str], specs: list[ParallelModuleSpec]) -> None:
+        """Tree order is preorder, so each kind's open ancestors form a stack."""
+        open_by_kind: dict[str, list[str]] = {}
+        for fqn, spec in zip(fqns, specs, strict=True):
+            if spec.binding_kind == "none":
+                continue
+            stack = open_by_kind.setdefault(spec.binding_kind, [])
+            while stack and not (stack[-1] == "" or fqn.startswith(stack[-1] + ".")):
+                stack.pop()
+            if stack:
+                message = f"a {spec.binding_kind!r} module inside the {spec.binding_kind!r} module {stack[-1]!r}"
+                self.problems.append(PlanProblem("nested", fqn, None, message))
+            stack.append(fqn)
+
+    def _shardings(
+        self,
+        planned: list[int],
+        owner: dict[int, int],
+        modules: list[nn.Module | None],
+        fqns: list[str],
+        override_hits: dict[int, list[int]],
+    ) -> list[ModuleShardingSpec | None]:
+        """Every planned module's layout from its provider, overrides merged; ``None`` after a problem."""
+        context = self.context
+        providers = [request.sharding for request in self.requests]
+        shardings: list[ModuleShardingSpec | None] = []
+        for module_index, module, fqn in zip(planned, modules, fqns, strict=True):
+            request = owner[module_index]
+            try:
+                if request == _FAMILY:
+                    sharding = module.parallel_sharding(fqn, context)  # type: ignore[union-attr,operator]
+                else:
+                    sharding = providers[request](module, fqn, context)
+            except Exception as error:
+                self._layout_problem(fqn, request, module_index, f"the layout provider raised {type(error).__name__}: {error}")
+                shardings.append(None)
+                continue
+            if type(sharding) is not ModuleShardingSpec and not isinstance(sharding, ModuleShardingSpec):
+                message = f"the layout provider returned {type(sharding).__name__}, not a ModuleShardingSpec"
+                self._layout_problem(fqn, request, module_index, message)
+                shardings.append(None)
+                continue
+            if module_index in override_hits:
+                sharding = self._override(sharding, fqn, override_hits[module_index])
+            shardings.append(sharding)
+        return shardings
+
+    def _layout_problem(self, fqn: str, request: int, module: int, message: str) -> None:
+        self.problems.append(PlanProblem("layout", fqn, self._source(request, module), message))
+
+    def _override(self, sharding: ModuleShardingSpec, fqn: str, overrides: Sequence[int]) -> ModuleShardingSpec | None:
+        """Merge the overrides in order: a field an override sets wins, the others stay derived."""
+        for override in overrides:
+            pattern, fields = self.overrides[override]
+            unknown = sorted(set(fields) - set(SHARDING_FIELDS))
+            try:
+                if unknown:
+                    raise ValueError(f"unknown sharding fields {unknown} (an override may set {list(SHARDING_FIELDS)})")
+                sharding = dataclasses.replace(sharding, **fields)
+            except (TypeError, ValueError) as error:
+                self.problems.append(PlanProblem("layout", fqn, f"overrides[{pattern!r}]", f"the override failed: {error}"))
+                return None
+        return sharding
+
+    def _record_families(
+        self,
+        planned: list[int],
+        modules: list[nn.Module | None],
+        fqns: list[str],
+        specs: list[ParallelModuleSpec],
+        shardings: list[ModuleShardingSpec | None],
+    ) -> None:
+        if not self.family_specs:
+            return
+        for row, module_index in enumerate(planned):
+            module, sharding = modules[row], shardings[row]
+            if module is not None and sharding is not None and self.module_classes[module_index] in self.family_specs:
+                record_family_layout(module, fqns[row], specs[row], sharding)

@@ -1,0 +1,362 @@
+"""Per-module validation (SPEC §5) and the placement checks of SPEC §4 ``layout``.
+
+``ValidationBatch`` checks many modules together: class-level rules once per (class, spec), the
+sharding rules once per sharding object, the placement arithmetic for all modules in one Rust call,
+and each spec's own ``validate`` last. ``validate_parallel_module`` is a batch of one.
+
+Per module the §5 rules run in order and the first failure is the module's problem; ``layout``
+problems (an axis the context lacks, ``Shard(d)`` beyond a parameter's rank, a parameter the module
+lacks) are reported beside it, every one of them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, is_
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from meshbind import _core
+from meshbind.specs import LayoutContext, ModuleShardingSpec, ParallelModuleSpec
+
+Failure = tuple[str, str]
+"""``(code, message)``."""
+
+_SHARD, _REPLICATE, _PARTIAL = 0, 1, 2
+_PARAMETERS = attrgetter("_parameters")
+_NDIM = attrgetter("ndim")
+
+
+def _bound_signature(cls: type, name: str) -> inspect.Signature:
+    """The signature of ``cls.name`` as called on an instance (``self`` already bound)."""
+    static = inspect.getattr_static(cls, name)
+    signature = inspect.signature(getattr(cls, name))
+    if inspect.isfunction(static):
+        parameters = list(signature.parameters.values())
+        if not parameters or parameters[0].kind not in (parameters[0].POSITIONAL_ONLY, parameters[0].POSITIONAL_OR_KEYWORD):
+            raise TypeError("it takes no self argument")
+        signature = signature.replace(parameters=parameters[1:])
+    return signature
+
+
+def class_failure(cls: type, spec: ParallelModuleSpec) -> Failure | None:
+    """SPEC §5 rules 1 and 2, which depend only on the class and the spec."""
+    for stage, keywords in spec.stages.items():
+        try:
+            static = inspect.getattr_static(cls, stage)
+        except AttributeError:
+            return "stage", f"stage {stage!r} is not defined on class {cls.__qualname__} (an instance attribute does not count)"
+        if not callable(static) and not isinstance(static, (staticmethod, classmethod)):
+            return "stage", f"stage {stage!r} of class {cls.__qualname__} is not callable"
+        try:
+            _bound_signature(cls, stage).bind_partial(**dict.fromkeys(keywords))
+        except (TypeError, ValueError) as error:
+            return "stage", f"stage {cls.__qualname__}.{stage} does not accept the keywords {list(keywords)}: {error}"
+    if spec.binding_kind != "none":
+        try:
+            static = inspect.getattr_static(cls, "bind_parallel")
+        except AttributeError:
+            return (
+                "binding",
+                f"binding kind {spec.binding_kind!r} needs {cls.__qualname__}.bind_parallel(binding), which is not defined",
+            )
+        try:
+            if not callable(static):
+                raise TypeError("it is not callable")
+            _bound_signature(cls, "bind_parallel").bind(None)
+        except (TypeError, ValueError) as error:
+            return "binding", f"{cls.__qualname__}.bind_parallel must accept one positional argument (the binding): {error}"
+    return None
+
+
+def sharding_failure(sharding: ModuleShardingSpec) -> Failure | None:
+    """SPEC §5 rules 3 and 4, which depend only on the sharding."""
+    if sharding.expert_stack is not None:
+        return (
+            "expert",
+            f"the sharding still stacks {sharding.expert_stack} per-expert modules; "
+            "a stage module owns fused [E, ...] parameters",
+        )
+    if dict(sharding.in_src) != dict(sharding.in_dst):
+        return (
+            "stage",
+            f"in_src {_named(sharding.in_src)} differs from in_dst {_named(sharding.in_dst)}: "
+            "the module must receive its computation layout directly",
+        )
+    if sharding.out_dst is not None and dict(sharding.out_src) != dict(sharding.out_dst):
+        return (
+            "stage",
+            f"out_src {_named(sharding.out_src)} differs from out_dst {_named(sharding.out_dst)}: "
+            "the module must restore its own output layout",
+        )
+    return None
+
+
+def _named(placements: Mapping[str, Placement]) -> str:
+    return "{" + ", ".join(f"{axis}: {p}" for axis, p in placements.items()) + "}"
+
+
+def _placement_kind(placement: Placement) -> tuple[int, int] | None:
+    if isinstance(placement, Shard):
+        return _SHARD, placement.dim
+    if isinstance(placement, Replicate):
+        return _REPLICATE, 0
+    if isinstance(placement, Partial):
+        return _PARTIAL, 0
+    return None
+
+
+@dataclass(frozen=True)
+class _ShardingTemplate:
+    """A sharding flattened once: its §5 failure, and its rows without the module's shapes."""
+
+    sharding: ModuleShardingSpec
+    failure: Failure | None
+    rows: tuple[tuple[int, int, int, int, str | None], ...]
+    """``(label, axis, kind, dim, parameter path or None)``."""
+    problems: tuple[str, ...]
+
+
+class ValidationBatch:
+    """Checks many planned modules together (see the module docstring)."""
+
+    def __init__(self, context: LayoutContext, param_shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+        self.context = context
+        self.param_shapes = param_shapes
+        self._axis_ids: dict[str, int] = {}
+        self._label_ids: dict[str, int] = {}
+        self._label_is_param: list[bool] = []
+
+    def check(
+        self,
+        modules: Sequence[nn.Module | None],
+        fqns: Sequence[str],
+        specs: Sequence[ParallelModuleSpec],
+        shardings: Sequence[ModuleShardingSpec],
+    ) -> list[tuple[int, str, str]]:
+        """Every problem as ``(index, code, message)``: each module's ``layout`` problems, then its
+        first §5 failure (``validate`` runs last, only for modules with no other problem).
+
+        Modules are ``None`` offline: the class rules and ``validate`` then do not run.
+        """
+        count = len(fqns)
+        failures: list[Failure | None] = [None] * count
+        layout: dict[int, list[str]] = {}
+        self._class_failures(modules, specs, failures)
+        num_experts = self._expert_counts(specs, failures)
+        columns: _Rows = ([], [], [], [], [], [], [])
+        for template, rows in self._group_by_sharding(shardings):
+            if template.failure or template.problems:
+                for row in rows:
+                    failures[row] = failures[row] or template.failure
+                    layout.setdefault(row, []).extend(template.problems)
+            self._add_rows(template, rows, modules, fqns, columns, layout)
+        # Every axis of the context too, so messages can list them and rule 5 finds 'ep'.
+        axis_names = list(self._axis_ids) + [axis for axis in self.context.axis_sizes if axis not in self._axis_ids]
+        checked = _core.check_placements(
+            axis_names,
+            [self.context.axis_sizes.get(name) for name in axis_names],
+            list(self._label_ids),
+            self._label_is_param,
+            *columns,
+            num_experts,
+        )
+        for row, code, message in checked:
+            if code == "layout":
+                layout.setdefault(row, []).append(message)
+            elif failures[row] is None:
+                failures[row] = (code, message)
+        self._run_validators(modules, specs, shardings, failures, layout)
+        problems = [(row, "layout", message) for row, messages in sorted(layout.items()) for message in messages]
+        problems += [(row, failure[0], failure[1]) for row, failure in enumerate(failures) if failure is not None]
+        return problems
+
+    def _group_by_sharding(self, shardings: Sequence[ModuleShardingSpec]) -> list[tuple[_ShardingTemplate, list[int]]]:
+        """The distinct sharding objects (providers often return shared ones), each flattened once."""
+        identities = list(map(id, shardings))
+        distinct = dict(zip(identities, shardings, strict=True))
+        if len(distinct) == 1:
+            return [(self._flatten(shardings[0]), list(range(len(shardings))))]
+        groups: dict[int, list[int]] = {identity: [] for identity in distinct}
+        for row, identity in enumerate(identities):
+            groups[identity].append(row)
+        return [(self._flatten(distinct[identity]), rows) for identity, rows in groups.items()]
+
+    @staticmethod
+    def _class_failures(
+        modules: Sequence[nn.Module | None], specs: Sequence[ParallelModuleSpec], failures: list[Failure | None]
+    ) -> None:
+        """Rules 1 and 2 once per (class, spec): 50k instances of 5 classes inspect 5 signatures."""
+        if not modules or modules[0] is None:
+            return
+        spec_of = dict(zip(map(id, specs), specs, strict=True))
+        pairs = set(zip(map(type, modules), map(id, specs), strict=True))
+        failing = {key: failure for key in pairs if (failure := class_failure(key[0], spec_of[key[1]])) is not None}
+        if failing:
+            for row, (module, spec) in enumerate(zip(modules, specs, strict=True)):
+                failures[row] = failures[row] or failing.get((type(module), id(spec)))
+
+    @staticmethod
+    def _expert_counts(specs: Sequence[ParallelModuleSpec], failures: list[Failure | None]) -> list[int | None]:
+        """``num_experts`` of every ``ep`` module for rule 5 (its type is checked here)."""
+        counts: list[int | None] = [None] * len(specs)
+        expert_specs = {
+            id(spec): spec for spec in dict(zip(map(id, specs), specs, strict=True)).values() if spec.binding_kind == "ep"
+        }
+        if not expert_specs:
+            return counts
+        for row, spec in enumerate(specs):
+            if id(spec) not in expert_specs:
+                continue
+            value = spec.options["num_experts"]
+            if isinstance(value, int) and not isinstance(value, bool):
+                counts[row] = value
+            else:
+                failures[row] = failures[row] or (
+                    "expert",
+                    f"options['num_experts'] must be an int, got {type(value).__name__} {value!r}",
+                )
+        return counts
+
+    def _add_rows(
+        self,
+        template: _ShardingTemplate,
+        rows: list[int],
+        modules: Sequence[nn.Module | None],
+        fqns: Sequence[str],
+        columns: _Rows,
+        layout: dict[int, list[str]],
+    ) -> None:
+        """Append the template's rows for every module using it, with each module's shapes."""
+        row_modules, labels, axes, kinds, dims, ranks, first_dims = columns
+        count = len(rows)
+        for label, axis, kind, dim, path in template.rows:
+            row_modules.extend(rows)
+            labels.extend([label] * count)
+            axes.extend([axis] * count)
+            kinds.extend([kind] * count)
+            dims.extend([dim] * count)
+            if path is None:
+                ranks.extend([None] * count)
+                first_dims.extend([None] * count)
+                continue
+            found_ranks, found_first = self._parameter_shapes(rows, modules, fqns, path, first_dim=kind == _SHARD)
+            ranks.extend(found_ranks)
+            first_dims.extend(found_first)
+            if any(map(is_, found_ranks, repeat(None))) and (modules[rows[0]] is not None or self.param_shapes is not None):
+                for row, rank in zip(rows, found_ranks, strict=True):
+                    if rank is None:
+                        layout.setdefault(row, []).append(self._missing(modules[row], fqns[row], path))
+
+    def _parameter_shapes(
+        self, rows: list[int], modules: Sequence[nn.Module | None], fqns: Sequence[str], path: str, *, first_dim: bool
+    ) -> tuple[list[int | None], list[int | None]]:
+        """The rank of parameter ``path`` of each module (``None``: not found), and with
+        ``first_dim`` its ``shape[0]``. Ranks come from ``ndim``: building every shape would cost more."""
+        if modules[rows[0]] is None:
+            if self.param_shapes is None:
+                return [None] * len(rows), [None] * len(rows)
+            given = self.param_shapes
+            shapes = [given.get(f"{fqns[row]}.{path}" if fqns[row] else path) for row in rows]
+            return [None if s is None else len(s) for s in shapes], [s[0] if s else None for s in shapes]
+        selected = modules if len(rows) == len(modules) else [modules[row] for row in rows]
+        if "." in path:
+            parameters = [_get_parameter(module, path) for module in selected if module is not None]
+        else:
+            parameters = list(map(dict.get, map(_PARAMETERS, selected), repeat(path)))
+        if any(map(is_, parameters, repeat(None))):  # not `None in`: that calls Tensor.__eq__
+            ranks = [None if p is None else p.ndim for p in parameters]
+        else:
+            ranks = list(map(_NDIM, parameters))
+        if not first_dim:
+            return ranks, [None] * len(rows)
+        return ranks, [p.shape[0] if p is not None and p.ndim else None for p in parameters]
+
+    @staticmethod
+    def _missing(module: nn.Module | None, fqn: str, path: str) -> str:
+        if module is None:
+            return f"params[{path!r}]: no shape was given for parameter {f'{fqn}.{path}' if fqn else path!r}"
+        return f"params[{path!r}] names a parameter the module ({type(module).__qualname__}) lacks"
+
+    def _run_validators(
+        self,
+        modules: Sequence[nn.Module | None],
+        specs: Sequence[ParallelModuleSpec],
+        shardings: Sequence[ModuleShardingSpec],
+        failures: list[Failure | None],
+        layout: dict[int, list[str]],
+    ) -> None:
+        for row, spec in enumerate(specs):
+            if spec.validate is None or failures[row] is not None or row in layout or modules[row] is None:
+                continue
+            try:
+                spec.validate(module=modules[row], sharding=shardings[row], context=self.context)
+            except Exception as error:
+                failures[row] = ("validator", f"{spec.protocol} validate failed: {type(error).__name__}: {error}")
+
+    def _flatten(self, sharding: ModuleShardingSpec) -> _ShardingTemplate:
+        rows: list[tuple[int, int, int, int, str | None]] = []
+        problems: list[str] = []
+        fields: list[tuple[str, Mapping[str, Placement] | None, str | None]] = [
+            (f"params[{path!r}]", placements, path) for path, placements in sharding.params.items()
+        ]
+        fields += [(name, getattr(sharding, name), None) for name in ("in_src", "in_dst", "out_src", "out_dst")]
+        for label_text, placements, path in fields:
+            if placements is None:
+                continue
+            label = self._label(label_text, is_param=path is not None)
+            for axis, placement in placements.items():
+                kind = _placement_kind(placement)
+                if kind is None:
+                    problems.append(f"{label_text} on axis '{axis}' is an unsupported placement {placement}")
+                    continue
+                rows.append((label, self._axis_ids.setdefault(axis, len(self._axis_ids)), kind[0], kind[1], path))
+        return _ShardingTemplate(sharding, sharding_failure(sharding), tuple(rows), tuple(problems))
+
+    def _label(self, text: str, *, is_param: bool) -> int:
+        label = self._label_ids.get(text)
+        if label is None:
+            label = self._label_ids[text] = len(self._label_ids)
+            self._label_is_param.append(is_param)
+        return label
+
+
+_Rows = tuple[list[int], list[int], list[int], list[int], list[int], list[int | None], list[int | None]]
+"""The row columns handed to Rust: module, label, axis, kind, dim, parameter rank, shape[0]."""
+
+
+def _get_parameter(module: nn.Module, path: str) -> Any:
+    try:
+        return module.get_parameter(path)
+    except AttributeError:
+        return None
+
+
+def validate_parallel_module(
+    module: nn.Module, parallel: ParallelModuleSpec, sharding: ModuleShardingSpec, context: LayoutContext
+) -> None:
+    """SPEC §5 for one module: raises ``ValueError`` at the first failure.
+
+    The order is rules 1-4, then the module's ``layout`` checks, then rule 5, then ``validate``.
+    """
+    _require(module, nn.Module, "module")
+    _require(parallel, ParallelModuleSpec, "parallel")
+    _require(sharding, ModuleShardingSpec, "sharding")
+    _require(context, LayoutContext, "context")
+    failure = class_failure(type(module), parallel) or sharding_failure(sharding)
+    if failure is None:
+        problems = ValidationBatch(context).check([module], [""], [parallel], [sharding])
+        failure = (problems[0][1], problems[0][2]) if problems else None
+    if failure is not None:
+        code, message = failure
+        raise ValueError(f"[{code}] {type(module).__qualname__}: {message}")
+
+
+def _require(value: object, kind: type, name: str) -> None:
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")

@@ -1,0 +1,219 @@
+//! The bulk arithmetic of plan validation (SPEC §4 `layout`, SPEC §5 rule 5), over flat arrays
+//! covering every planned module at once.
+//!
+//! Python flattens each module's named placements into rows; this checks them all in one pass
+//! and returns the problems. Nothing here knows about torch: a placement is a kind and a dim.
+
+/// What a placement row is.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum PlacementKind {
+    Shard,
+    Replicate,
+    Partial,
+}
+
+/// One named placement: `module`'s `label` (a parameter path or `in_src`…) on `axis`.
+pub struct PlacementRow {
+    pub module: u32,
+    pub label: u32,
+    pub axis: u32,
+    pub kind: PlacementKind,
+    /// The `d` of `Shard(d)` (unused for other kinds).
+    pub dim: i64,
+    /// The parameter's rank and `shape[0]`, when the row is a parameter whose shape is known.
+    pub rank: Option<i64>,
+    pub first_dim: Option<i64>,
+    /// Whether the row places a parameter (rule 5 looks only at parameters).
+    pub is_param: bool,
+}
+
+/// The layout every row is checked against: axis names and their sizes (`None`: not in the context).
+pub struct AxisTable<'a> {
+    pub names: &'a [String],
+    pub sizes: &'a [Option<i64>],
+    /// The index of the `ep` axis among `names`, if any row or module mentions it.
+    pub ep: Option<u32>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum ProblemCode {
+    Layout,
+    Expert,
+}
+
+impl ProblemCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProblemCode::Layout => "layout",
+            ProblemCode::Expert => "expert",
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct Problem {
+    pub module: u32,
+    pub code: ProblemCode,
+    pub message: String,
+}
+
+/// Checks every row, and every `ep` module (`num_experts[m]` is `Some` for those), returning
+/// every `layout` problem and the first `expert` problem of each module. Rows may come in any
+/// order; every row's module must be below `num_experts.len()`.
+pub fn check_placements(
+    axes: &AxisTable<'_>,
+    labels: &[String],
+    rows: &[PlacementRow],
+    num_experts: &[Option<i64>],
+) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    let label = |row: &PlacementRow| labels.get(row.label as usize).map(String::as_str).unwrap_or("?");
+    let axis_name = |axis: u32| axes.names.get(axis as usize).map(String::as_str).unwrap_or("?");
+    let known_axes = || {
+        let mut known: Vec<&str> =
+            axes.names.iter().zip(axes.sizes).filter(|(_, s)| s.is_some()).map(|(n, _)| n.as_str()).collect();
+        known.sort_unstable();
+        if known.is_empty() {
+            "none".to_owned()
+        } else {
+            known.join(", ")
+        }
+    };
+    for row in rows {
+        if axes.sizes.get(row.axis as usize).copied().flatten().is_none() {
+            problems.push(Problem {
+                module: row.module,
+                code: ProblemCode::Layout,
+                message: format!(
+                    "{} is placed on axis '{}', which the layout context lacks (axes: {})",
+                    label(row),
+                    axis_name(row.axis),
+                    known_axes()
+                ),
+            });
+        }
+        if let (PlacementKind::Shard, Some(rank)) = (row.kind, row.rank) {
+            if row.dim >= rank || row.dim < -rank {
+                problems.push(Problem {
+                    module: row.module,
+                    code: ProblemCode::Layout,
+                    message: format!(
+                        "{} is Shard({}) on axis '{}', beyond the parameter's rank {rank}",
+                        label(row),
+                        row.dim,
+                        axis_name(row.axis)
+                    ),
+                });
+            }
+        }
+    }
+    // Rows come in any order; rule 5 needs each module's rows together.
+    let mut order: Vec<&PlacementRow> = rows.iter().collect();
+    order.sort_by_key(|row| row.module);
+    let mut start = 0;
+    for (module, experts) in num_experts.iter().enumerate() {
+        let module = module as u32;
+        let end = start + order[start..].iter().take_while(|r| r.module == module).count();
+        if let Some(experts) = *experts {
+            if let Some(message) = expert_problem(axes, &order[start..end], experts, &label) {
+                problems.push(Problem { module, code: ProblemCode::Expert, message });
+            }
+        }
+        start = end;
+    }
+    problems
+}
+
+/// SPEC §5 rule 5 for one `ep` module, given its rows.
+fn expert_problem<'r>(
+    axes: &AxisTable<'_>,
+    rows: &[&'r PlacementRow],
+    num_experts: i64,
+    label: &dyn Fn(&'r PlacementRow) -> &'r str,
+) -> Option<String> {
+    let ep_size = axes.ep.and_then(|ep| axes.sizes.get(ep as usize).copied().flatten());
+    let Some(ep_size) = ep_size else {
+        return Some("the layout context has no 'ep' axis, which an 'ep' module needs".to_owned());
+    };
+    if num_experts < 1 {
+        return Some(format!("num_experts must be at least 1, got {num_experts}"));
+    }
+    if num_experts % ep_size != 0 {
+        return Some(format!("num_experts {num_experts} is not divisible by the 'ep' axis size {ep_size}"));
+    }
+    let mut owned = rows.iter().copied().filter(|r| r.is_param && Some(r.axis) == axes.ep && r.kind == PlacementKind::Shard).peekable();
+    if owned.peek().is_none() {
+        return Some("no parameter is Shard on the 'ep' axis: the experts would not be owned by any rank".to_owned());
+    }
+    for row in owned {
+        if row.dim != 0 {
+            return Some(format!(
+                "{} is Shard({}) on 'ep'; expert ownership must be Shard(0) over the expert dimension",
+                label(row),
+                row.dim
+            ));
+        }
+        if row.rank.is_some() {
+            if row.first_dim != Some(num_experts) {
+                let first = row.first_dim.map(|d| d.to_string()).unwrap_or_else(|| "none (a scalar)".to_owned());
+                return Some(format!(
+                    "{} is Shard(0) on 'ep' but its shape[0] is {first}, not num_experts {num_experts}",
+                    label(row)
+                ));
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(module: u32, axis: u32, kind: PlacementKind, dim: i64, shape: Option<Vec<i64>>) -> PlacementRow {
+        let rank = shape.as_ref().map(|s| s.len() as i64);
+        let first_dim = shape.as_ref().and_then(|s| s.first().copied());
+        PlacementRow { module, label: 0, axis, kind, dim, rank, first_dim, is_param: true }
+    }
+
+    fn check(sizes: &[Option<i64>], rows: &[PlacementRow], experts: &[Option<i64>]) -> Vec<Problem> {
+        let names = vec!["ep".to_owned(), "tp".to_owned()];
+        let axes = AxisTable { names: &names, sizes, ep: Some(0) };
+        check_placements(&axes, &["params['w']".to_owned()], rows, experts)
+    }
+
+    #[test]
+    fn balanced_expert_ownership_passes() {
+        let rows = [row(0, 0, PlacementKind::Shard, 0, Some(vec![8, 4]))];
+        assert!(check(&[Some(4), Some(1)], &rows, &[Some(8)]).is_empty());
+    }
+
+    #[test]
+    fn each_rule_five_failure_is_reported() {
+        let shard0 = || vec![row(0, 0, PlacementKind::Shard, 0, Some(vec![8, 4]))];
+        let first = |p: Vec<Problem>| p.into_iter().next().map(|p| p.message).unwrap_or_default();
+        assert!(first(check(&[Some(3), Some(1)], &shard0(), &[Some(8)])).contains("not divisible"));
+        assert!(first(check(&[Some(4), Some(1)], &shard0(), &[Some(0)])).contains("at least 1"));
+        assert!(first(check(&[None, Some(1)], &shard0(), &[Some(8)])).contains("lacks"));
+        let replicate = [row(0, 0, PlacementKind::Replicate, 0, Some(vec![8, 4]))];
+        assert!(first(check(&[Some(4), Some(1)], &replicate, &[Some(8)])).contains("no parameter is Shard"));
+        let shard1 = [row(0, 0, PlacementKind::Shard, 1, Some(vec![8, 8]))];
+        assert!(first(check(&[Some(4), Some(1)], &shard1, &[Some(8)])).contains("must be Shard(0)"));
+        let short = [row(0, 0, PlacementKind::Shard, 0, Some(vec![4, 8]))];
+        assert!(first(check(&[Some(4), Some(1)], &short, &[Some(8)])).contains("shape[0] is 4"));
+    }
+
+    #[test]
+    fn layout_rows_are_checked_for_every_module() {
+        let rows = [
+            row(0, 1, PlacementKind::Shard, 2, Some(vec![8, 4])),
+            row(1, 1, PlacementKind::Shard, -3, Some(vec![8, 4])),
+            row(1, 1, PlacementKind::Shard, -2, Some(vec![8, 4])),
+            row(2, 1, PlacementKind::Partial, 0, None),
+        ];
+        let problems = check(&[Some(2), None], &rows, &[None, None, None]);
+        let beyond: Vec<u32> = problems.iter().filter(|p| p.message.contains("beyond")).map(|p| p.module).collect();
+        assert_eq!(beyond, vec![0, 1]);
+        assert_eq!(problems.iter().filter(|p| p.message.contains("lacks")).count(), 4);
+    }
+}

@@ -1,0 +1,387 @@
+"""SPEC §4: resolve_plan collects every problem of a whole model into one PlanError."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+import meshbind
+from meshbind import (
+    LayoutContext,
+    ModuleShardingSpec,
+    NativeParallelBindingRequest,
+    ParallelModuleSpec,
+    PlanError,
+    get_family_build_info,
+    resolve_plan,
+)
+
+HIDDEN, EXPERTS = 8, 4
+CONTEXT = LayoutContext({"dp": 1, "cp": 2, "ep": 2})
+
+
+def accept(**kwargs: Any) -> None:
+    return None
+
+
+class Attention(nn.Module):
+    """A family module: its class owns the cp protocol."""
+
+    parallel_spec = ParallelModuleSpec("cp_attention", "cp", stages={"forward": ("x",)}, validate=accept)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qkv(x)
+
+    def bind_parallel(self, binding: object) -> None:
+        self.binding = binding
+
+    def parallel_sharding(self, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        return ModuleShardingSpec(params={"qkv.weight": {"cp": Replicate()}})
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int = EXPERTS) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, HIDDEN, 16))
+
+    def route(self, tokens: torch.Tensor, *, expert_ids: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+    def bind_parallel(self, binding: object) -> None:
+        self.binding = binding
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.attn = Attention()
+        self.mlp = Experts()
+
+
+class Model(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, HIDDEN)
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.head = nn.Linear(HIDDEN, 16, bias=False)
+
+
+EP_SPEC = ParallelModuleSpec(
+    "moe", "ep", stages={"route": ("tokens", "expert_ids")}, validate=accept, options={"num_experts": EXPERTS}
+)
+LINEAR_SPEC = ParallelModuleSpec("linear", stages={"forward": ("input",)})
+
+
+def experts_sharding(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+    return ModuleShardingSpec(params={"w1": {"ep": Shard(0)}})
+
+
+def linear_sharding(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+    return ModuleShardingSpec(params={"weight": {"dp": Replicate()}})
+
+
+EXPERTS_REQUEST = NativeParallelBindingRequest(("layers.*.mlp",), EP_SPEC, experts_sharding)
+HEAD_REQUEST = NativeParallelBindingRequest(("head",), LINEAR_SPEC, linear_sharding)
+
+
+def problems_of(
+    model: nn.Module | list[str], requests: list[NativeParallelBindingRequest], **kwargs: Any
+) -> list[meshbind.PlanProblem]:
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(model, requests, kwargs.pop("context", CONTEXT), **kwargs)
+    return list(caught.value.problems)
+
+
+def test_a_valid_plan_lists_requests_and_family_members_in_tree_order() -> None:
+    plan = resolve_plan(Model(), [HEAD_REQUEST, EXPERTS_REQUEST], CONTEXT)
+    assert list(plan.parallel_modules) == ["layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp", "head"]
+    assert plan.parallel_modules["layers.0.attn"] is Attention.parallel_spec
+    assert plan.sources["layers.1.mlp"] == "requests[1]" and plan.sources["layers.1.attn"] == "family Attention"
+    assert plan.sharding["head"].params["weight"] == {"dp": Replicate()}
+    assert plan.context is CONTEXT
+    with pytest.raises(TypeError):
+        plan.parallel_modules["x"] = LINEAR_SPEC  # type: ignore[index]
+    table = plan.explain()
+    assert "layers.0.mlp" in table and "moe v1" in table and "5 planned modules" in table
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["context"] == {"dp": 1, "cp": 2, "ep": 2}
+    assert data["modules"][1] == {
+        "fqn": "layers.0.mlp",
+        "protocol": "moe",
+        "version": "1",
+        "binding_kind": "ep",
+        "source": "requests[1]",
+        "sharding": {"params": {"w1": {"ep": "Shard(dim=0)"}}, "in_src": {}, "in_dst": {}, "out_src": {}, "out_dst": None},
+    }
+
+
+def test_resolution_works_on_the_meta_device() -> None:
+    with torch.device("meta"):
+        model = Model()
+    assert len(resolve_plan(model, [EXPERTS_REQUEST], CONTEXT).parallel_modules) == 4
+
+
+def test_family_build_info_records_the_layout_unapplied() -> None:
+    model = Model()
+    attention = model.layers[0].attn
+    assert get_family_build_info(attention).layout is None
+    resolve_plan(model, [], CONTEXT)
+    info = get_family_build_info(attention)
+    assert info.fqn == "layers.0.attn" and info.layout is not None
+    assert info.layout.spec is Attention.parallel_spec and not info.layout.applied
+    assert info.layout.sharding.params["qkv.weight"] == {"cp": Replicate()}
+    with pytest.raises(ValueError, match="not a family module"):
+        get_family_build_info(model.head)
+
+
+def test_a_failed_resolution_records_nothing() -> None:
+    model = Model()
+    problems_of(model, [NativeParallelBindingRequest(("nothing",), LINEAR_SPEC, linear_sharding)])
+    assert get_family_build_info(model.layers[0].attn).layout is None
+
+
+def test_a_typo_is_unmatched_with_suggestions() -> None:
+    [problem] = problems_of(Model(), [NativeParallelBindingRequest(("layers.*.mpl",), EP_SPEC, experts_sharding)])
+    assert problem.code == "unmatched" and problem.fqn is None and problem.request == "requests[0]"
+    assert "'layers.*.mpl'" in problem.message and "did you mean 'layers.0.mlp', 'layers.1.mlp'" in problem.message
+
+
+def test_a_conflict_names_both_requests() -> None:
+    other = ParallelModuleSpec("moe_v2", "ep", stages={"route": ("tokens",)}, validate=accept, options={"num_experts": EXPERTS})
+    second = NativeParallelBindingRequest(("layers.1.mlp",), other, experts_sharding)
+    problems = problems_of(Model(), [EXPERTS_REQUEST, second])
+    conflicts = [p for p in problems if p.code == "conflict"]
+    assert [p.fqn for p in conflicts] == ["layers.1.mlp"]
+    assert "requests[0] (moe v1 (ep))" in conflicts[0].message and "requests[1] (moe_v2 v1 (ep))" in conflicts[0].message
+
+
+def test_two_requests_with_equal_specs_do_not_conflict() -> None:
+    twin = NativeParallelBindingRequest(("layers.{0,1}.mlp",), EP_SPEC, experts_sharding)
+    assert len(resolve_plan(Model(), [EXPERTS_REQUEST, twin], CONTEXT).parallel_modules) == 4
+
+
+def test_a_request_giving_a_family_member_another_spec_conflicts() -> None:
+    request = NativeParallelBindingRequest(("layers.0.attn",), LINEAR_SPEC, linear_sharding)
+    [problem] = problems_of(Model(), [request])
+    assert problem.code == "conflict" and problem.fqn == "layers.0.attn"
+    assert "requests[0]" in problem.message and "Attention owns cp_attention" in problem.message
+
+
+def test_a_request_with_the_family_spec_is_accepted() -> None:
+    request = NativeParallelBindingRequest(("layers.0.attn",), Attention.parallel_spec, lambda m, f, c: ModuleShardingSpec())
+    plan = resolve_plan(Model(), [request], CONTEXT)
+    assert plan.sources["layers.0.attn"] == "requests[0]" and plan.sources["layers.1.attn"] == "family Attention"
+
+
+def test_a_bound_module_inside_another_of_the_same_kind_is_nested() -> None:
+    outer_spec = ParallelModuleSpec("block_cp", "cp", stages={"forward": ()}, validate=accept)
+
+    class BoundBlock(Block):
+        def forward(self) -> None:
+            return None
+
+        def bind_parallel(self, binding: object) -> None:
+            return None
+
+    model = Model()
+    model.layers[0] = BoundBlock()
+    request = NativeParallelBindingRequest(("layers.0",), outer_spec, lambda m, f, c: ModuleShardingSpec())
+    problems = problems_of(model, [request, EXPERTS_REQUEST])
+    assert [(p.code, p.fqn) for p in problems] == [("nested", "layers.0.attn")]
+    assert "inside the 'cp' module 'layers.0'" in problems[0].message
+
+
+def test_none_kind_modules_never_nest() -> None:
+    outer = NativeParallelBindingRequest(("layers.0",), ParallelModuleSpec("block"), lambda m, f, c: ModuleShardingSpec())
+    inner = NativeParallelBindingRequest(("layers.0.norm",), ParallelModuleSpec("norm"), lambda m, f, c: ModuleShardingSpec())
+    assert "layers.0.norm" in resolve_plan(Model(), [outer, inner], CONTEXT).parallel_modules
+
+
+def test_provider_failures_become_layout_problems() -> None:
+    def raises(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        raise KeyError("hidden")
+
+    def wrong_type(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        return {"w1": Shard(0)}  # type: ignore[return-value]
+
+    def missing_parameter(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        return ModuleShardingSpec(params={"weight": {"dp": Replicate()}, "w9": {"dp": Replicate()}})
+
+    requests = [
+        NativeParallelBindingRequest(("layers.0.mlp",), EP_SPEC, raises),
+        NativeParallelBindingRequest(("layers.1.mlp",), EP_SPEC, wrong_type),
+        NativeParallelBindingRequest(("head",), LINEAR_SPEC, missing_parameter),
+    ]
+    problems = problems_of(Model(), requests)
+    assert [(p.code, p.fqn) for p in problems] == [("layout", "head"), ("layout", "layers.0.mlp"), ("layout", "layers.1.mlp")]
+    assert "params['w9'] names a parameter the module (Linear) lacks" in problems[0].message
+    assert "raised KeyError: 'hidden'" in problems[1].message
+    assert "returned dict, not a ModuleShardingSpec" in problems[2].message
+
+
+def test_unknown_axes_and_shards_beyond_rank_are_layout_problems() -> None:
+    def sharding(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        return ModuleShardingSpec(params={"weight": {"tp": Replicate(), "dp": Shard(2)}})
+
+    problems = problems_of(Model(), [NativeParallelBindingRequest(("head",), LINEAR_SPEC, sharding)])
+    messages = sorted(p.message for p in problems)
+    assert all(p.code == "layout" and p.fqn == "head" for p in problems)
+    assert "Shard(2) on axis 'dp', beyond the parameter's rank 2" in messages[0]
+    assert "axis 'tp', which the layout context lacks (axes: cp, dp, ep)" in messages[1]
+
+
+def test_every_problem_of_the_model_comes_back_at_once_sorted_by_fqn() -> None:
+    def bad_head(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        raise RuntimeError("no layout for heads")
+
+    requests = [
+        NativeParallelBindingRequest(("head",), LINEAR_SPEC, bad_head),
+        NativeParallelBindingRequest(("layers.*.mlp",), EP_SPEC, experts_sharding),
+        NativeParallelBindingRequest(("embed_tokens",), LINEAR_SPEC, linear_sharding),
+    ]
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(Model(), requests, LayoutContext({"dp": 1, "cp": 2, "ep": 3}))
+    codes = [(p.code, p.fqn) for p in caught.value.problems]
+    assert codes == [("unmatched", None), ("layout", "head"), ("expert", "layers.0.mlp"), ("expert", "layers.1.mlp")]
+    text = str(caught.value)
+    assert text.startswith("the plan has 4 problems:")
+    assert text.index("'head'") < text.index("'layers.0.mlp'") < text.index("'layers.1.mlp'")
+    assert isinstance(caught.value, ValueError)
+
+
+def test_per_module_checks_run_for_every_planned_module() -> None:
+    class NoStage(nn.Module):
+        parallel_spec = ParallelModuleSpec("odd", stages={"forward": ("x",)})
+
+        def parallel_sharding(self, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+            return ModuleShardingSpec()
+
+    model = Model()
+    model.layers[1].norm = NoStage()
+    problems = problems_of(model, [])
+    assert [(p.code, p.fqn) for p in problems] == [("stage", "layers.1.norm")]
+    assert problems[0].request is not None and problems[0].request.endswith("NoStage")
+
+
+def test_validators_failures_are_collected() -> None:
+    def refuse(*, module: nn.Module, **kwargs: Any) -> None:
+        if module.w1.shape[0] == EXPERTS:
+            raise ValueError("too few experts")
+
+    spec = ParallelModuleSpec("moe", "ep", stages={"route": ("tokens",)}, validate=refuse, options={"num_experts": EXPERTS})
+    problems = problems_of(Model(), [NativeParallelBindingRequest(("layers.*.mlp",), spec, experts_sharding)])
+    assert [(p.code, p.fqn) for p in problems] == [("validator", "layers.0.mlp"), ("validator", "layers.1.mlp")]
+
+
+def test_class_checks_run_once_per_class_and_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    classes = [type(f"Leaf{i}", (nn.Module,), {"forward": lambda self, input: input}) for i in range(5)]
+    model = nn.Module()
+    model.leaves = nn.ModuleList(classes[i % 5]() for i in range(2000))
+    calls: list[object] = []
+    real_signature = inspect.signature
+
+    def counting_signature(obj: Any, *args: Any, **kwargs: Any) -> inspect.Signature:
+        calls.append(obj)
+        return real_signature(obj, *args, **kwargs)
+
+    monkeypatch.setattr(meshbind.validation.inspect, "signature", counting_signature)
+    request = NativeParallelBindingRequest(("leaves.*",), LINEAR_SPEC, lambda m, f, c: ModuleShardingSpec())
+    assert len(resolve_plan(model, [request], CONTEXT).parallel_modules) == 2000
+    assert len(calls) == 5
+
+
+def test_placement_arithmetic_runs_in_one_rust_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = meshbind._core.check_placements
+
+    def counting(*args: Any) -> Any:
+        calls.append(len(args[4]))
+        return real(*args)
+
+    monkeypatch.setattr(meshbind.validation._core, "check_placements", counting)
+    resolve_plan(Model(4), [HEAD_REQUEST, EXPERTS_REQUEST], CONTEXT)
+    assert calls == [4 + 4 + 1]  # one row per placement: 4 attention, 4 experts, the head
+
+
+def test_overrides_merge_field_by_field() -> None:
+    override = {"layers.1.mlp": {"in_src": {"ep": Replicate()}, "in_dst": {"ep": Replicate()}}}
+    plan = resolve_plan(Model(), [EXPERTS_REQUEST], CONTEXT, overrides=override)
+    merged = plan.sharding["layers.1.mlp"]
+    assert merged.params["w1"] == {"ep": Shard(0)} and merged.in_src == {"ep": Replicate()}
+    assert plan.sharding["layers.0.mlp"].in_src == {}
+
+
+def test_later_overrides_win_and_bad_overrides_are_layout_problems() -> None:
+    overrides = {"layers.*.mlp": {"params": {"w1": {"ep": Shard(1)}}}, "layers.0.mlp": {"params": {"w1": {"ep": Shard(0)}}}}
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(Model(), [EXPERTS_REQUEST], CONTEXT, overrides=overrides)
+    assert [(p.code, p.fqn) for p in caught.value.problems] == [("expert", "layers.1.mlp")]
+    problems = problems_of(Model(), [EXPERTS_REQUEST], overrides={"layers.0.mlp": {"parms": {}}})
+    assert problems[0].code == "layout" and "unknown sharding fields ['parms']" in problems[0].message
+    assert problems[0].request == "overrides['layers.0.mlp']"
+
+
+def test_an_override_selecting_no_planned_module_is_unmatched() -> None:
+    problems = problems_of(
+        Model(), [EXPERTS_REQUEST], overrides={"layers.0.norm": {"in_src": {}}, "layers.9.mlp": {"in_src": {}}}
+    )
+    assert [(p.code, p.request) for p in problems] == [
+        ("unmatched", "overrides['layers.0.norm']"),
+        ("unmatched", "overrides['layers.9.mlp']"),
+    ]
+    assert "does not select any planned module" in problems[0].message
+
+
+def test_shared_modules_are_keyed_by_their_first_fqn_and_selectable_by_any_alias() -> None:
+    model = Model()
+    model.tied = model.layers[0].mlp
+    plan = resolve_plan(model, [NativeParallelBindingRequest(("tied",), EP_SPEC, experts_sharding)], CONTEXT)
+    assert [fqn for fqn, spec in plan.parallel_modules.items() if spec is EP_SPEC] == ["layers.0.mlp"]
+
+
+def test_cycles_are_layout_problems() -> None:
+    model = Model()
+    model.layers[0].norm.back = model.layers[0]  # type: ignore[assignment]
+    problems = problems_of(model, [EXPERTS_REQUEST])
+    assert [(p.code, p.fqn) for p in problems] == [("layout", "layers.0.norm.back")]
+    assert "names its own ancestor 'layers.0'" in problems[0].message
+
+
+def test_offline_resolution_over_fqns_with_shapes() -> None:
+    names = ["", "layers", "layers.0", "layers.0.mlp", "layers.1", "layers.1.mlp"]
+    shapes = {"layers.0.mlp.w1": (EXPERTS, 8, 16), "layers.1.mlp.w1": (6, 8, 16)}
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(names, [EXPERTS_REQUEST], CONTEXT, param_shapes=shapes)
+    [problem] = caught.value.problems
+    assert (problem.code, problem.fqn) == ("expert", "layers.1.mlp") and "shape[0] is 6" in problem.message
+    plan = resolve_plan(names, [EXPERTS_REQUEST], CONTEXT)
+    assert list(plan.parallel_modules) == ["layers.0.mlp", "layers.1.mlp"]
+    problems = problems_of(names, [EXPERTS_REQUEST], param_shapes={"layers.0.mlp.w1": (EXPERTS, 8)})
+    assert [(p.code, p.fqn) for p in problems] == [("layout", "layers.1.mlp")]
+    assert "no shape was given for parameter 'layers.1.mlp.w1'" in problems[0].message
+
+
+@pytest.mark.parametrize(
+    ("model", "requests", "context", "error"),
+    [
+        (["a", "a"], [], CONTEXT, "names 'a' more than once"),
+        ("a.b", [], CONTEXT, "model must be an nn.Module"),
+        (["a"], EXPERTS_REQUEST, CONTEXT, "requests must be a sequence"),
+        (["a"], ["a"], CONTEXT, r"requests\[0\] must be a NativeParallelBindingRequest"),
+        (["a"], [], {"ep": 2}, "context must be a LayoutContext"),
+    ],
+)
+def test_bad_arguments_are_named(model: Any, requests: Any, context: Any, error: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=error):
+        resolve_plan(model, requests, context)

@@ -1,0 +1,140 @@
+"""SPEC §3: every spec is frozen and validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from meshbind import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, PatternError
+
+
+def check(**kwargs: object) -> None:
+    return None
+
+
+def provider(module: object, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+    return ModuleShardingSpec()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"protocol": ""}, "protocol"),
+        ({"protocol": 3}, "protocol"),
+        ({"protocol": "p", "version": ""}, "version"),
+        ({"protocol": "p", "binding_kind": "tp"}, "binding_kind"),
+        ({"protocol": "p", "binding_kind": "cp", "validate": check}, "stages"),
+        ({"protocol": "p", "binding_kind": "cp", "stages": {"forward": ()}}, "validate"),
+        ({"protocol": "p", "binding_kind": "ep", "stages": {"forward": ()}, "validate": check}, "num_experts"),
+        ({"protocol": "p", "stages": {"forward": "x"}}, "stages"),
+        ({"protocol": "p", "stages": {"not a name": ()}}, "stages"),
+        ({"protocol": "p", "stages": {"forward": ("x-y",)}}, "stages"),
+        ({"protocol": "p", "validate": 3}, "validate"),
+        ({"protocol": "p", "validate_materialized": "no"}, "validate_materialized"),
+        ({"protocol": "p", "options": [1]}, "options"),
+    ],
+)
+def test_parallel_module_spec_rejects_each_bad_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        ParallelModuleSpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_stages_and_options_are_read_only_and_options_deep_copied() -> None:
+    options = {"num_experts": 4, "nested": {"k": [1]}}
+    stages = {"forward": ["x"]}
+    spec = ParallelModuleSpec("moe", "ep", stages=stages, validate=check, options=options)
+    options["nested"]["k"].append(2)  # type: ignore[index]
+    options["num_experts"] = 5
+    stages["forward"].append("y")
+    assert spec.options["num_experts"] == 4 and spec.options["nested"] == {"k": [1]}
+    assert spec.stages == {"forward": ("x",)}
+    with pytest.raises(TypeError):
+        spec.options["num_experts"] = 8  # type: ignore[index]
+    with pytest.raises(TypeError):
+        spec.stages["backward"] = ()  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.protocol = "other"  # type: ignore[misc]
+
+
+def test_equal_specs_compare_and_hash_equal() -> None:
+    a = ParallelModuleSpec("p", stages={"forward": ("x",)}, options={"k": [1]})
+    b = ParallelModuleSpec("p", stages={"forward": ["x"]}, options={"k": [1]})
+    assert a == b and hash(a) == hash(b)
+    assert a != ParallelModuleSpec("p", stages={"forward": ("x",)}, options={"k": [2]})
+
+
+def test_request_rejects_a_bare_string_match() -> None:
+    spec = ParallelModuleSpec("p")
+    with pytest.raises(ValueError, match="bare str"):
+        NativeParallelBindingRequest("layers.*.mlp", spec, provider)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("match", "parallel", "sharding", "message"),
+    [
+        ((), ParallelModuleSpec("p"), provider, "non-empty"),
+        (("a", 3), ParallelModuleSpec("p"), provider, "must be a str"),
+        (("a",), "spec", provider, "parallel"),
+        (("a",), ParallelModuleSpec("p"), "provider", "sharding"),
+    ],
+)
+def test_request_rejects_each_bad_field(match: object, parallel: object, sharding: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NativeParallelBindingRequest(match, parallel, sharding)  # type: ignore[arg-type]
+
+
+def test_request_rejects_a_malformed_pattern_with_its_position() -> None:
+    with pytest.raises(PatternError) as caught:
+        NativeParallelBindingRequest(("layers.[0-9",), ParallelModuleSpec("p"), provider)
+    assert caught.value.pattern == "layers.[0-9"
+
+
+def test_request_accepts_a_list_and_stores_a_tuple() -> None:
+    request = NativeParallelBindingRequest(["a", "b.*"], ParallelModuleSpec("p"), provider)  # type: ignore[arg-type]
+    assert request.match == ("a", "b.*")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"params": {"w": {"ep": "Shard(0)"}}}, r"params\['w'\]\['ep'\] must be a torch.distributed.tensor Placement"),
+        ({"params": {"": {"ep": Shard(0)}}}, "parameter path"),
+        ({"params": {"w": {1: Shard(0)}}}, "axis name"),
+        ({"params": [("w", {})]}, "params must be a mapping"),
+        ({"in_src": {"cp": 1}}, "in_src"),
+        ({"out_dst": {"cp": None}}, "out_dst"),
+        ({"expert_stack": 0}, "expert_stack"),
+        ({"expert_stack": True}, "expert_stack"),
+    ],
+)
+def test_sharding_spec_rejects_each_bad_field(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModuleShardingSpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_sharding_spec_uses_torch_placements_and_is_read_only() -> None:
+    params = {"w": {"ep": Shard(0), "tp": Replicate()}}
+    spec = ModuleShardingSpec(params=params, out_src={"tp": Partial()}, out_dst={"tp": Partial()})
+    params["w"]["dp"] = Replicate()
+    assert dict(spec.params["w"]) == {"ep": Shard(0), "tp": Replicate()}
+    with pytest.raises(TypeError):
+        spec.params["w"]["dp"] = Replicate()  # type: ignore[index]
+    assert spec.to_dict()["params"] == {"w": {"ep": "Shard(dim=0)", "tp": "Replicate()"}}
+
+
+@pytest.mark.parametrize("sizes", [{"ep": 0}, {"ep": True}, {"ep": 2.0}, {"": 2}, [("ep", 2)]])
+def test_layout_context_rejects_bad_sizes(sizes: object) -> None:
+    with pytest.raises(ValueError, match="axis"):
+        LayoutContext(sizes)  # type: ignore[arg-type]
+
+
+def test_layout_context_is_read_only_and_names_a_missing_axis() -> None:
+    sizes = {"dp": 2, "ep": 4}
+    context = LayoutContext(sizes)
+    sizes["cp"] = 2
+    assert dict(context.axis_sizes) == {"dp": 2, "ep": 4}
+    assert context.size("ep") == 4
+    with pytest.raises(ValueError, match="no 'cp' axis"):
+        context.size("cp")

@@ -1,0 +1,233 @@
+"""SPEC §5: each rule of validate_parallel_module, in order, on real modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from meshbind import LayoutContext, ModuleShardingSpec, ParallelModuleSpec, validate_parallel_module
+
+CONTEXT = LayoutContext({"dp": 1, "ep": 2, "tp": 1})
+
+
+def accept(**kwargs: Any) -> None:
+    return None
+
+
+class Experts(nn.Module):
+    """A fused-expert module with an explicit stage and a binding hook."""
+
+    def __init__(self, num_experts: int = 4) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, 8, 16, device="meta"))
+
+    def route(self, tokens: torch.Tensor, *, expert_ids: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+    def bind_parallel(self, binding: object) -> None:
+        self.binding = binding
+
+
+def ep_spec(num_experts: object = 4, validate: Any = accept, **stages: tuple[str, ...]) -> ParallelModuleSpec:
+    return ParallelModuleSpec(
+        "moe",
+        "ep",
+        stages=stages or {"route": ("tokens", "expert_ids")},
+        validate=validate,
+        options={"num_experts": num_experts},
+    )
+
+
+OWNED = ModuleShardingSpec(params={"w1": {"ep": Shard(0)}})
+
+
+def fails(
+    module: nn.Module, spec: ParallelModuleSpec, sharding: ModuleShardingSpec, match: str, context: LayoutContext = CONTEXT
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        validate_parallel_module(module, spec, sharding, context)
+
+
+def test_a_valid_ep_module_passes() -> None:
+    validate_parallel_module(Experts(), ep_spec(), OWNED, CONTEXT)
+
+
+# Rule 1: stages are callables of the class, accepting their keywords.
+
+
+def test_a_missing_stage_fails() -> None:
+    fails(Experts(), ep_spec(dispatch=("tokens",)), OWNED, r"\[stage\].*'dispatch' is not defined")
+
+
+def test_an_instance_attribute_is_not_a_stage() -> None:
+    module = Experts()
+    module.__dict__["dispatch"] = lambda tokens: tokens
+    fails(module, ep_spec(dispatch=("tokens",)), OWNED, r"\[stage\].*instance attribute does not count")
+
+
+def test_a_stage_must_accept_each_keyword() -> None:
+    fails(Experts(), ep_spec(route=("tokens", "weights")), OWNED, r"\[stage\].*route does not accept")
+
+
+def test_self_is_not_a_keyword_of_a_stage() -> None:
+    fails(Experts(), ep_spec(route=("self",)), OWNED, r"\[stage\]")
+
+
+def test_var_keyword_and_static_stages_are_accepted() -> None:
+    class Flexible(Experts):
+        def forward(self, **inputs: torch.Tensor) -> None:
+            return None
+
+        @staticmethod
+        def combine(out: torch.Tensor) -> torch.Tensor:
+            return out
+
+    validate_parallel_module(Flexible(), ep_spec(forward=("x", "y"), combine=("out",)), OWNED, CONTEXT)
+
+
+def test_a_non_callable_stage_fails() -> None:
+    class WithData(Experts):
+        route = 3  # type: ignore[assignment]
+
+    fails(WithData(), ep_spec(), OWNED, r"\[stage\].*not callable")
+
+
+# Rule 2: a bound kind needs bind_parallel(binding).
+
+
+def test_a_bound_kind_needs_bind_parallel() -> None:
+    class Unbindable(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    spec = ParallelModuleSpec("attn", "cp", stages={"forward": ("x",)}, validate=accept)
+    fails(Unbindable(), spec, ModuleShardingSpec(), r"\[binding\].*bind_parallel")
+    validate_parallel_module(Unbindable(), ParallelModuleSpec("plain", stages={"forward": ("x",)}), ModuleShardingSpec(), CONTEXT)
+
+
+def test_bind_parallel_must_take_one_positional_argument() -> None:
+    class TwoArguments(Experts):
+        def bind_parallel(self, binding: object, extra: object) -> None:  # type: ignore[override]
+            return None
+
+    fails(TwoArguments(), ep_spec(), OWNED, r"\[binding\].*one positional argument")
+
+
+# Rule 3: no expert stack.
+
+
+def test_an_expert_stack_fails() -> None:
+    stacked = ModuleShardingSpec(params={"w1": {"ep": Shard(0)}}, expert_stack=4)
+    fails(Experts(), ep_spec(), stacked, r"\[expert\].*stacks 4 per-expert modules")
+
+
+# Rule 4: the module receives and restores its own layouts.
+
+
+def test_in_src_must_equal_in_dst() -> None:
+    sharding = ModuleShardingSpec(params={"w1": {"ep": Shard(0)}}, in_src={"tp": Replicate()}, in_dst={"tp": Shard(1)})
+    fails(Experts(), ep_spec(), sharding, r"\[stage\].*in_src .* differs from in_dst")
+
+
+def test_out_src_must_equal_a_set_out_dst() -> None:
+    sharding = ModuleShardingSpec(params={"w1": {"ep": Shard(0)}}, out_src={"tp": Replicate()}, out_dst={"tp": Shard(0)})
+    fails(Experts(), ep_spec(), sharding, r"\[stage\].*out_src .* differs from out_dst")
+    unset = ModuleShardingSpec(params={"w1": {"ep": Shard(0)}}, out_src={"tp": Replicate()})
+    validate_parallel_module(Experts(), ep_spec(), unset, CONTEXT)
+
+
+# Rule 5: expert arithmetic (checked in Rust).
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "match"),
+    [
+        (True, "must be an int, got bool"),
+        (4.0, "must be an int"),
+        (0, "at least 1"),
+        (3, "not divisible by the 'ep' axis size 2"),
+    ],
+)
+def test_num_experts_must_be_a_positive_int_divisible_by_ep(num_experts: object, match: str) -> None:
+    fails(Experts(4), ep_spec(num_experts), OWNED, rf"\[expert\].*{match}")
+
+
+def test_a_context_without_ep_is_a_clear_error() -> None:
+    fails(
+        Experts(),
+        ep_spec(),
+        ModuleShardingSpec(params={"w1": {"dp": Replicate()}}),
+        r"\[expert\].*no 'ep' axis",
+        LayoutContext({"dp": 2}),
+    )
+
+
+def test_some_parameter_must_be_sharded_on_ep() -> None:
+    fails(Experts(), ep_spec(), ModuleShardingSpec(params={"w1": {"ep": Replicate()}}), r"\[expert\].*no parameter is Shard")
+
+
+def test_ep_ownership_must_be_shard_zero() -> None:
+    fails(Experts(), ep_spec(), ModuleShardingSpec(params={"w1": {"ep": Shard(1)}}), r"\[expert\].*must be Shard\(0\)")
+
+
+def test_shape_zero_must_equal_num_experts() -> None:
+    fails(Experts(8), ep_spec(4), OWNED, r"\[expert\].*shape\[0\] is 8, not num_experts 4")
+
+
+# Rule 6: the spec's own validator, last.
+
+
+def test_the_validator_runs_last_with_keywords() -> None:
+    seen: dict[str, Any] = {}
+
+    def record(*, module: nn.Module, sharding: ModuleShardingSpec, context: LayoutContext) -> None:
+        seen.update(module=module, sharding=sharding, context=context)
+
+    module = Experts()
+    validate_parallel_module(module, ep_spec(validate=record), OWNED, CONTEXT)
+    assert seen == {"module": module, "sharding": OWNED, "context": CONTEXT}
+
+    def refuse(**kwargs: Any) -> None:
+        raise RuntimeError("hidden size too small")
+
+    fails(module, ep_spec(validate=refuse), OWNED, r"\[validator\].*RuntimeError: hidden size too small")
+    fails(module, ep_spec(3, validate=refuse), OWNED, r"\[expert\]")
+
+
+def test_the_first_failing_rule_is_reported() -> None:
+    def refuse(**kwargs: Any) -> None:
+        raise RuntimeError("never reached")
+
+    stacked = ModuleShardingSpec(params={"w1": {"ep": Shard(1)}}, expert_stack=2)
+    fails(Experts(), ep_spec(3, validate=refuse, route=("nope",)), stacked, r"\[stage\]")
+    fails(Experts(), ep_spec(3, validate=refuse), stacked, r"\[expert\].*stacks")
+
+
+# The layout checks run in validate_parallel_module too.
+
+
+def test_layout_problems_fail_single_module_validation() -> None:
+    fails(
+        Experts(),
+        ep_spec(),
+        ModuleShardingSpec(params={"w1": {"ep": Shard(0)}, "w9": {"ep": Shard(0)}}),
+        r"\[layout\].*'w9'.*lacks",
+    )
+    fails(
+        Experts(),
+        ep_spec(),
+        ModuleShardingSpec(params={"w1": {"ep": Shard(0), "tp": Shard(3)}}),
+        r"\[layout\].*Shard\(3\).*rank 3",
+    )
+    fails(
+        Experts(), ep_spec(), ModuleShardingSpec(params={"w1": {"ep": Shard(0), "cp": Replicate()}}), r"\[layout\].*'cp'.*lacks"
+    )
+
+
+def test_wrong_argument_types_are_named() -> None:
+    with pytest.raises(TypeError, match="sharding must be a ModuleShardingSpec"):
+        validate_parallel_module(Experts(), ep_spec(), {"w1": {}}, CONTEXT)  # type: ignore[arg-type]
