@@ -23,15 +23,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from meshbind import PatternSet
-from meshbind.examples.moe_tree import DEEP_PLAN, build_moe_tree
+from meshbind import (
+    LayoutContext,
+    ModuleShardingSpec,
+    NativeParallelBindingRequest,
+    ParallelModuleSpec,
+    PatternSet,
+    resolve_plan,
+)
+from meshbind.examples.moe_tree import DEEP_PLAN, MOE_PLAN, FusedExperts, build_moe_tree
 
 PLANS: dict[str, tuple[str, ...]] = {
     "deep": DEEP_PLAN,
     "shallow": ("layers.*.self_attn", "layers.*.mlp.experts", "layers.*.mlp.gate", "lm_head", "embed_tokens"),
+    "moe": MOE_PLAN,
 }
+FUSED_EXPERT_PLANS = ("moe",)
+"""Plans run on the tree whose experts are one FusedExperts module per layer."""
 
 
 class NotExpressible(Exception):
@@ -112,6 +123,41 @@ def meshbind_resolution(model: nn.Module, plan: tuple[str, ...]) -> int:
     return len(tree)
 
 
+LINEAR_SPEC = ParallelModuleSpec("linear", stages={"forward": ("input",)})
+REPLICATED = ModuleShardingSpec(params={"weight": {"tp": Replicate()}})
+EXPERTS_OWNED = ModuleShardingSpec(params={name: {"ep": Shard(0)} for name in ("gate_proj", "up_proj", "down_proj")})
+CONTEXT = LayoutContext({"dp": 1, "tp": 1, "ep": 8})
+
+
+def _replicated(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+    return REPLICATED
+
+
+def _experts_owned(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+    return EXPERTS_OWNED
+
+
+def _accept(**kwargs: Any) -> None:
+    return None
+
+
+def meshbind_validate(model: nn.Module, plan: tuple[str, ...]) -> int:
+    """Resolution plus every validation: one request per pattern, one layout-provider call per
+    planned module; a pattern selecting fused experts binds them with an ``ep`` spec."""
+    first_layer = model.layers[0].mlp.experts  # type: ignore[index]
+    experts = first_layer if isinstance(first_layer, FusedExperts) else None
+    requests = []
+    for pattern in plan:
+        if experts is not None and pattern.endswith(".experts"):
+            options = {"num_experts": experts.num_experts}
+            stages = {"forward": ("tokens", "expert_ids")}
+            spec = ParallelModuleSpec("fused_experts", "ep", stages=stages, validate=_accept, options=options)
+            requests.append(NativeParallelBindingRequest((pattern,), spec, _experts_owned))
+        else:
+            requests.append(NativeParallelBindingRequest((pattern,), LINEAR_SPEC, _replicated))
+    return len(resolve_plan(model, requests, CONTEXT).parallel_modules)
+
+
 def rust_walk_floor(model: nn.Module, plan: tuple[str, ...]) -> int:
     """A Rust walk over every module that matches nothing: the floor of any full walk."""
     return len(PatternSet([]).walk(model, prune=False))
@@ -123,10 +169,11 @@ METHODS: dict[str, Callable[[nn.Module, tuple[str, ...]], int]] = {
     "regex_per_pattern": regex_per_pattern,
     "one_regex": one_regex,
     "meshbind": meshbind_resolution,
+    "meshbind_validate": meshbind_validate,
     "rust_walk_floor": rust_walk_floor,
 }
 PYTHON_BASELINES = ("torch_parallelize_module", "fnmatch", "regex_per_pattern", "one_regex")
-COUNTED = ("fnmatch", "regex_per_pattern", "one_regex", "meshbind", "torch_parallelize_module")
+COUNTED = ("fnmatch", "regex_per_pattern", "one_regex", "meshbind", "meshbind_validate", "torch_parallelize_module")
 
 
 @dataclass
@@ -156,10 +203,14 @@ def time_method(fn: Callable[[], int], repeat: int) -> tuple[float, int]:
 def run(sizes: list[tuple[int, int]], plans: list[str], repeat: int) -> list[Row]:
     rows: list[Row] = []
     for layers, experts in sizes:
-        print(f"building {layers}x{experts} ...", file=sys.stderr)
-        model = build_moe_tree(layers, experts)
-        modules = sum(1 for _ in model.modules())
+        trees: dict[bool, nn.Module] = {}
         for plan_name in plans:
+            fused = plan_name in FUSED_EXPERT_PLANS
+            if fused not in trees:
+                print(f"building {layers}x{experts}{' (fused experts)' if fused else ''} ...", file=sys.stderr)
+                trees[fused] = build_moe_tree(layers, experts, fused_experts=fused)
+            model = trees[fused]
+            modules = sum(1 for _ in model.modules())
             plan = PLANS[plan_name]
             counts: dict[str, int] = {}
             for method, fn in METHODS.items():

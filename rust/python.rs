@@ -122,10 +122,15 @@ impl PyPatternSet {
 
     /// Walks the module tree under `root` through `_modules`, matching every FQN (aliases
     /// included). With `prune`, subtrees no pattern can reach are not entered and only matching
-    /// FQNs are recorded; without it, every FQN, module and class is indexed.
-    #[pyo3(signature = (root, *, prune = true))]
-    fn walk(&self, root: &Bound<'_, PyAny>, prune: bool) -> PyResult<ModuleTree> {
-        let mode = if prune { WalkMode::Pruned } else { WalkMode::Full };
+    /// FQNs are recorded (with `modules`, also the module and class behind each); without it,
+    /// every FQN, module and class is indexed.
+    #[pyo3(signature = (root, *, prune = true, modules = false))]
+    fn walk(&self, root: &Bound<'_, PyAny>, prune: bool, modules: bool) -> PyResult<ModuleTree> {
+        let mode = match (prune, modules) {
+            (false, _) => WalkMode::Full,
+            (true, false) => WalkMode::Pruned,
+            (true, true) => WalkMode::PrunedModules,
+        };
         let index = self.inner.with_matcher(|m| walk_tree(root, m, mode)).map_err(walk_error)?;
         Ok(ModuleTree { index })
     }

@@ -98,11 +98,13 @@ struct Frame<'py> {
 
 /// What a walk records. A full walk indexes every FQN, module and class (plan resolution needs
 /// them all to find family modules); a pruned walk records only the FQNs that match, enters no
-/// subtree that no pattern can reach, and never touches a module object it does not enter.
+/// subtree that no pattern can reach, and never touches a module object it does not enter;
+/// `PrunedModules` prunes the same way and also indexes the module and class behind each match.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum WalkMode {
     Full,
     Pruned,
+    PrunedModules,
 }
 
 struct Walker<'m, 'a> {
@@ -229,7 +231,7 @@ impl Walker<'_, '_> {
         }
         let name = self.index.names.push(fqn);
         self.index.hits.extend(self.scratch.iter().map(|&p| (name, p)));
-        if self.mode == WalkMode::Full {
+        if self.mode != WalkMode::Pruned {
             let next = self.index.modules.len() as u32;
             let module_index = *self.module_ids.entry(identity).or_insert(next);
             if module_index == next {

@@ -42,7 +42,10 @@ def test_json_output_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:
         (["check", "meshbind.nowhere:f", PLAN], "cannot import 'meshbind.nowhere'"),
         (["check", "meshbind.examples.moe_tree:nothing", PLAN], "has no attribute 'nothing'"),
         (["check", "meshbind.examples.moe_tree:DEEP_PLAN", PLAN], "is not callable"),
-        (["check", MODEL, "meshbind.examples.moe_tree:DEEP_PLAN"], "must be, or return, a sequence of NativeParallelBindingRequest"),
+        (
+            ["check", MODEL, "meshbind.examples.moe_tree:DEEP_PLAN"],
+            "must be, or return, a sequence of NativeParallelBindingRequest",
+        ),
     ],
 )
 def test_bad_references_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

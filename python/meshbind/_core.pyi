@@ -20,8 +20,11 @@ class PatternSet:
         """The ascending indices of the patterns matching ``name``."""
     def match_many(self, names: Sequence[str]) -> list[list[int]]:
         """``match`` for every name, in one call."""
-    def walk(self, root: object, *, prune: bool = True) -> ModuleTree:
-        """Walk an ``nn.Module`` tree through ``_modules``, matching every FQN (aliases included)."""
+    def walk(self, root: object, *, prune: bool = True, modules: bool = False) -> ModuleTree:
+        """Walk an ``nn.Module`` tree through ``_modules``, matching every FQN (aliases included).
+
+        With ``prune`` only matching FQNs are recorded (and, with ``modules``, their modules and
+        classes) and no subtree that no pattern can reach is entered; without it, everything is."""
     def index_names(self, names: Sequence[str]) -> ModuleTree:
         """Match a plain sequence of FQNs (the offline form of ``walk``)."""
 

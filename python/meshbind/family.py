@@ -47,6 +47,21 @@ def family_spec(cls: type) -> object:
     return None
 
 
+def any_family_class() -> bool:
+    """Whether any ``nn.Module`` subclass now defined declares ``parallel_spec``.
+
+    Every module's class is a live subclass of ``nn.Module``, so when none declares one no module
+    of any tree can be a family member, and resolution need not visit modules no pattern reaches.
+    """
+    pending, seen = [nn.Module], set()
+    while pending:
+        for subclass in pending.pop().__subclasses__():
+            if subclass not in seen:
+                seen.add(subclass)
+                pending.append(subclass)
+    return any("parallel_spec" in cls.__dict__ for cls in seen)
+
+
 def get_family_build_info(module: nn.Module) -> FamilyBuildInfo:
     """The build info of a family module; a ``ValueError`` when its class owns no protocol."""
     spec = family_spec(type(module))

@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from types import MappingProxyType
 from typing import Any
 
 from torch import nn
 
 from meshbind._core import ModuleTree, PatternSet
-from meshbind.family import family_spec, record_family_layout
+from meshbind.family import any_family_class, family_spec, record_family_layout
 from meshbind.specs import (
     SHARDING_FIELDS,
     LayoutContext,
@@ -132,7 +133,16 @@ def resolve_plan(
     owners += [-1 - index for index in range(len(override_items))]
     pattern_set = PatternSet(patterns)
     tree, offline = _index(pattern_set, model)
-    return _Resolution(requests, context, override_items, param_shapes, tree, offline, patterns, owners).run()
+    return _Resolution(model, requests, context, override_items, param_shapes, tree, offline, patterns, owners).run()
+
+
+def _family_sharding(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+    """A family member's layout provider: its own ``parallel_sharding``."""
+    provider = getattr(type(module), "parallel_sharding", None)
+    if provider is None:
+        raise TypeError(f"family class {type(module).__qualname__} defines no parallel_sharding(fqn, context)")
+    result: ModuleShardingSpec = provider(module, fqn, context)
+    return result
 
 
 def _checked_requests(requests: object) -> list[NativeParallelBindingRequest]:
@@ -156,8 +166,12 @@ def _checked_overrides(overrides: object) -> list[tuple[str, Mapping[str, Any]]]
 
 
 def _index(pattern_set: PatternSet, model: object) -> tuple[ModuleTree, bool]:
+    """The matches over the model. Family members may sit anywhere, so the walk visits every
+    module when a family class exists; otherwise it prunes subtrees no pattern can reach."""
     if isinstance(model, nn.Module):
-        return pattern_set.walk(model, prune=False), False
+        if any_family_class():
+            return pattern_set.walk(model, prune=False), False
+        return pattern_set.walk(model, prune=True, modules=True), False
     if isinstance(model, str) or not isinstance(model, Sequence):
         raise TypeError(f"model must be an nn.Module or a sequence of FQNs, got {type(model).__name__}")
     names = list(model)
@@ -173,6 +187,7 @@ class _Resolution:
 
     def __init__(
         self,
+        model: nn.Module | Sequence[str],
         requests: list[NativeParallelBindingRequest],
         context: LayoutContext,
         overrides: list[tuple[str, Mapping[str, Any]]],
@@ -182,6 +197,7 @@ class _Resolution:
         patterns: list[str],
         owners: list[int],
     ) -> None:
+        self.model = model
         self.requests = requests
         self.context = context
         self.overrides = overrides
@@ -191,6 +207,7 @@ class _Resolution:
         self.patterns = patterns
         self.owners = owners
         self.problems: list[PlanProblem] = []
+        self.all_names: ModuleTree | None = None
         self.family_specs: dict[int, ParallelModuleSpec] = {}
         self.classes: list[type] = [] if offline else tree.classes()
         self.module_classes: list[int] = [] if offline else tree.module_classes()
@@ -202,16 +219,17 @@ class _Resolution:
         planned = sorted(owner)
         fqns = self.tree.module_fqns(planned)
         modules: list[nn.Module | None] = [None] * len(planned) if self.offline else self.tree.modules(planned)  # type: ignore[assignment]
-        request_specs = [request.parallel for request in self.requests]
-        specs = [request_specs[owner[m]] if owner[m] != _FAMILY else self.family_specs[self.module_classes[m]] for m in planned]
+        request_of = list(map(owner.__getitem__, planned))
+        specs, sources = self._specs_and_sources(planned, request_of, modules)
         self._report_unmatched(owner, override_hits)
         self._report_nested(fqns, specs)
-        shardings = self._shardings(planned, owner, modules, fqns, override_hits)
+        shardings = self._shardings(planned, request_of, modules, fqns, override_hits)
         rows = [row for row, sharding in enumerate(shardings) if sharding is not None]
         if len(rows) < len(planned):
-            planned, modules, fqns, specs = ([values[row] for row in rows] for values in (planned, modules, fqns, specs))  # type: ignore[assignment]
+            planned, modules, fqns, specs, sources = (  # type: ignore[assignment]
+                [values[row] for row in rows] for values in (planned, modules, fqns, specs, sources)
+            )
             shardings = [shardings[row] for row in rows]
-        sources = self._sources(planned, owner)
         batch = ValidationBatch(self.context, self.param_shapes if self.offline else None)
         for row, code, message in batch.check(modules, fqns, specs, shardings):  # type: ignore[arg-type]
             self.problems.append(PlanProblem(code, fqns[row], sources[row], message))
@@ -287,14 +305,24 @@ class _Resolution:
                 self.problems.append(PlanProblem("conflict", fqn, f"requests[{request}], family {cls.__qualname__}", message))
                 del owner[module]
 
-    def _sources(self, planned: list[int], owner: dict[int, int]) -> list[str]:
-        labels = [f"requests[{index}]" for index in range(len(self.requests))]
-        return [labels[owner[m]] if owner[m] != _FAMILY else self._source(_FAMILY, m) for m in planned]
+    def _specs_and_sources(
+        self, planned: list[int], request_of: list[int], modules: list[nn.Module | None]
+    ) -> tuple[list[ParallelModuleSpec], list[str]]:
+        """Each planned module's spec, and the request or family class that put it in the plan."""
+        # _FAMILY (-1) reads the placeholder at the end; family rows are filled in below.
+        request_specs: list[Any] = [request.parallel for request in self.requests] + [None]
+        labels = [f"requests[{index}]" for index in range(len(self.requests))] + [""]
+        specs: list[ParallelModuleSpec] = list(map(request_specs.__getitem__, request_of))
+        sources: list[str] = list(map(labels.__getitem__, request_of))
+        if self.family_specs:
+            for row, request in enumerate(request_of):
+                if request == _FAMILY:
+                    specs[row] = self.family_specs[self.module_classes[planned[row]]]
+                    sources[row] = self._source(_FAMILY, modules[row])
+        return specs, sources
 
-    def _source(self, request: int, module: int) -> str:
-        if request == _FAMILY:
-            return f"family {self.classes[self.module_classes[module]].__qualname__}"
-        return f"requests[{request}]"
+    def _source(self, request: int, module: nn.Module | None) -> str:
+        return f"requests[{request}]" if request != _FAMILY else f"family {type(module).__qualname__}"
 
     def _report_unmatched(self, owner: dict[int, int], override_hits: dict[int, list[int]]) -> None:
         counts = self.tree.hit_counts(len(self.patterns))
@@ -306,10 +334,18 @@ class _Resolution:
                 source = f"overrides[{pattern!r}]"
             else:
                 continue
-            nearest = self.tree.nearest(pattern, 3)
+            nearest = self._every_name().nearest(pattern, 3)
             hint = f"; did you mean {', '.join(repr(n) for n in nearest)}?" if nearest else ""
             what = "any module" if request >= 0 else "any planned module"
             self.problems.append(PlanProblem("unmatched", None, source, f"pattern {pattern!r} does not select {what}{hint}"))
+
+    def _every_name(self) -> ModuleTree:
+        """A tree holding every FQN, for "did you mean" (a pruned walk recorded only matches)."""
+        if self.tree.complete or not isinstance(self.model, nn.Module):
+            return self.tree
+        if self.all_names is None:
+            self.all_names = PatternSet([]).walk(self.model, prune=False)
+        return self.all_names
 
     def _report_nested(self, fqns: list[str], specs: list[ParallelModuleSpec]) -> None:
         """Tree order is preorder, so each kind's open ancestors form a stack."""
@@ -328,38 +364,36 @@ class _Resolution:
     def _shardings(
         self,
         planned: list[int],
-        owner: dict[int, int],
+        request_of: list[int],
         modules: list[nn.Module | None],
         fqns: list[str],
         override_hits: dict[int, list[int]],
     ) -> list[ModuleShardingSpec | None]:
         """Every planned module's layout from its provider, overrides merged; ``None`` after a problem."""
         context = self.context
-        providers = [request.sharding for request in self.requests]
+        # Index _FAMILY (-1) is the last entry: the family member's own method.
+        providers = [request.sharding for request in self.requests] + [_family_sharding]
         shardings: list[ModuleShardingSpec | None] = []
-        for module_index, module, fqn in zip(planned, modules, fqns, strict=True):
-            request = owner[module_index]
+        append = shardings.append
+        for request, module, fqn in zip(request_of, modules, fqns, strict=True):
             try:
-                if request == _FAMILY:
-                    sharding = module.parallel_sharding(fqn, context)  # type: ignore[union-attr,operator]
-                else:
-                    sharding = providers[request](module, fqn, context)
+                append(providers[request](module, fqn, context))
             except Exception as error:
-                self._layout_problem(fqn, request, module_index, f"the layout provider raised {type(error).__name__}: {error}")
-                shardings.append(None)
-                continue
-            if type(sharding) is not ModuleShardingSpec and not isinstance(sharding, ModuleShardingSpec):
-                message = f"the layout provider returned {type(sharding).__name__}, not a ModuleShardingSpec"
-                self._layout_problem(fqn, request, module_index, message)
-                shardings.append(None)
-                continue
-            if module_index in override_hits:
-                sharding = self._override(sharding, fqn, override_hits[module_index])
-            shardings.append(sharding)
+                message = f"the layout provider raised {type(error).__name__}: {error}"
+                self.problems.append(PlanProblem("layout", fqn, self._source(request, module), message))
+                append(None)
+        if not all(map(isinstance, shardings, repeat(ModuleShardingSpec))):
+            for row, sharding in enumerate(shardings):
+                if sharding is not None and not isinstance(sharding, ModuleShardingSpec):
+                    message = f"the layout provider returned {type(sharding).__name__}, not a ModuleShardingSpec"
+                    self.problems.append(PlanProblem("layout", fqns[row], self._source(request_of[row], modules[row]), message))
+                    shardings[row] = None
+        if override_hits:
+            for row, module_index in enumerate(planned):
+                sharding = shardings[row]
+                if module_index in override_hits and sharding is not None:
+                    shardings[row] = self._override(sharding, fqns[row], override_hits[module_index])
         return shardings
-
-    def _layout_problem(self, fqn: str, request: int, module: int, message: str) -> None:
-        self.problems.append(PlanProblem("layout", fqn, self._source(request, module), message))
 
     def _override(self, sharding: ModuleShardingSpec, fqn: str, overrides: Sequence[int]) -> ModuleShardingSpec | None:
         """Merge the overrides in order: a field an override sets wins, the others stay derived."""

@@ -147,8 +147,10 @@ class ValidationBatch:
         count = len(fqns)
         failures: list[Failure | None] = [None] * count
         layout: dict[int, list[str]] = {}
-        self._class_failures(modules, specs, failures)
-        num_experts = self._expert_counts(specs, failures)
+        spec_ids = list(map(id, specs))
+        distinct_specs = dict(zip(spec_ids, specs, strict=True))
+        self._class_failures(modules, spec_ids, distinct_specs, failures)
+        num_experts = self._expert_counts(specs, distinct_specs, failures)
         columns: _Rows = ([], [], [], [], [], [], [])
         for template, rows in self._group_by_sharding(shardings):
             if template.failure or template.problems:
@@ -171,7 +173,8 @@ class ValidationBatch:
                 layout.setdefault(row, []).append(message)
             elif failures[row] is None:
                 failures[row] = (code, message)
-        self._run_validators(modules, specs, shardings, failures, layout)
+        if any(spec.validate is not None for spec in distinct_specs.values()):
+            self._run_validators(modules, specs, shardings, failures, layout)
         problems = [(row, "layout", message) for row, messages in sorted(layout.items()) for message in messages]
         problems += [(row, failure[0], failure[1]) for row, failure in enumerate(failures) if failure is not None]
         return problems
@@ -189,25 +192,27 @@ class ValidationBatch:
 
     @staticmethod
     def _class_failures(
-        modules: Sequence[nn.Module | None], specs: Sequence[ParallelModuleSpec], failures: list[Failure | None]
+        modules: Sequence[nn.Module | None],
+        spec_ids: list[int],
+        distinct_specs: dict[int, ParallelModuleSpec],
+        failures: list[Failure | None],
     ) -> None:
         """Rules 1 and 2 once per (class, spec): 50k instances of 5 classes inspect 5 signatures."""
         if not modules or modules[0] is None:
             return
-        spec_of = dict(zip(map(id, specs), specs, strict=True))
-        pairs = set(zip(map(type, modules), map(id, specs), strict=True))
-        failing = {key: failure for key in pairs if (failure := class_failure(key[0], spec_of[key[1]])) is not None}
+        pairs = set(zip(map(type, modules), spec_ids, strict=True))
+        failing = {key: failure for key in pairs if (failure := class_failure(key[0], distinct_specs[key[1]])) is not None}
         if failing:
-            for row, (module, spec) in enumerate(zip(modules, specs, strict=True)):
-                failures[row] = failures[row] or failing.get((type(module), id(spec)))
+            for row, key in enumerate(zip(map(type, modules), spec_ids, strict=True)):
+                failures[row] = failures[row] or failing.get(key)
 
     @staticmethod
-    def _expert_counts(specs: Sequence[ParallelModuleSpec], failures: list[Failure | None]) -> list[int | None]:
+    def _expert_counts(
+        specs: Sequence[ParallelModuleSpec], distinct_specs: dict[int, ParallelModuleSpec], failures: list[Failure | None]
+    ) -> list[int | None]:
         """``num_experts`` of every ``ep`` module for rule 5 (its type is checked here)."""
         counts: list[int | None] = [None] * len(specs)
-        expert_specs = {
-            id(spec): spec for spec in dict(zip(map(id, specs), specs, strict=True)).values() if spec.binding_kind == "ep"
-        }
+        expert_specs = {identity: spec for identity, spec in distinct_specs.items() if spec.binding_kind == "ep"}
         if not expert_specs:
             return counts
         for row, spec in enumerate(specs):
@@ -245,7 +250,7 @@ class ValidationBatch:
                 ranks.extend([None] * count)
                 first_dims.extend([None] * count)
                 continue
-            found_ranks, found_first = self._parameter_shapes(rows, modules, fqns, path, first_dim=kind == _SHARD)
+            found_ranks, found_first = self._parameter_shapes(rows, modules, fqns, path, need_shape=kind == _SHARD)
             ranks.extend(found_ranks)
             first_dims.extend(found_first)
             if any(map(is_, found_ranks, repeat(None))) and (modules[rows[0]] is not None or self.param_shapes is not None):
@@ -254,10 +259,12 @@ class ValidationBatch:
                         layout.setdefault(row, []).append(self._missing(modules[row], fqns[row], path))
 
     def _parameter_shapes(
-        self, rows: list[int], modules: Sequence[nn.Module | None], fqns: Sequence[str], path: str, *, first_dim: bool
+        self, rows: list[int], modules: Sequence[nn.Module | None], fqns: Sequence[str], path: str, *, need_shape: bool
     ) -> tuple[list[int | None], list[int | None]]:
-        """The rank of parameter ``path`` of each module (``None``: not found), and with
-        ``first_dim`` its ``shape[0]``. Ranks come from ``ndim``: building every shape would cost more."""
+        """The rank and ``shape[0]`` of parameter ``path`` of each module (rank ``None``: not found).
+
+        Without ``need_shape`` (a row that is not ``Shard``) only presence matters: rank 0 then
+        stands for "present", so no parameter is touched for nothing."""
         if modules[rows[0]] is None:
             if self.param_shapes is None:
                 return [None] * len(rows), [None] * len(rows)
@@ -266,14 +273,17 @@ class ValidationBatch:
             return [None if s is None else len(s) for s in shapes], [s[0] if s else None for s in shapes]
         selected = modules if len(rows) == len(modules) else [modules[row] for row in rows]
         if "." in path:
-            parameters = [_get_parameter(module, path) for module in selected if module is not None]
+            parameters = [_get_parameter(module, path) for module in selected]
+        elif not need_shape:
+            present = list(map(dict.__contains__, map(_PARAMETERS, selected), repeat(path)))
+            return [0 if found else None for found in present] if not all(present) else [0] * len(rows), [None] * len(rows)
         else:
             parameters = list(map(dict.get, map(_PARAMETERS, selected), repeat(path)))
         if any(map(is_, parameters, repeat(None))):  # not `None in`: that calls Tensor.__eq__
             ranks = [None if p is None else p.ndim for p in parameters]
         else:
             ranks = list(map(_NDIM, parameters))
-        if not first_dim:
+        if not need_shape:
             return ranks, [None] * len(rows)
         return ranks, [p.shape[0] if p is not None and p.ndim else None for p in parameters]
 
@@ -330,7 +340,9 @@ _Rows = tuple[list[int], list[int], list[int], list[int], list[int], list[int | 
 """The row columns handed to Rust: module, label, axis, kind, dim, parameter rank, shape[0]."""
 
 
-def _get_parameter(module: nn.Module, path: str) -> Any:
+def _get_parameter(module: nn.Module | None, path: str) -> Any:
+    if module is None:
+        return None
     try:
         return module.get_parameter(path)
     except AttributeError:

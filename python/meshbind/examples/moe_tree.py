@@ -35,36 +35,62 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
 
 
-class SparseMoeBlock(nn.Module):
+class FusedExperts(nn.Module):
+    """All experts of a layer as one module: one ``[E, ...]`` parameter per projection."""
+
     def __init__(self, num_experts: int) -> None:
         super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, INTERMEDIATE, HIDDEN))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, INTERMEDIATE, HIDDEN))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, HIDDEN, INTERMEDIATE))
+
+    def forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """``tokens[T, H]``, each sent to ``expert_ids[T]``: a SwiGLU per token with its expert's weights."""
+        gate = torch.einsum("th,tih->ti", tokens, self.gate_proj[expert_ids])
+        up = torch.einsum("th,tih->ti", tokens, self.up_proj[expert_ids])
+        return torch.einsum("ti,thi->th", nn.functional.silu(gate) * up, self.down_proj[expert_ids])
+
+    def bind_parallel(self, binding: object) -> None:
+        self.binding = binding
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, num_experts: int, fused_experts: bool) -> None:
+        super().__init__()
         self.gate = nn.Linear(HIDDEN, num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert() for _ in range(num_experts))
+        self.experts: nn.Module = (
+            FusedExperts(num_experts) if fused_experts else nn.ModuleList(Expert() for _ in range(num_experts))
+        )
         self.shared_experts = Expert()
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, fused_experts: bool) -> None:
         super().__init__()
         self.input_layernorm = nn.LayerNorm(HIDDEN)
         self.self_attn = Attention()
         self.post_attention_layernorm = nn.LayerNorm(HIDDEN)
-        self.mlp = SparseMoeBlock(num_experts)
+        self.mlp = SparseMoeBlock(num_experts, fused_experts)
 
 
 class MoeForCausalLM(nn.Module):
-    def __init__(self, num_layers: int, num_experts: int, vocab: int = 32) -> None:
+    def __init__(self, num_layers: int, num_experts: int, vocab: int = 32, *, fused_experts: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, HIDDEN)
-        self.layers = nn.ModuleList(DecoderLayer(num_experts) for _ in range(num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(num_experts, fused_experts) for _ in range(num_layers))
         self.norm = nn.LayerNorm(HIDDEN)
         self.lm_head = nn.Linear(HIDDEN, vocab, bias=False)
 
 
-def build_moe_tree(num_layers: int, num_experts: int) -> MoeForCausalLM:
-    """The tree on the ``meta`` device: no memory is allocated for its parameters."""
+def build_moe_tree(num_layers: int, num_experts: int, *, fused_experts: bool = False) -> MoeForCausalLM:
+    """The tree on the ``meta`` device: no memory is allocated for its parameters.
+
+    With ``fused_experts`` each layer's experts are one ``FusedExperts`` module instead of a
+    ``ModuleList`` of per-expert modules.
+    """
     with torch.device("meta"):
-        return MoeForCausalLM(num_layers, num_experts)
+        return MoeForCausalLM(num_layers, num_experts, fused_experts=fused_experts)
 
 
 def moe_tree_fqns(num_layers: int, num_experts: int) -> list[str]:
@@ -97,6 +123,19 @@ DEEP_PLAN: tuple[str, ...] = (
     "embed_tokens",
 )
 """The per-expert projections, the attention projections, the router and the two ends."""
+
+MOE_PLAN: tuple[str, ...] = (
+    "layers.*.mlp.experts",
+    "layers.*.self_attn.q_proj",
+    "layers.*.self_attn.k_proj",
+    "layers.*.self_attn.v_proj",
+    "layers.*.self_attn.o_proj",
+    "layers.*.mlp.gate",
+    "lm_head",
+    "embed_tokens",
+)
+"""For a tree with fused experts: each layer's ``FusedExperts``, the attention projections, the
+router and the two ends."""
 
 
 def small_moe_tree() -> MoeForCausalLM:
