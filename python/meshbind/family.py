@@ -22,8 +22,8 @@ class FamilyLayout:
 
     spec: ParallelModuleSpec
     sharding: ModuleShardingSpec
-    applied_on: tuple[int, ...] | None = None
-    """The identity of the mesh context the layout was bound on; ``None`` while un-applied."""
+    applied_on: object | None = None
+    """The ``MeshContext`` the layout was bound on; ``None`` while un-applied."""
 
     @property
     def applied(self) -> bool:
@@ -82,7 +82,7 @@ def record_family_layout(module: nn.Module, fqn: str, spec: ParallelModuleSpec, 
     module.__dict__[_BUILD_INFO] = FamilyBuildInfo(spec=spec, fqn=fqn, layout=layout)
 
 
-def set_family_applied(module: nn.Module, applied_on: tuple[int, ...] | None) -> None:
+def set_family_applied(module: nn.Module, applied_on: object | None) -> None:
     """Mark the recorded layout applied on a mesh (or un-applied with ``None``)."""
     info = module.__dict__.get(_BUILD_INFO)
     if isinstance(info, FamilyBuildInfo) and info.layout is not None:

@@ -1,0 +1,184 @@
+"""Binding a resolved plan to existing meshes (SPEC §6): all or nothing, creating no group.
+
+``bind_parallel_modules`` first prepares everything that can fail without side effects (finding
+each module, checking its current owner, building the CP/EP contexts from prebuilt axis meshes),
+then calls each module's ``bind_parallel``. If one raises, every module bound by this call is
+restored before the error propagates, so a model is never left half-bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from meshbind.cp import CPContext
+from meshbind.ep import EPContext
+from meshbind.family import family_spec, set_family_applied
+from meshbind.mesh import MeshBinding, MeshContext
+from meshbind.plan import ParallelPlan
+from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
+
+_OWNER = "_meshbind_owner"
+_RECORDS = "_meshbind_records"
+
+
+@dataclass(frozen=True)
+class ParallelBinding:
+    """What a module's ``bind_parallel`` receives: the axis meshes, and its CP or EP context."""
+
+    mesh_binding: MeshBinding
+    cp_context: CPContext | None = None
+    ep_context: EPContext | None = None
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """The plan entry and mesh a module is bound by."""
+
+    spec: ParallelModuleSpec
+    sharding: ModuleShardingSpec
+    mesh_context: MeshContext
+    binding: ParallelBinding
+
+
+@dataclass(frozen=True)
+class BoundModule:
+    """A record of the plan on the model: what ``validate_materialized_modules`` checks."""
+
+    fqn: str
+    spec: ParallelModuleSpec
+    binding: ParallelBinding | None
+
+
+class BindingError(RuntimeError):
+    """A module's ``bind_parallel`` failed; ``fqn`` names it. Nothing stays bound."""
+
+    def __init__(self, fqn: str, error: BaseException, restore_failures: list[str]) -> None:
+        self.fqn = fqn
+        restored = "every module bound by this call was restored"
+        if restore_failures:
+            restored += f", but unbind_parallel failed for {'; '.join(restore_failures)}"
+        super().__init__(f"bind_parallel of {fqn!r} failed ({restored}): {type(error).__name__}: {error}")
+
+
+class MaterializationError(ValueError):
+    """Every failing ``validate_materialized``, as ``(fqn, error)`` in ``failures``."""
+
+    def __init__(self, failures: list[tuple[str, BaseException]]) -> None:
+        self.failures = failures
+        lines = "\n".join(f"  {fqn!r}: {type(error).__name__}: {error}" for fqn, error in failures)
+        super().__init__(f"{len(failures)} module{'s' if len(failures) != 1 else ''} failed validate_materialized:\n{lines}")
+
+
+@dataclass
+class _Prepared:
+    fqn: str
+    module: nn.Module
+    spec: ParallelModuleSpec
+    binding: ParallelBinding
+
+
+def bind_parallel_modules(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext) -> list[str]:
+    """Bind every planned module whose kind is not ``none``; returns the FQNs bound by this call
+    (a module already bound by the same entry on the same mesh is skipped)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan must be a ParallelPlan, got {type(plan).__name__}")
+    mesh_binding = MeshBinding(mesh_context)
+    prepared, unchanged = _prepare(model, plan, mesh_binding)
+    bound: list[_Prepared] = []
+    for entry in prepared:
+        try:
+            entry.module.bind_parallel(entry.binding)  # type: ignore[operator]
+        except Exception as error:
+            raise BindingError(entry.fqn, error, _restore(bound)) from error
+        entry.module.__dict__[_OWNER] = _Owner(entry.spec, plan.sharding[entry.fqn], mesh_context, entry.binding)
+        bound.append(entry)
+    for entry in bound:
+        if isinstance(family_spec(type(entry.module)), ParallelModuleSpec):
+            set_family_applied(entry.module, mesh_context)
+    bindings = {entry.fqn: entry.binding for entry in bound} | unchanged
+    records = {record.fqn: record for record in model.__dict__.get(_RECORDS, ())}
+    records |= {fqn: BoundModule(fqn, spec, bindings.get(fqn)) for fqn, spec in plan.parallel_modules.items()}
+    model.__dict__[_RECORDS] = tuple(records.values())
+    return [entry.fqn for entry in bound]
+
+
+def _prepare(
+    model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding
+) -> tuple[list[_Prepared], dict[str, ParallelBinding]]:
+    """Every binding to make, and the modules already bound by the same entry; raises before any side effect."""
+    mesh_context = mesh_binding.mesh_context
+    cp_contexts: dict[str, CPContext] = {}
+    ep_contexts: dict[int, EPContext] = {}
+    prepared: list[_Prepared] = []
+    unchanged: dict[str, ParallelBinding] = {}
+    for fqn, spec in plan.parallel_modules.items():
+        if spec.binding_kind == "none":
+            continue
+        try:
+            module = model.get_submodule(fqn)
+        except AttributeError as error:
+            raise ValueError(f"the plan names {fqn!r}, which this model does not have: {error}") from None
+        owner = module.__dict__.get(_OWNER)
+        if isinstance(owner, _Owner):
+            if owner.spec == spec and owner.sharding == plan.sharding[fqn] and owner.mesh_context == mesh_context:
+                unchanged[fqn] = owner.binding
+                continue
+            raise ValueError(f"{fqn!r} already has a communication owner ({owner.spec.describe()}); unbind it first")
+        if not callable(getattr(type(module), "bind_parallel", None)):
+            raise ValueError(f"{fqn!r} ({type(module).__qualname__}) has no bind_parallel(binding)")
+        binding = ParallelBinding(mesh_binding)
+        if spec.binding_kind == "cp":
+            if "cp" not in cp_contexts:
+                cp_contexts["cp"] = CPContext(mesh_binding.axis_mesh("cp"))
+            binding = ParallelBinding(mesh_binding, cp_context=cp_contexts["cp"])
+        elif spec.binding_kind == "ep":
+            num_experts = spec.options["num_experts"]
+            if num_experts not in ep_contexts:
+                ep_contexts[num_experts] = EPContext(mesh_binding.axis_mesh("ep"), num_experts)
+            binding = ParallelBinding(mesh_binding, ep_context=ep_contexts[num_experts])
+        prepared.append(_Prepared(fqn, module, spec, binding))
+    return prepared, unchanged
+
+
+def _restore(bound: list[_Prepared]) -> list[str]:
+    """Undo this call's bindings, newest first: drop the owner, call the optional
+    ``unbind_parallel``. Returns the ``unbind_parallel`` calls that raised."""
+    failures = []
+    for entry in reversed(bound):
+        entry.module.__dict__.pop(_OWNER, None)
+        unbind = getattr(type(entry.module), "unbind_parallel", None)
+        if callable(unbind):
+            try:
+                unbind(entry.module)
+            except Exception as error:
+                failures.append(f"{entry.fqn!r} ({type(error).__name__}: {error})")
+    return failures
+
+
+def validate_materialized_modules(model: nn.Module) -> None:
+    """Run every recorded spec's ``validate_materialized(module=, binding=)``; raise one
+    ``MaterializationError`` listing every failure."""
+    records = model.__dict__.get(_RECORDS)
+    if records is None:
+        raise ValueError("no plan is recorded on this model: call bind_parallel_modules first")
+    failures: list[tuple[str, BaseException]] = []
+    for record in records:
+        check = record.spec.validate_materialized
+        if check is None:
+            continue
+        try:
+            check(module=model.get_submodule(record.fqn), binding=record.binding)
+        except Exception as error:
+            failures.append((record.fqn, error))
+    if failures:
+        raise MaterializationError(failures)
+
+
+def bound_modules(model: nn.Module) -> tuple[BoundModule, ...]:
+    """The plan entries recorded on the model by ``bind_parallel_modules`` (empty before)."""
+    records: tuple[BoundModule, ...] = model.__dict__.get(_RECORDS, ())
+    return records

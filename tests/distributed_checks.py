@@ -1,0 +1,371 @@
+"""Checks that run on every rank of a real gloo world (started by tests/world.py).
+
+``run_checks`` runs each check in turn on every rank and returns ``{check: None or traceback}``;
+tests/test_distributed.py asserts on them. References are single-process computations of the same
+thing, made on every rank from the same seeds.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from meshbind import (
+    BindingError,
+    CPContext,
+    EPContext,
+    LayoutContext,
+    MaterializationError,
+    MeshBinding,
+    MeshContext,
+    ModuleShardingSpec,
+    NativeParallelBindingRequest,
+    ParallelModuleSpec,
+    bind_parallel_modules,
+    bound_modules,
+    get_family_build_info,
+    resolve_plan,
+    validate_materialized_modules,
+)
+
+TOLERANCE = 1e-10
+
+
+def process_groups() -> int:
+    """How many process groups exist now (the default one included)."""
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    difference = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    if difference > TOLERANCE:
+        raise AssertionError(f"{what}: max difference {difference:.3e} > {TOLERANCE}")
+
+
+def check_mesh_sizes(sizes: dict[str, int]) -> None:
+    world = dist.get_world_size()
+    before = process_groups()
+    for bad, message in (({"dp": world + 1}, "the world size is"), ({"dp": world, "ep": 3}, "does not divide the world size")):
+        try:
+            MeshContext.build(**bad)
+        except ValueError as error:
+            if message not in str(error):
+                raise AssertionError(f"unexpected message {error}") from error
+        else:
+            raise AssertionError(f"MeshContext.build({bad}) did not fail")
+    if process_groups() != before:
+        raise AssertionError("a rejected MeshContext.build created a group")
+    context = MeshContext.build(**sizes)
+    if context.axis_sizes() != {"dp": sizes["dp"], "cp": sizes["cp"], "tp": sizes["tp"], "ep": sizes["ep"]}:
+        raise AssertionError(f"axis sizes {context.axis_sizes()}")
+    ep_mesh = MeshBinding(context).axis_mesh("ep")
+    rank = dist.get_rank()
+    expected = list(range(rank - rank % sizes["ep"], rank - rank % sizes["ep"] + sizes["ep"]))
+    if ep_mesh.mesh.tolist() != expected:
+        raise AssertionError(f"ep is not innermost: {ep_mesh.mesh.tolist()} != {expected}")
+    if context.layout_context() != LayoutContext(context.axis_sizes()):
+        raise AssertionError("layout_context differs from axis_sizes")
+
+
+def check_axis_mesh(context: MeshContext) -> None:
+    before = process_groups()
+    binding = MeshBinding(context)
+    for axis in ("dp", "cp", "tp", "ep"):
+        mesh = binding.axis_mesh(axis)
+        if mesh.ndim != 1 or mesh.size() != context.axis_sizes()[axis]:
+            raise AssertionError(f"axis {axis}: {mesh}")
+    try:
+        binding.axis_mesh("pp")
+    except ValueError as error:
+        if "no 'pp' axis" not in str(error):
+            raise
+    else:
+        raise AssertionError("a missing axis did not fail")
+    if process_groups() != before:
+        raise AssertionError(f"axis_mesh created {process_groups() - before} groups")
+
+
+def check_cp(context: MeshContext) -> None:
+    cp = CPContext(MeshBinding(context).axis_mesh("cp"))
+    seq = 8 * cp.size
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(2, seq, 3, dtype=torch.float64, generator=generator)
+    weights = [torch.randn(2, seq, 3, dtype=torch.float64, generator=generator) for _ in range(cp.size)]
+    positions = cp.positions(seq)
+    chunk = seq // (2 * cp.size)
+    expected_positions = list(range(cp.rank * chunk, (cp.rank + 1) * chunk))
+    expected_positions += list(range((2 * cp.size - 1 - cp.rank) * chunk, (2 * cp.size - cp.rank) * chunk))
+    if positions.tolist() != expected_positions:
+        raise AssertionError(f"positions {positions.tolist()} != {expected_positions}")
+    local = cp.shard_sequence(x, 1)
+    close(local, x.index_select(1, positions), "shard_sequence")
+    # unshard is the inverse; its backward sums every rank's gradient onto the local tokens.
+    local = local.detach().requires_grad_()
+    full = cp.unshard_sequence(local, 1)
+    close(full, x, "unshard_sequence")
+    (full * weights[cp.rank]).sum().backward()
+    close(local.grad, sum(weights).index_select(1, positions), "unshard_sequence backward")
+    # all_gather: rows in rank order at gathered_positions; backward is a reduce-scatter.
+    keys = local.detach().requires_grad_()
+    gathered = cp.all_gather(keys, 1)
+    close(gathered, x.index_select(1, cp.gathered_positions(seq)), "all_gather")
+    gathered_weights = [w.index_select(1, cp.gathered_positions(seq)) for w in weights]
+    (gathered * gathered_weights[cp.rank]).sum().backward()
+    mine = slice(cp.rank * 2 * chunk, (cp.rank + 1) * 2 * chunk)
+    close(keys.grad, sum(gathered_weights)[:, mine], "all_gather backward")
+    try:
+        cp.shard_sequence(x[:, :-1], 1)
+    except ValueError as error:
+        if "2 * cp" not in str(error):
+            raise
+    else:
+        raise AssertionError("an indivisible sequence did not fail")
+
+
+def routed_moe_reference(
+    tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """One process, no communication: each token through its K experts, weighted and summed."""
+    out = torch.zeros_like(tokens)
+    for k in range(expert_ids.size(1)):
+        per_choice = torch.einsum("th,thg->tg", tokens, experts[expert_ids[:, k]])
+        out = out + per_choice * weights[:, k : k + 1]
+    return out
+
+
+def ep_inputs(rank: int, scenario: str, num_experts: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens, routing and weights of the ``rank``-th rank of the ep group; every rank can
+    rebuild every other rank's."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    tokens_count = {"random": 6 + rank, "skewed": 0 if rank == 1 else 5}[scenario]
+    tokens = torch.randn(tokens_count, hidden, dtype=torch.float64, generator=generator)
+    if scenario == "random":
+        expert_ids = torch.randint(0, num_experts, (tokens_count, 2), generator=generator)
+    else:  # every token of rank 0 goes to the last expert; the first experts receive nothing
+        expert_ids = torch.full((tokens_count, 2), num_experts - 1, dtype=torch.long)
+    weights = torch.rand(tokens_count, 2, dtype=torch.float64, generator=generator)
+    return tokens, expert_ids, weights
+
+
+def check_ep(context: MeshContext, scenario: str) -> None:
+    num_experts, hidden = 4 * context.axis_sizes()["ep"], 5
+    ep = EPContext(MeshBinding(context).axis_mesh("ep"), num_experts)
+    if (ep.num_local_experts, ep.local_expert_start, ep.local_expert_stop) != (4, 4 * ep.rank, 4 * ep.rank + 4):
+        raise AssertionError(f"local experts {ep}")
+    experts = torch.randn(num_experts, hidden, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    local_experts = experts[ep.local_expert_start : ep.local_expert_stop].clone().requires_grad_()
+    group_ranks = MeshBinding(context).axis_mesh("ep").mesh.tolist()
+    inputs = {r: ep_inputs(r, scenario, num_experts, hidden) for r in range(len(group_ranks))}
+    tokens, expert_ids, weights = inputs[ep.rank]
+    tokens = tokens.clone().requires_grad_()
+    routed = ep.dispatch(tokens, expert_ids)
+    ids = routed.local_expert_ids
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= ep.num_local_experts):
+        raise AssertionError(f"local expert ids out of range: {ids.tolist()}")
+    expert_out = torch.einsum("rh,rhg->rg", routed.tokens, local_experts[ids])
+    combined = ep.combine(expert_out, routed, weights)
+    close(combined, routed_moe_reference(tokens.detach(), expert_ids, weights, experts), f"{scenario} combine")
+    gradient_weights = {
+        r: torch.randn(inputs[r][0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in inputs
+    }
+    (combined * gradient_weights[ep.rank]).sum().backward()
+    reference_experts = experts.clone().requires_grad_()
+    reference_tokens = {}
+    for r, (t, e, w) in inputs.items():
+        reference_tokens[r] = t.clone().requires_grad_()
+        (routed_moe_reference(reference_tokens[r], e, w, reference_experts) * gradient_weights[r]).sum().backward()
+    close(tokens.grad, reference_tokens[ep.rank].grad, f"{scenario} token gradient")
+    close(local_experts.grad, reference_experts.grad[ep.local_expert_start : ep.local_expert_stop], f"{scenario} expert gradient")
+
+
+def accept(**kwargs: Any) -> None:
+    return None
+
+
+class CPAttention(nn.Module):
+    """A family module owning the cp protocol; records every bind and unbind."""
+
+    parallel_spec = ParallelModuleSpec("cp_attention", "cp", stages={"forward": ("x",)}, validate=accept)
+    events: list[str]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.events = []
+        self.binding: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+    def parallel_sharding(self, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        return ModuleShardingSpec(params={"proj.weight": {"cp": Replicate()}})
+
+    def bind_parallel(self, binding: Any) -> None:
+        self.events.append("bind")
+        self.binding = binding
+
+    def unbind_parallel(self) -> None:
+        self.events.append("unbind")
+        self.binding = None
+
+
+class Experts(nn.Module):
+    fail_bind = False
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(num_experts, 4, 4))
+        self.events: list[str] = []
+
+    def forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+    def bind_parallel(self, binding: Any) -> None:
+        if self.fail_bind:
+            raise RuntimeError("no experts here")
+        self.events.append("bind")
+        self.binding = binding
+
+
+class Block(nn.Module):
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.attn = CPAttention()
+        self.mlp = Experts(num_experts)
+
+
+def _experts_plan(num_experts: int, validate_materialized: Callable[..., None] | None = None) -> NativeParallelBindingRequest:
+    spec = ParallelModuleSpec(
+        "experts",
+        "ep",
+        stages={"forward": ("tokens", "expert_ids")},
+        validate=accept,
+        options={"num_experts": num_experts},
+        validate_materialized=validate_materialized,
+    )
+    return NativeParallelBindingRequest(
+        ("blocks.*.mlp",), spec, lambda m, f, c: ModuleShardingSpec(params={"w": {"ep": Shard(0)}})
+    )
+
+
+def _expect(error_type: type[BaseException], text: str, call: Callable[[], Any]) -> BaseException:
+    try:
+        call()
+    except error_type as error:
+        if text not in str(error):
+            raise AssertionError(f"{text!r} not in {error}") from error
+        return error
+    raise AssertionError(f"no {error_type.__name__} ({text})")
+
+
+def check_binding(context: MeshContext) -> None:
+    num_experts = 2 * context.axis_sizes()["ep"]
+    model = nn.Module()
+    model.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
+    plan = resolve_plan(model, [_experts_plan(num_experts)], context.layout_context())
+    before = process_groups()
+    bound = bind_parallel_modules(model, plan, context)
+    if process_groups() != before:
+        raise AssertionError(f"binding created {process_groups() - before} process groups")
+    if bound != ["blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]:
+        raise AssertionError(f"bound {bound}")
+    attention, experts = model.blocks[0].attn, model.blocks[0].mlp
+    if attention.binding.cp_context.size != context.axis_sizes()["cp"] or experts.binding.ep_context.num_experts != num_experts:
+        raise AssertionError("bindings carry the wrong contexts")
+    if attention.binding.cp_context is not model.blocks[1].attn.binding.cp_context:
+        raise AssertionError("one CP context should serve every module on the same mesh")
+    layout = get_family_build_info(attention).layout
+    if layout is None or not layout.applied or layout.applied_on != context:
+        raise AssertionError(f"family layout not applied: {layout}")
+    if [record.fqn for record in bound_modules(model)] != list(plan.parallel_modules):
+        raise AssertionError("the plan is not recorded on the model")
+    # Binding the same plan on the same mesh again is a no-op.
+    if bind_parallel_modules(model, plan, context) != [] or attention.events != ["bind"]:
+        raise AssertionError(f"binding twice called bind_parallel again: {attention.events}")
+    # Any other owner is an error naming the module, and nothing changes.
+    other = NativeParallelBindingRequest(
+        ("blocks.0.mlp",),
+        ParallelModuleSpec("other", "ep", stages={"forward": ()}, validate=accept, options={"num_experts": num_experts}),
+        lambda m, f, c: ModuleShardingSpec(params={"w": {"ep": Shard(0)}}),
+    )
+    other_plan = resolve_plan(model, [other], context.layout_context())
+    _expect(
+        ValueError, "'blocks.0.mlp' already has a communication owner", lambda: bind_parallel_modules(model, other_plan, context)
+    )
+    validate_materialized_modules(model)
+
+
+def check_binding_is_all_or_nothing(context: MeshContext) -> None:
+    num_experts = 2 * context.axis_sizes()["ep"]
+    model = nn.Module()
+    model.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
+    model.blocks[1].mlp.fail_bind = True
+    plan = resolve_plan(model, [_experts_plan(num_experts)], context.layout_context())
+    before = process_groups()
+    error = _expect(BindingError, "'blocks.1.mlp'", lambda: bind_parallel_modules(model, plan, context))
+    if "no experts here" not in str(error) or process_groups() != before:
+        raise AssertionError(f"unexpected {error}")
+    attentions = [model.blocks[0].attn, model.blocks[1].attn]
+    if [a.events for a in attentions] != [["bind", "unbind"], ["bind", "unbind"]]:
+        raise AssertionError(f"not restored: {[a.events for a in attentions]}")
+    for attention in attentions:
+        layout = get_family_build_info(attention).layout
+        if layout is None or layout.applied:
+            raise AssertionError("a family layout was applied by a failed binding")
+    if bound_modules(model) != ():
+        raise AssertionError("a failed binding recorded the plan")
+    # Restored means rebindable: once the module is fixed, the same plan binds.
+    model.blocks[1].mlp.fail_bind = False
+    if len(bind_parallel_modules(model, plan, context)) != 4:
+        raise AssertionError("the restored model did not bind")
+
+
+def check_validate_materialized(context: MeshContext) -> None:
+    num_experts = 2 * context.axis_sizes()["ep"]
+
+    def nonzero(*, module: nn.Module, binding: Any) -> None:
+        if binding is None or binding.ep_context is None:
+            raise AssertionError("no binding handed to validate_materialized")
+        if not module.w.abs().sum() > 0:
+            raise ValueError("expert weights were never initialised")
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList(Block(num_experts) for _ in range(3))
+    plan = resolve_plan(model, [_experts_plan(num_experts, nonzero)], context.layout_context())
+    bind_parallel_modules(model, plan, context)
+    with torch.no_grad():
+        model.blocks[1].mlp.w.fill_(1.0)
+    error = _expect(MaterializationError, "2 modules failed validate_materialized", lambda: validate_materialized_modules(model))
+    if [fqn for fqn, _ in error.failures] != ["blocks.0.mlp", "blocks.2.mlp"]:  # type: ignore[attr-defined]
+        raise AssertionError(f"failures {error}")
+
+
+def run_checks(sizes: dict[str, int]) -> dict[str, str | None]:
+    """Every check on this rank: ``{name: None}`` when it passed, else its traceback."""
+    results: dict[str, str | None] = {}
+
+    def attempt(name: str, check: Callable[[], None]) -> None:
+        try:
+            check()
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+
+    attempt("mesh_sizes", lambda: check_mesh_sizes(sizes))
+    context = MeshContext.build(**sizes)
+    attempt("axis_mesh", lambda: check_axis_mesh(context))
+    attempt("cp", lambda: check_cp(context))
+    attempt("ep_random", lambda: check_ep(context, "random"))
+    attempt("ep_skewed", lambda: check_ep(context, "skewed"))
+    attempt("binding", lambda: check_binding(context))
+    attempt("binding_all_or_nothing", lambda: check_binding_is_all_or_nothing(context))
+    attempt("validate_materialized", lambda: check_validate_materialized(context))
+    return results

@@ -1,0 +1,25 @@
+"""SPEC §6 on real process groups: 2- and 4-rank gloo worlds, every check on every rank."""
+
+from __future__ import annotations
+
+import pytest
+from world import run_world
+
+WORLDS = {
+    "2 ranks dp1 cp2 tp1 ep2": (2, {"dp": 1, "cp": 2, "tp": 1, "ep": 2}),
+    "4 ranks dp2 cp2 tp1 ep4": (4, {"dp": 2, "cp": 2, "tp": 1, "ep": 4}),
+}
+CHECKS = ("mesh_sizes", "axis_mesh", "cp", "ep_random", "ep_skewed", "binding", "binding_all_or_nothing", "validate_materialized")
+
+
+@pytest.fixture(scope="module", params=list(WORLDS))
+def world_results(request: pytest.FixtureRequest) -> list[dict[str, str | None]]:
+    world_size, sizes = WORLDS[request.param]
+    results: list[dict[str, str | None]] = run_world(world_size, "distributed_checks:run_checks", sizes)
+    return results
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_check_passes_on_every_rank(world_results: list[dict[str, str | None]], check: str) -> None:
+    failures = {rank: result[check] for rank, result in enumerate(world_results) if result[check] is not None}
+    assert not failures, "\n".join(f"rank {rank}:\n{trace}" for rank, trace in failures.items())
