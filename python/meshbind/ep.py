@@ -69,9 +69,6 @@ class EPContext:
         send_counts_tensor = torch.bincount(destination, minlength=self.size)
         send_tokens = tokens.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
         local_ids = sorted_experts - destination * self.num_local_experts
-        if self.size == 1:
-            counts = [num_tokens * top_k]
-            return RoutedTokens(send_tokens, local_ids, order, counts, counts, num_tokens, top_k)
         # The receivers learn their counts first: every rank sends one count to every rank.
         recv_counts_tensor = waited(funcol.all_to_all_single(send_counts_tensor, None, None, self.group))
         send_counts, recv_counts = send_counts_tensor.tolist(), recv_counts_tensor.tolist()
@@ -86,10 +83,7 @@ class EPContext:
             raise ValueError(f"expert_out has {expert_out.size(0)} rows, but {routed.tokens.size(0)} tokens were routed here")
         if tuple(weights.shape) != (routed.num_tokens, routed.top_k):
             raise ValueError(f"weights must be [{routed.num_tokens}, {routed.top_k}], got {tuple(weights.shape)}")
-        if self.size == 1:
-            returned = expert_out
-        else:
-            returned = waited(funcol.all_to_all_single_autograd(expert_out, routed.send_counts, routed.recv_counts, self.group))
+        returned = waited(funcol.all_to_all_single_autograd(expert_out, routed.send_counts, routed.recv_counts, self.group))
         # Row i of `returned` answers the (token, choice) pair routed.order[i]: put it back in place.
         unsorted = returned.index_select(0, torch.argsort(routed.order))
         hidden = unsorted.size(-1)
