@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from world import run_world
+
+from meshbind.launch import run_local_world
 
 WORLDS = {
     "2 ranks dp1 cp2 tp1 ep2": (2, {"dp": 1, "cp": 2, "tp": 1, "ep": 2}),
@@ -15,7 +16,7 @@ CHECKS = ("mesh_sizes", "axis_mesh", "cp", "ep_random", "ep_skewed", "binding", 
 @pytest.fixture(scope="module", params=list(WORLDS))
 def world_results(request: pytest.FixtureRequest) -> list[dict[str, str | None]]:
     world_size, sizes = WORLDS[request.param]
-    results: list[dict[str, str | None]] = run_world(world_size, "distributed_checks:run_checks", sizes)
+    results: list[dict[str, str | None]] = run_local_world(world_size, "distributed_checks:run_checks", sizes)
     return results
 
 

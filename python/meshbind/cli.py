@@ -12,31 +12,14 @@ from typing import Any
 
 import torch
 
-from meshbind import LayoutContext, NativeParallelBindingRequest, PatternSet, PlanError, resolve_plan
-from meshbind.examples.moe_tree import DEEP_PLAN, build_moe_tree
+from meshbind import LayoutContext, NativeParallelBindingRequest, PlanError, demo, resolve_plan
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """Match the deep plan over an embedded MoE tree and report what each pattern selects."""
-    print(f"building a {args.layers}x{args.experts} MoE tree on meta ...", file=sys.stderr)
-    model = build_moe_tree(args.layers, args.experts)
-    started = time.perf_counter()
-    patterns = PatternSet(DEEP_PLAN)
-    tree = patterns.walk(model)
-    counts = tree.hit_counts(len(patterns))
-    unmatched = [p for p, c in zip(DEEP_PLAN, counts, strict=False) if c == 0]
-    elapsed = time.perf_counter() - started
-    rows = [{"pattern": p, "matches": c} for p, c in zip(DEEP_PLAN, counts, strict=False)]
-    if args.json:
-        print(json.dumps({"modules_matched": len(tree), "seconds": elapsed, "patterns": rows}))
-    else:
-        width = max(len(p) for p in DEEP_PLAN)
-        for row in rows:
-            print(f"{row['pattern']:<{width}}  {row['matches']:>8}")
-        print(f"{len(tree)} FQNs matched in {elapsed * 1e3:.1f} ms")
-    if unmatched:
-        print(f"patterns selecting nothing: {unmatched}", file=sys.stderr)
-        return 1
+    """Spawn a local world running the MoE demo; report the plan, timings and differences."""
+    config = demo.config_from(args, args.world_size)
+    demo.check_flags(config)
+    demo.print_report(demo.run_local(config), config.json)
     return 0
 
 
@@ -99,21 +82,14 @@ def _axis(text: str) -> tuple[str, int]:
     return name, int(size)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshbind", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="match the embedded deep plan over a built-in MoE tree")
-    demo.add_argument("--layers", type=_positive, default=8)
-    demo.add_argument("--experts", type=_positive, default=64)
-    demo.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    demo.set_defaults(run=_demo)
+    demo_parser = commands.add_parser(
+        "demo", help="a MoE transformer with CP attention and EP experts on a local world, checked against one process"
+    )
+    demo.add_flags(demo_parser, world_size=True)
+    demo_parser.set_defaults(run=_demo)
     check = commands.add_parser("check", help="offline pre-flight of a plan against a model built on meta")
     check.add_argument("model_factory", metavar="MODEL_FACTORY", help="module:function returning the nn.Module")
     check.add_argument("plan", metavar="PLAN", help="module:attribute, a sequence of requests or a function returning one")

@@ -61,4 +61,8 @@ class CPContext:
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim`` in rank order; its rows sit at
         ``gathered_positions``. Backward is a reduce-scatter of the gradient."""
+        if self.size == 1:
+            # The identity; torch 2.15's functional all-gather over a one-rank subgroup also
+            # drops the autograd edge, so it must not be called there.
+            return x
         return waited(funcol.all_gather_single_autograd(x.contiguous(), dim, self.group))

@@ -1,8 +1,9 @@
-"""Run a function on every rank of a real local gloo world and collect what each rank returns.
+"""Run a function on every rank of a local gloo world and collect what each rank returns.
 
-Ranks are started from a forkserver that imported torch once, so a world starts in seconds rather
-than paying torch's import per rank. A rank that raises, hangs or dies fails the run with its
-traceback; collectives time out after ``timeout`` seconds instead of hanging the suite.
+Ranks start from a forkserver that imported torch once, so a world starts in seconds rather than
+paying torch's import per rank. A rank that raises, hangs or dies fails the run with its
+traceback; collectives time out after ``timeout`` seconds instead of hanging. ``meshbind demo``
+and the multi-process tests both start their worlds here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 
 def free_port() -> int:
+    """A localhost port free now, for the world's rendezvous."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -40,7 +42,7 @@ def _rank_main(rank: int, world_size: int, port: int, target: str, args: tuple[A
             dist.destroy_process_group()
 
 
-def run_world(world_size: int, target: str, *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_local_world(world_size: int, target: str, *args: Any, timeout: float = 120.0) -> list[Any]:
     """``target`` (``module:function``) called with ``args`` on each of ``world_size`` ranks; the
     results, by rank. Raises ``RuntimeError`` with every failing rank's traceback."""
     context = mp.get_context("forkserver")

@@ -1,0 +1,315 @@
+"""The main job: a MoE transformer with CP attention and EP experts, planned, validated and bound
+on a real world, checked against the same model in one process.
+
+    meshbind demo [flags]                                  # spawns a local gloo world (4 ranks)
+    torchrun --nproc-per-node 4 -m meshbind.demo [flags]   # the distributed half, under torchrun
+
+On every rank: ``MeshContext.build`` → build on ``meta`` → ``resolve_plan`` →
+``bind_parallel_modules`` → materialise (``to_empty`` + deterministic init) →
+``validate_materialized_modules`` → forward and backward on a seeded batch → gradient reduction.
+Rank 0 then runs the single-process reference and reports the largest differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import init_device_mesh
+
+from meshbind.binding import bind_parallel_modules, validate_materialized_modules
+from meshbind.examples.moe_transformer import MoELayer, MoETransformer, TransformerConfig, batch, initialize, loss_head_request
+from meshbind.launch import run_local_world
+from meshbind.mesh import EXPERT_MESH_DIMS, MeshBinding, MeshContext, waited
+from meshbind.plan import resolve_plan
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    world_size: int = 4
+    dp: int = 1
+    cp: int = 2
+    tp: int = 2
+    ep: int = 2
+    layers: int = 2
+    experts: int = 8
+    seq_len: int = 32
+    batch: int = 4
+    dtype: str = "float32"
+    seed: int = 0
+    json: bool = False
+
+    @property
+    def transformer(self) -> TransformerConfig:
+        return TransformerConfig(layers=self.layers, experts=self.experts)
+
+
+class FlagError(ValueError):
+    """A demo flag that cannot work; raised before any process starts."""
+
+
+def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
+    """Every flag rule, each failure one line."""
+    cores = cpu_count or os.cpu_count() or 1
+    for name in ("world_size", "dp", "cp", "tp", "ep", "layers", "experts", "seq_len", "batch"):
+        if getattr(config, name) < 1:
+            raise FlagError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
+    if config.world_size > 4 * cores:
+        raise FlagError(
+            f"a world of {config.world_size} ranks is more than this machine can sensibly run "
+            f"({cores} cores: at most {4 * cores})"
+        )
+    if config.dp * config.cp * config.tp != config.world_size:
+        product = config.dp * config.cp * config.tp
+        raise FlagError(
+            f"--dp {config.dp} x --cp {config.cp} x --tp {config.tp} = {product}, not the world size {config.world_size}"
+        )
+    if config.world_size % config.ep:
+        raise FlagError(f"--ep {config.ep} does not divide the world size {config.world_size}")
+    if config.experts % config.ep:
+        raise FlagError(f"--experts {config.experts} is not divisible by --ep {config.ep}")
+    if config.experts < config.transformer.top_k:
+        raise FlagError(
+            f"--experts {config.experts} is fewer than the {config.transformer.top_k} experts each token is routed to"
+        )
+    if config.seq_len % (2 * config.cp):
+        raise FlagError(f"--seq-len {config.seq_len} is not divisible by 2 x --cp = {2 * config.cp} (head-tail CP chunks)")
+    if config.batch % config.dp:
+        raise FlagError(f"--batch {config.batch} is not divisible by --dp {config.dp}")
+
+
+@dataclass
+class Phases:
+    """Seconds per phase; rank 0 also reports progress on stderr."""
+
+    verbose: bool
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if self.verbose:
+            print(f"[meshbind demo] {name} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - started
+
+
+def process_groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _mesh_context(config: DemoConfig) -> MeshContext:
+    context = MeshContext.build(dp=config.dp, cp=config.cp, tp=config.tp, ep=config.ep)
+    if context.fsdp_moe_mesh is None:
+        # ep = 1: the experts still bind, over one-rank expert groups of a mesh made here.
+        expert_mesh = init_device_mesh(context.device_type, (1, config.world_size, 1), mesh_dim_names=EXPERT_MESH_DIMS)
+        context = MeshContext(context.device_mesh, expert_mesh)
+    return context
+
+
+def run_rank(config: DemoConfig) -> dict[str, Any] | None:
+    """The distributed half, on every rank of an initialised world; rank 0 returns the report."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[config.dtype]
+    phases = Phases(verbose=rank == 0)
+    with phases("mesh"):
+        mesh_context = _mesh_context(config)
+        device = (
+            torch.device(mesh_context.device_type, torch.cuda.current_device())
+            if mesh_context.device_type == "cuda"
+            else torch.device("cpu")
+        )
+    with phases("build"), torch.device("meta"):
+        model = MoETransformer(config.transformer)
+    with phases("plan"):
+        plan = resolve_plan(model, [loss_head_request()], mesh_context.layout_context())
+    with phases("bind"):
+        groups_before = process_groups()
+        bound = bind_parallel_modules(model, plan, mesh_context)
+        new_groups = process_groups() - groups_before
+    with phases("materialise"):
+        model.to_empty(device=device)
+        model.to(dtype)
+        initialize(model, config.seed)
+    with phases("validate"):
+        validate_materialized_modules(model)
+    tokens, targets = batch(config.transformer, config.batch, config.seq_len, config.seed)
+    dp_index = mesh_context.device_mesh.get_coordinate()[0]  # type: ignore[index]
+    rows = slice(dp_index * config.batch // config.dp, (dp_index + 1) * config.batch // config.dp)
+    with phases("forward"):
+        loss = model(tokens[rows].to(device), targets[rows].to(device))
+    with phases("backward"):
+        loss.backward()
+    with phases("reduce"):
+        _reduce_gradients(model, mesh_context)
+        total_loss = loss.detach().clone()
+        dist.all_reduce(total_loss)
+    with phases("compare"):
+        gradients = _full_gradients(model, mesh_context)
+        worst = torch.tensor([float(new_groups)])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        if rank != 0:
+            return None
+        reference_loss, reference_gradients = _reference(config, dtype, tokens, targets)
+        loss_diff = abs(float(total_loss) - float(reference_loss))
+        grad_diff = max(_relative_difference(gradients[name].cpu(), reference) for name, reference in reference_gradients.items())
+    return {
+        "world_size": world,
+        "axis_sizes": mesh_context.axis_sizes(),
+        "dtype": config.dtype,
+        "plan": plan.explain(),
+        "planned_modules": len(plan.parallel_modules),
+        "modules_bound": len(bound),
+        "new_process_groups": int(worst.item()),
+        "loss": float(total_loss),
+        "reference_loss": float(reference_loss),
+        "max_abs_loss_diff": loss_diff,
+        "max_rel_grad_diff": grad_diff,
+        "phases": phases.seconds,
+    }
+
+
+def _expert_weights(model: MoETransformer) -> set[torch.nn.Parameter]:
+    return {getattr(m, name) for m in model.modules() if isinstance(m, MoELayer) for name in MoELayer.EXPERT_WEIGHTS}
+
+
+def _reduce_gradients(model: MoETransformer, mesh_context: MeshContext) -> None:
+    """Sum each gradient over the ranks holding a copy of its parameter: expert weights over the
+    expert mesh's data-parallel dims, everything else over the whole world. Existing groups only."""
+    experts = _expert_weights(model)
+    expert_mesh = mesh_context.fsdp_moe_mesh
+    assert expert_mesh is not None
+    replica_groups = [
+        expert_mesh.get_group(dim) for dim in ("edp_replicate", "edp_shard") if expert_mesh.size(EXPERT_MESH_DIMS.index(dim)) > 1
+    ]
+    for parameter in model.parameters():
+        if parameter.grad is None:
+            continue
+        if parameter in experts:
+            for group in replica_groups:
+                dist.all_reduce(parameter.grad, group=group)
+        else:
+            dist.all_reduce(parameter.grad)
+
+
+def _full_gradients(model: MoETransformer, mesh_context: MeshContext) -> dict[str, torch.Tensor]:
+    """Every gradient at its full shape: expert slices are gathered over the ep group."""
+    experts = _expert_weights(model)
+    ep_group = MeshBinding(mesh_context).axis_mesh("ep").get_group()
+    gradients = {}
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, name
+        gradient = parameter.grad
+        if parameter in experts:
+            gradient = waited(funcol.all_gather_single(gradient.contiguous(), 0, ep_group))
+        gradients[name] = gradient
+    return gradients
+
+
+def _reference(
+    config: DemoConfig, dtype: torch.dtype, tokens: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The same model, seed and batch in this one process, without any parallelism."""
+    model = MoETransformer(config.transformer).to(dtype)
+    initialize(model, config.seed)
+    loss = model(tokens, targets)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = float(expected.abs().max())
+    return float((actual - expected).abs().max()) / (scale if scale > 0 else 1.0)
+
+
+def _spawned_rank(config_fields: dict[str, Any]) -> dict[str, Any] | None:
+    return run_rank(DemoConfig(**config_fields))
+
+
+def run_local(config: DemoConfig) -> dict[str, Any]:
+    """Spawn a local gloo world for ``config`` and return rank 0's report."""
+    print(f"[meshbind demo] spawning {config.world_size} ranks (gloo) ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    reports = run_local_world(config.world_size, "meshbind.demo:_spawned_rank", asdict(config), timeout=300)
+    report: dict[str, Any] = reports[0]
+    report["seconds_total"] = time.perf_counter() - started
+    return report
+
+
+def print_report(report: dict[str, Any], as_json: bool) -> None:
+    print(report["plan"])
+    print()
+    print(f"world: {report['world_size']} ranks, axes {report['axis_sizes']}, {report['dtype']}")
+    print(f"modules bound: {report['modules_bound']} of {report['planned_modules']} planned")
+    print(f"new process groups during binding: {report['new_process_groups']}")
+    print("phases (rank 0): " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in report["phases"].items()))
+    print(
+        f"loss {report['loss']:.10g} vs reference {report['reference_loss']:.10g}: "
+        f"max |loss diff| {report['max_abs_loss_diff']:.3e}"
+    )
+    print(f"max relative gradient difference over all parameters: {report['max_rel_grad_diff']:.3e}")
+    if as_json:
+        print(json.dumps({key: value for key, value in report.items() if key != "plan"}))
+
+
+def add_flags(parser: argparse.ArgumentParser, *, world_size: bool) -> None:
+    defaults = DemoConfig()
+    if world_size:
+        parser.add_argument("--world-size", type=int, default=defaults.world_size, help="ranks to spawn (gloo)")
+    for name in ("dp", "cp", "tp", "ep"):
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=f"{name} axis size")
+    parser.add_argument("--layers", type=int, default=defaults.layers)
+    parser.add_argument("--experts", type=int, default=defaults.experts)
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="global batch (split over dp)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+
+
+def config_from(args: argparse.Namespace, world_size: int) -> DemoConfig:
+    fields = {name: getattr(args, name) for name in DemoConfig.__dataclass_fields__ if name != "world_size"}
+    return DemoConfig(world_size=world_size, **fields)
+
+
+def torchrun_main(argv: Sequence[str] | None = None) -> int:
+    """``torchrun -m meshbind.demo``: the world comes from torchrun's environment; NCCL on GPUs."""
+    parser = argparse.ArgumentParser(
+        prog="python -m meshbind.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_flags(parser, world_size=False)
+    args = parser.parse_args(argv)
+    if "WORLD_SIZE" not in os.environ:
+        parser.error("run me under torchrun (WORLD_SIZE is not set); `meshbind demo` spawns a local world itself")
+    config = config_from(args, int(os.environ["WORLD_SIZE"]))
+    try:
+        check_flags(config)
+    except FlagError as error:
+        print(f"meshbind demo: {error}", file=sys.stderr)
+        return 2
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        report = run_rank(config)
+    finally:
+        dist.destroy_process_group()
+    if report is not None:
+        print_report(report, config.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main())

@@ -1,0 +1,333 @@
+"""The demo's model: a small but real mixture-of-experts transformer whose parallel parts own
+their protocols.
+
+- ``CPAttention`` is a family module owning the ``cp`` protocol: it shards the sequence
+  head-tail, gathers keys and values from the other CP ranks, attends causally by global
+  position and restores the full sequence. Everything around it sees the whole sequence.
+- ``MoELayer`` is a family module owning the ``ep`` protocol: it routes each token to its top-k
+  experts, dispatches them to the ranks owning those experts, runs its local experts over fused
+  ``[E, ...]`` weights (``Shard(0)`` on ``ep``) and combines the results.
+- ``LossHead`` is bound by FQN pattern through a ``NativeParallelBindingRequest`` (kind ``mesh``):
+  it takes the ``dp`` axis mesh to normalise the loss by the global token count.
+
+Unbound, the same modules compute the single-process reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from meshbind.binding import ParallelBinding
+from meshbind.cp import CPContext
+from meshbind.ep import EPContext
+from meshbind.mesh import waited
+from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    layers: int = 2
+    experts: int = 8
+    hidden: int = 32
+    heads: int = 4
+    intermediate: int = 64
+    vocab: int = 96
+    top_k: int = 2
+
+
+def _require_binding(module: nn.Module, binding: object, field: str) -> Any:
+    context = getattr(binding, field, None)
+    if context is None:
+        raise ValueError(f"{type(module).__name__}.bind_parallel needs a binding with a {field}")
+    return context
+
+
+def _check_attention(*, module: nn.Module, sharding: ModuleShardingSpec, context: LayoutContext) -> None:
+    assert isinstance(module, CPAttention)
+    if module.hidden % module.heads:
+        raise ValueError(f"hidden size {module.hidden} is not divisible by {module.heads} heads")
+
+
+def _attention_materialized(*, module: nn.Module, binding: ParallelBinding | None) -> None:
+    for name, parameter in module.named_parameters():
+        if parameter.is_meta or not torch.isfinite(parameter).all():
+            raise ValueError(f"parameter {name} is not materialised with finite values")
+
+
+class CPAttention(nn.Module):
+    """Causal multi-head self-attention; under CP each rank attends for its two sequence chunks."""
+
+    parallel_spec = ParallelModuleSpec(
+        "cp_causal_attention",
+        "cp",
+        stages={"shard_inputs": ("x",), "attend": ("q", "k", "v", "query_positions", "key_positions"), "restore": ("out",)},
+        validate=_check_attention,
+        validate_materialized=_attention_materialized,
+    )
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.hidden, self.heads = hidden, heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = nn.Linear(hidden, hidden, bias=False)
+        self.cp: CPContext | None = None
+
+    def parallel_sharding(self, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        # Weights replicated over cp; the module takes and returns the whole sequence.
+        return ModuleShardingSpec(
+            params={"qkv.weight": {"cp": Replicate()}, "out.weight": {"cp": Replicate()}},
+            in_src={"cp": Replicate()},
+            in_dst={"cp": Replicate()},
+            out_src={"cp": Replicate()},
+            out_dst={"cp": Replicate()},
+        )
+
+    def bind_parallel(self, binding: ParallelBinding) -> None:
+        self.cp = _require_binding(self, binding, "cp_context")
+
+    def unbind_parallel(self) -> None:
+        self.cp = None
+
+    def shard_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.cp is None else self.cp.shard_sequence(x, 1)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Softmax attention where a query sees the keys at or before its global position."""
+        scores = q @ k.transpose(-2, -1) / (q.size(-1) ** 0.5)
+        visible = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
+        return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+
+    def restore(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.cp is None else self.cp.unshard_sequence(out, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        local = self.shard_inputs(x=x)
+        q, k, v = (
+            t.reshape(batch, -1, self.heads, self.hidden // self.heads).transpose(1, 2) for t in self.qkv(local).chunk(3, dim=-1)
+        )
+        if self.cp is None:
+            query_positions = key_positions = torch.arange(seq_len, device=x.device)
+        else:
+            k, v = self.cp.all_gather(k, 2), self.cp.all_gather(v, 2)
+            query_positions = self.cp.positions(seq_len, device=x.device)
+            key_positions = self.cp.gathered_positions(seq_len, device=x.device)
+        attended = self.attend(q=q, k=k, v=v, query_positions=query_positions, key_positions=key_positions)
+        out = self.out(attended.transpose(1, 2).reshape(batch, -1, self.hidden))
+        return self.restore(out=out)
+
+
+def _check_experts(*, module: nn.Module, sharding: ModuleShardingSpec, context: LayoutContext) -> None:
+    assert isinstance(module, MoELayer)
+    if not 1 <= module.top_k <= module.num_experts:
+        raise ValueError(f"top_k {module.top_k} must lie in [1, {module.num_experts}]")
+
+
+def _experts_materialized(*, module: nn.Module, binding: ParallelBinding | None) -> None:
+    assert isinstance(module, MoELayer)
+    expected = module.num_experts if module.ep is None else module.ep.num_local_experts
+    for name in MoELayer.EXPERT_WEIGHTS:
+        parameter = getattr(module, name)
+        if parameter.is_meta or parameter.size(0) != expected:
+            raise ValueError(f"{name} holds {parameter.size(0)} experts on {parameter.device}, expected {expected} materialised")
+
+
+class MoELayer(nn.Module):
+    """Top-k routed SwiGLU experts with fused ``[E, ...]`` weights. A family per expert count: use
+    ``moe_layer_class(num_experts)``, whose ``parallel_spec`` carries ``num_experts``."""
+
+    EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+    parallel_spec: ParallelModuleSpec
+
+    def __init__(self, hidden: int, intermediate: int, top_k: int) -> None:
+        super().__init__()
+        self.num_experts: int = self.parallel_spec.options["num_experts"]
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, self.num_experts, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(self.num_experts, intermediate, hidden))
+        self.w_up = nn.Parameter(torch.empty(self.num_experts, intermediate, hidden))
+        self.w_down = nn.Parameter(torch.empty(self.num_experts, hidden, intermediate))
+        self.ep: EPContext | None = None
+        self._all_experts: dict[str, nn.Parameter] = {}
+
+    def parallel_sharding(self, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        params: dict[str, dict[str, Any]] = {name: {"ep": Shard(0)} for name in self.EXPERT_WEIGHTS}
+        params["router.weight"] = {"ep": Replicate()}
+        return ModuleShardingSpec(params=params)
+
+    def bind_parallel(self, binding: ParallelBinding) -> None:
+        """Own only the local experts: each fused weight becomes its ``[E / ep, ...]`` slice."""
+        ep: EPContext = _require_binding(self, binding, "ep_context")
+        self._all_experts = {name: getattr(self, name) for name in self.EXPERT_WEIGHTS}
+        for name, full in self._all_experts.items():
+            local = full.detach()[ep.local_expert_start : ep.local_expert_stop].clone()
+            setattr(self, name, nn.Parameter(local, requires_grad=full.requires_grad))
+        self.ep = ep
+
+    def unbind_parallel(self) -> None:
+        for name, full in self._all_experts.items():
+            setattr(self, name, full)
+        self._all_experts, self.ep = {}, None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k experts of each token and their renormalised weights."""
+        weights, expert_ids = torch.softmax(self.router(x), dim=-1).topk(self.top_k, dim=-1)
+        return expert_ids, weights / weights.sum(dim=-1, keepdim=True)
+
+    def dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor) -> Any:
+        assert self.ep is not None
+        return self.ep.dispatch(tokens, expert_ids)
+
+    def compute(self, tokens: torch.Tensor, local_expert_ids: torch.Tensor) -> torch.Tensor:
+        """Each token through its local expert, a SwiGLU over the fused weights."""
+        gate = torch.einsum("th,tih->ti", tokens, self.w_gate[local_expert_ids])
+        up = torch.einsum("th,tih->ti", tokens, self.w_up[local_expert_ids])
+        return torch.einsum("ti,thi->th", nn.functional.silu(gate) * up, self.w_down[local_expert_ids])
+
+    def combine(self, expert_out: torch.Tensor, routed: Any, weights: torch.Tensor) -> torch.Tensor:
+        assert self.ep is not None
+        return self.ep.combine(expert_out, routed, weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.size(-1))
+        expert_ids, weights = self.route(x=tokens)
+        if self.ep is None:
+            out = self.compute(tokens=tokens.repeat_interleave(self.top_k, dim=0), local_expert_ids=expert_ids.reshape(-1))
+            combined = (out.view(-1, self.top_k, out.size(-1)) * weights.unsqueeze(-1)).sum(dim=1)
+        else:
+            routed = self.dispatch(tokens=tokens, expert_ids=expert_ids)
+            expert_out = self.compute(tokens=routed.tokens, local_expert_ids=routed.local_expert_ids)
+            combined = self.combine(expert_out=expert_out, routed=routed, weights=weights)
+        return combined.view_as(x)
+
+
+@functools.cache
+def moe_layer_class(num_experts: int) -> type[MoELayer]:
+    """The ``MoELayer`` family for ``num_experts`` (one class per count, made once)."""
+    spec = ParallelModuleSpec(
+        "ep_moe",
+        "ep",
+        stages={
+            "route": ("x",),
+            "dispatch": ("tokens", "expert_ids"),
+            "compute": ("tokens", "local_expert_ids"),
+            "combine": ("expert_out", "routed", "weights"),
+        },
+        validate=_check_experts,
+        options={"num_experts": num_experts},
+        validate_materialized=_experts_materialized,
+    )
+    return type(f"MoELayer{num_experts}", (MoELayer,), {"parallel_spec": spec, "__module__": __name__})
+
+
+class LossHead(nn.Module):
+    """The output projection and the loss. Bound with the ``dp`` axis mesh, it divides by the
+    global token count and by how many ranks hold each token, so summing every rank's loss (and
+    gradient) gives the mean over the global batch."""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, vocab, bias=False)
+        self.binding: ParallelBinding | None = None
+
+    def bind_parallel(self, binding: ParallelBinding) -> None:
+        self.binding = binding
+
+    def unbind_parallel(self) -> None:
+        self.binding = None
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.proj(hidden)
+        total = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+        if self.binding is None:
+            return total / targets.numel()
+        meshes = self.binding.mesh_binding
+        dp = meshes.axis_mesh("dp")
+        count = torch.tensor([float(targets.numel())], dtype=total.dtype, device=total.device)
+        global_count = waited(funcol.all_reduce(count, "sum", dp.get_group()))
+        holders = meshes.axis_mesh("cp").size() * meshes.axis_mesh("tp").size()
+        return total / (global_count[0] * holders)
+
+
+def loss_head_request() -> NativeParallelBindingRequest:
+    """``head`` joins the plan by FQN pattern, as a ``mesh``-kind module with one stage."""
+    spec = ParallelModuleSpec("mesh_loss_head", "mesh", stages={"loss": ("hidden", "targets")}, validate=_accept)
+
+    def replicated(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        return ModuleShardingSpec(params={"proj.weight": {axis: Replicate() for axis in context.axis_sizes}})
+
+    return NativeParallelBindingRequest(("head",), spec, replicated)
+
+
+def _accept(**kwargs: Any) -> None:
+    return None
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.hidden)
+        self.attn = CPAttention(config.hidden, config.heads)
+        self.moe_norm = nn.LayerNorm(config.hidden)
+        self.moe = moe_layer_class(config.experts)(config.hidden, config.intermediate, config.top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        out: torch.Tensor = x + self.moe(self.moe_norm(x))
+        return out
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab, config.hidden)
+        self.blocks = nn.ModuleList(DecoderBlock(config) for _ in range(config.layers))
+        self.norm = nn.LayerNorm(config.hidden)
+        self.head = LossHead(config.hidden, config.vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head.loss(hidden=self.norm(x), targets=targets)
+
+
+def initialize(model: MoETransformer, seed: int) -> None:
+    """Deterministic values from the seed and each parameter's FQN, the same with or without
+    parallelism: an expert-sharded weight takes its slice of the full tensor."""
+    with torch.no_grad():
+        for fqn, parameter in model.named_parameters():
+            module_fqn, _, name = fqn.rpartition(".")
+            module = model.get_submodule(module_fqn)
+            shape = tuple(parameter.shape)
+            ep = module.ep if isinstance(module, MoELayer) and name in MoELayer.EXPERT_WEIGHTS else None
+            if ep is not None:
+                shape = (ep.num_experts, *shape[1:])
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+            if name == "weight" and isinstance(module, nn.LayerNorm):
+                full = 1.0 + 0.1 * torch.randn(shape, generator=generator, dtype=torch.float64)
+            elif name == "bias":
+                full = 0.1 * torch.randn(shape, generator=generator, dtype=torch.float64)
+            else:
+                full = torch.randn(shape, generator=generator, dtype=torch.float64) / (shape[-1] ** 0.5)
+            if ep is not None:
+                full = full[ep.local_expert_start : ep.local_expert_stop]
+            parameter.copy_(full.to(parameter.dtype))
+
+
+def batch(config: TransformerConfig, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded batch of token ids and next-token targets."""
+    generator = torch.Generator().manual_seed(seed + 17)
+    tokens = torch.randint(0, config.vocab, (batch_size, seq_len + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]

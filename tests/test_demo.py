@@ -1,0 +1,114 @@
+"""The main job (SPEC §7 ``meshbind demo``): distributed runs against the one-process reference,
+the torchrun entry, and every flag error before any process starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from meshbind import demo
+from meshbind.cli import main
+from meshbind.demo import DemoConfig
+
+
+@pytest.mark.parametrize(
+    ("config", "bound"),
+    [
+        (DemoConfig(), 1e-5),  # the default: 4 ranks, dp1 cp2 tp2 ep2, float32
+        (DemoConfig(dp=1, cp=2, tp=2, ep=2, dtype="float64"), 1e-10),
+        (DemoConfig(dp=2, cp=2, tp=1, ep=4, dtype="float64"), 1e-10),
+        (DemoConfig(world_size=2, dp=1, cp=2, tp=1, ep=2, dtype="float64", layers=3), 1e-10),
+    ],
+    ids=["4-ranks-float32", "4-ranks-cp2-ep2-float64", "4-ranks-dp2-ep4-float64", "2-ranks-float64"],
+)
+def test_the_distributed_run_matches_one_process(config: DemoConfig, bound: float) -> None:
+    report = demo.run_local(config)
+    assert report["world_size"] == config.world_size and report["dtype"] == config.dtype
+    assert report["axis_sizes"] == {"dp": config.dp, "cp": config.cp, "tp": config.tp, "ep": config.ep}
+    assert report["new_process_groups"] == 0
+    assert report["modules_bound"] == 2 * config.layers + 1
+    assert report["max_rel_grad_diff"] <= bound
+    assert report["max_abs_loss_diff"] <= bound * 10
+    assert report["seconds_total"] < 120
+    assert set(report["phases"]) >= {"mesh", "build", "plan", "bind", "materialise", "validate", "forward", "backward"}
+
+
+def test_the_command_prints_the_plan_and_ends_with_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--world-size", "2", "--dp", "1", "--cp", "2", "--tp", "1", "--ep", "2", "--seq-len", "16", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert report["new_process_groups"] == 0 and report["max_rel_grad_diff"] <= 1e-5
+    assert {"world_size", "axis_sizes", "dtype", "modules_bound", "max_abs_loss_diff", "phases"} <= set(report)
+    assert any(line.startswith("blocks.0.attn") and "cp_causal_attention" in line for line in lines)
+    assert "spawning 2 ranks" in captured.err
+
+
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+    reason="no torchrun",
+)
+def test_torchrun_runs_the_distributed_half() -> None:
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    command = [
+        torchrun,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "meshbind.demo",
+        "--dp",
+        "1",
+        "--cp",
+        "2",
+        "--tp",
+        "1",
+        "--ep",
+        "2",
+        "--dtype",
+        "float64",
+        "--json",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["world_size"] == 2 and report["new_process_groups"] == 0 and report["max_rel_grad_diff"] <= 1e-10
+    assert "[meshbind demo] bind ..." in result.stderr  # progress per phase, from rank 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dp", "1", "--cp", "2", "--tp", "1"], "--dp 1 x --cp 2 x --tp 1 = 2, not the world size 4"),
+        (["--experts", "6", "--ep", "4", "--tp", "2"], "--experts 6 is not divisible by --ep 4"),
+        (["--ep", "3"], "--ep 3 does not divide the world size 4"),
+        (["--seq-len", "30"], "--seq-len 30 is not divisible by 2 x --cp = 4"),
+        (["--world-size", "4096", "--dp", "1024", "--cp", "2", "--tp", "2"], "more than this machine can sensibly run"),
+        (["--batch", "3", "--dp", "2", "--cp", "2", "--tp", "1"], "--batch 3 is not divisible by --dp 2"),
+        (["--layers", "0"], "--layers must be at least 1"),
+        (["--experts", "1", "--ep", "1"], "fewer than the 2 experts each token is routed to"),
+    ],
+)
+def test_bad_flags_fail_before_any_process_starts(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_world(config: DemoConfig) -> None:
+        raise AssertionError("a world was started")
+
+    monkeypatch.setattr(demo, "run_local", no_world)
+    assert main(["demo", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshbind demo: ") and len(err.splitlines()) == 1
+    assert message in err
+
+
+def test_a_bad_dtype_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--dtype", "float16"])
+    assert exited.value.code == 2 and "invalid choice: 'float16'" in capsys.readouterr().err
