@@ -123,14 +123,20 @@ def meshbind_resolution(model: nn.Module, plan: tuple[str, ...]) -> int:
     return len(tree)
 
 
-LINEAR_SPEC = ParallelModuleSpec("linear", stages={"forward": ("input",)})
+MODULE_SPEC = ParallelModuleSpec("module", stages={"forward": ()})
 REPLICATED = ModuleShardingSpec(params={"weight": {"tp": Replicate()}})
+NO_PARAMETERS = ModuleShardingSpec()
 EXPERTS_OWNED = ModuleShardingSpec(params={name: {"ep": Shard(0)} for name in ("gate_proj", "up_proj", "down_proj")})
 CONTEXT = LayoutContext({"dp": 1, "tp": 1, "ep": 8})
 
 
 def _replicated(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
     return REPLICATED
+
+
+def _no_parameters(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+    """For the blocks of the shallow plan (attention, expert lists), which own no weight directly."""
+    return NO_PARAMETERS
 
 
 def _experts_owned(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
@@ -154,7 +160,8 @@ def meshbind_validate(model: nn.Module, plan: tuple[str, ...]) -> int:
             spec = ParallelModuleSpec("fused_experts", "ep", stages=stages, validate=_accept, options=options)
             requests.append(NativeParallelBindingRequest((pattern,), spec, _experts_owned))
         else:
-            requests.append(NativeParallelBindingRequest((pattern,), LINEAR_SPEC, _replicated))
+            block = pattern.rsplit(".", 1)[-1] in ("self_attn", "experts")
+            requests.append(NativeParallelBindingRequest((pattern,), MODULE_SPEC, _no_parameters if block else _replicated))
     return len(resolve_plan(model, requests, CONTEXT).parallel_modules)
 
 

@@ -295,6 +295,15 @@ impl ModuleTree {
     }
 }
 
+/// Parses every pattern without building a set: raises `PatternError` for the first malformed one.
+#[pyfunction]
+fn check_patterns(py: Python<'_>, patterns: &Bound<'_, PyAny>) -> PyResult<()> {
+    for text in extract_strings(patterns, "patterns")? {
+        crate::pattern::Pattern::compile(text.to_str()?).map_err(|e| pattern_error(py, &e))?;
+    }
+    Ok(())
+}
+
 /// SPEC §4 `layout` and §5 rule 5 over every planned module at once. Rows are parallel lists
 /// (module, label, axis, kind 0=Shard 1=Replicate 2=Partial, dim, parameter rank and shape[0] or
 /// None), in any order; `num_experts[m]` is set for `ep` modules. Returns
@@ -367,5 +376,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPatternSet>()?;
     m.add_class::<ModuleTree>()?;
     m.add_function(wrap_pyfunction!(py_check_placements, m)?)?;
+    m.add_function(wrap_pyfunction!(check_patterns, m)?)?;
     Ok(())
 }

@@ -66,3 +66,6 @@ def check_placements(
     num_experts: Sequence[int | None],
 ) -> list[tuple[int, str, str]]:
     """SPEC §4 ``layout`` and §5 rule 5 over every planned module at once (rows in any order)."""
+
+def check_patterns(patterns: Sequence[str]) -> None:
+    """Parse every pattern without building a set; raises ``PatternError`` for the first malformed one."""

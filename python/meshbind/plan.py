@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from operator import is_
 from types import MappingProxyType
 from typing import Any
 
@@ -214,24 +215,24 @@ class _Resolution:
 
     def run(self) -> ParallelPlan:
         self._report_cycles()
-        owner, override_hits = self._assign_requests()
-        self._join_families(owner)
-        planned = sorted(owner)
+        planned, request_of, override_hits = self._assign_requests()
+        if self.family_specs_found():
+            planned, request_of = self._join_families(planned, request_of)
         fqns = self.tree.module_fqns(planned)
         modules: list[nn.Module | None] = [None] * len(planned) if self.offline else self.tree.modules(planned)  # type: ignore[assignment]
-        request_of = list(map(owner.__getitem__, planned))
         specs, sources = self._specs_and_sources(planned, request_of, modules)
-        self._report_unmatched(owner, override_hits)
+        self._report_unmatched(planned, override_hits)
         self._report_nested(fqns, specs)
         shardings = self._shardings(planned, request_of, modules, fqns, override_hits)
-        rows = [row for row, sharding in enumerate(shardings) if sharding is not None]
-        if len(rows) < len(planned):
+        if any(map(is_, shardings, repeat(None))):
+            rows = [row for row, sharding in enumerate(shardings) if sharding is not None]
             planned, modules, fqns, specs, sources = (  # type: ignore[assignment]
                 [values[row] for row in rows] for values in (planned, modules, fqns, specs, sources)
             )
             shardings = [shardings[row] for row in rows]
         batch = ValidationBatch(self.context, self.param_shapes if self.offline else None)
-        for row, code, message in batch.check(modules, fqns, specs, shardings):  # type: ignore[arg-type]
+        classes = None if self.offline else list(map(self.classes.__getitem__, map(self.module_classes.__getitem__, planned)))
+        for row, code, message in batch.check(modules, fqns, specs, shardings, classes):  # type: ignore[arg-type]
             self.problems.append(PlanProblem(code, fqns[row], sources[row], message))
         if self.problems:
             raise PlanError(self.problems)
@@ -249,36 +250,40 @@ class _Resolution:
             message = f"this FQN names its own ancestor {ancestor!r}: the module tree has a cycle of shared modules"
             self.problems.append(PlanProblem("layout", alias, None, message))
 
-    def _assign_requests(self) -> tuple[dict[int, int], dict[int, list[int]]]:
-        """Module → owning request, and module → override indices; conflicts are reported."""
-        request_of = [owner if owner >= 0 else None for owner in self.owners]
-        modules, first, others = self.tree.owners(request_of)
-        owner = dict(zip(modules, first, strict=True))
-        conflicts = sorted({(m, owner[m], r) for m, r in others if self.requests[owner[m]].parallel != self.requests[r].parallel})
-        for module, first_request, second in conflicts:
-            if module not in owner:
-                continue
-            fqn = self.tree.module_fqns([module])[0]
-            a, b = self.requests[first_request].parallel, self.requests[second].parallel
-            message = (
-                f"selected by requests[{first_request}] ({a.describe()}) and requests[{second}] ({b.describe()}) "
-                "with different specs"
-            )
-            self.problems.append(PlanProblem("conflict", fqn, f"requests[{first_request}], requests[{second}]", message))
-            del owner[module]
+    def _assign_requests(self) -> tuple[list[int], list[int], dict[int, list[int]]]:
+        """The selected modules in tree order with their requests (conflicts reported and
+        dropped), and module → override indices."""
+        request_of_pattern = [owner if owner >= 0 else None for owner in self.owners]
+        planned, request_of, others = self.tree.owners(request_of_pattern)
+        if others:
+            first = dict(zip(planned, request_of, strict=True))
+            specs = [request.parallel for request in self.requests]
+            conflicts = sorted({(m, first[m], r) for m, r in others if specs[first[m]] != specs[r]})
+            for module, first_request, second in conflicts:
+                fqn = self.tree.module_fqns([module])[0]
+                a, b = specs[first_request], specs[second]
+                message = (
+                    f"selected by requests[{first_request}] ({a.describe()}) and requests[{second}] ({b.describe()}) "
+                    "with different specs"
+                )
+                self.problems.append(PlanProblem("conflict", fqn, f"requests[{first_request}], requests[{second}]", message))
+            dropped = {module for module, _, _ in conflicts}
+            if dropped:
+                kept = [row for row, module in enumerate(planned) if module not in dropped]
+                planned, request_of = [planned[row] for row in kept], [request_of[row] for row in kept]
         override_hits: dict[int, list[int]] = {}
         if self.overrides:
             override_of = [-1 - owner if owner < 0 else None for owner in self.owners]
-            modules, first, others = self.tree.owners(override_of)
-            override_hits = {module: [index] for module, index in zip(modules, first, strict=True)}
-            for module, index in others:
+            modules, first_override, more = self.tree.owners(override_of)
+            override_hits = {module: [index] for module, index in zip(modules, first_override, strict=True)}
+            for module, index in more:
                 override_hits[module].append(index)
             for hits in override_hits.values():
                 hits.sort()
-        return owner, override_hits
+        return planned, request_of, override_hits
 
-    def _join_families(self, owner: dict[int, int]) -> None:
-        """Family members join the plan; a request giving one a different spec is a conflict."""
+    def family_specs_found(self) -> bool:
+        """Collect the family classes met by the walk; whether there is any."""
         for index, cls in enumerate(self.classes):
             spec = family_spec(cls)
             if spec is None:
@@ -288,8 +293,11 @@ class _Resolution:
                 self.problems.append(PlanProblem("binding", None, f"family {cls.__qualname__}", message))
                 continue
             self.family_specs[index] = spec
-        if not self.family_specs:
-            return
+        return bool(self.family_specs)
+
+    def _join_families(self, planned: list[int], request_of: list[int]) -> tuple[list[int], list[int]]:
+        """Family members join the plan; a request giving one a different spec is a conflict."""
+        owner = dict(zip(planned, request_of, strict=True))
         for module in self.tree.modules_of_classes(list(self.family_specs)):
             spec = self.family_specs[self.module_classes[module]]
             request = owner.get(module)
@@ -304,6 +312,8 @@ class _Resolution:
                 fqn = self.tree.module_fqns([module])[0]
                 self.problems.append(PlanProblem("conflict", fqn, f"requests[{request}], family {cls.__qualname__}", message))
                 del owner[module]
+        planned = sorted(owner)
+        return planned, list(map(owner.__getitem__, planned))
 
     def _specs_and_sources(
         self, planned: list[int], request_of: list[int], modules: list[nn.Module | None]
@@ -324,9 +334,10 @@ class _Resolution:
     def _source(self, request: int, module: nn.Module | None) -> str:
         return f"requests[{request}]" if request != _FAMILY else f"family {type(module).__qualname__}"
 
-    def _report_unmatched(self, owner: dict[int, int], override_hits: dict[int, list[int]]) -> None:
+    def _report_unmatched(self, planned: list[int], override_hits: dict[int, list[int]]) -> None:
         counts = self.tree.hit_counts(len(self.patterns))
-        overrides_used = {o for module, hits in override_hits.items() if module in owner for o in hits}
+        planned_set = set(planned) if override_hits else set()
+        overrides_used = {o for module, hits in override_hits.items() if module in planned_set for o in hits}
         for index, (pattern, request) in enumerate(zip(self.patterns, self.owners, strict=True)):
             if request >= 0 and counts[index] == 0:
                 source = f"requests[{request}]"
@@ -349,6 +360,8 @@ class _Resolution:
 
     def _report_nested(self, fqns: list[str], specs: list[ParallelModuleSpec]) -> None:
         """Tree order is preorder, so each kind's open ancestors form a stack."""
+        if all(spec.binding_kind == "none" for spec in dict(zip(map(id, specs), specs, strict=True)).values()):
+            return
         open_by_kind: dict[str, list[str]] = {}
         for fqn, spec in zip(fqns, specs, strict=True):
             if spec.binding_kind == "none":

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.tensor import Placement
 
-from meshbind._core import PatternSet
+from meshbind._core import check_patterns
 
 if TYPE_CHECKING:
     from torch import nn
@@ -176,7 +176,7 @@ class NativeParallelBindingRequest:
             if not isinstance(pattern, str):
                 raise ValueError(f"{owner}.match: every pattern must be a str, got {pattern!r}")
         _set(self, "match", tuple(self.match))
-        PatternSet(self.match)  # raises PatternError (a ValueError) naming the malformed pattern
+        check_patterns(self.match)  # raises PatternError (a ValueError) naming the malformed pattern
         if not isinstance(self.parallel, ParallelModuleSpec):
             raise ValueError(f"{owner}.parallel must be a ParallelModuleSpec, got {type(self.parallel).__name__}")
         if not callable(self.sharding):

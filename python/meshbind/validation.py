@@ -138,18 +138,21 @@ class ValidationBatch:
         fqns: Sequence[str],
         specs: Sequence[ParallelModuleSpec],
         shardings: Sequence[ModuleShardingSpec],
+        classes: Sequence[type] | None = None,
     ) -> list[tuple[int, str, str]]:
         """Every problem as ``(index, code, message)``: each module's ``layout`` problems, then its
         first §5 failure (``validate`` runs last, only for modules with no other problem).
 
-        Modules are ``None`` offline: the class rules and ``validate`` then do not run.
+        Modules are ``None`` offline: the class rules and ``validate`` then do not run. ``classes``
+        (each module's class, when the caller knows them) spares reading every module's type.
         """
         count = len(fqns)
         failures: list[Failure | None] = [None] * count
         layout: dict[int, list[str]] = {}
         spec_ids = list(map(id, specs))
         distinct_specs = dict(zip(spec_ids, specs, strict=True))
-        self._class_failures(modules, spec_ids, distinct_specs, failures)
+        if modules and modules[0] is not None:
+            self._class_failures(list(map(type, modules)) if classes is None else classes, spec_ids, distinct_specs, failures)
         num_experts = self._expert_counts(specs, distinct_specs, failures)
         columns: _Rows = ([], [], [], [], [], [], [])
         for template, rows in self._group_by_sharding(shardings):
@@ -192,18 +195,16 @@ class ValidationBatch:
 
     @staticmethod
     def _class_failures(
-        modules: Sequence[nn.Module | None],
+        classes: Sequence[type],
         spec_ids: list[int],
         distinct_specs: dict[int, ParallelModuleSpec],
         failures: list[Failure | None],
     ) -> None:
         """Rules 1 and 2 once per (class, spec): 50k instances of 5 classes inspect 5 signatures."""
-        if not modules or modules[0] is None:
-            return
-        pairs = set(zip(map(type, modules), spec_ids, strict=True))
+        pairs = set(zip(classes, spec_ids, strict=True))
         failing = {key: failure for key in pairs if (failure := class_failure(key[0], distinct_specs[key[1]])) is not None}
         if failing:
-            for row, key in enumerate(zip(map(type, modules), spec_ids, strict=True)):
+            for row, key in enumerate(zip(classes, spec_ids, strict=True)):
                 failures[row] = failures[row] or failing.get(key)
 
     @staticmethod
