@@ -67,11 +67,26 @@ pub fn check_placements(
     num_experts: &[Option<i64>],
 ) -> Vec<Problem> {
     let mut problems = Vec::new();
-    let label = |row: &PlacementRow| labels.get(row.label as usize).map(String::as_str).unwrap_or("?");
-    let axis_name = |axis: u32| axes.names.get(axis as usize).map(String::as_str).unwrap_or("?");
+    let label = |row: &PlacementRow| {
+        labels
+            .get(row.label as usize)
+            .map(String::as_str)
+            .unwrap_or("?")
+    };
+    let axis_name = |axis: u32| {
+        axes.names
+            .get(axis as usize)
+            .map(String::as_str)
+            .unwrap_or("?")
+    };
     let known_axes = || {
-        let mut known: Vec<&str> =
-            axes.names.iter().zip(axes.sizes).filter(|(_, s)| s.is_some()).map(|(n, _)| n.as_str()).collect();
+        let mut known: Vec<&str> = axes
+            .names
+            .iter()
+            .zip(axes.sizes)
+            .filter(|(_, s)| s.is_some())
+            .map(|(n, _)| n.as_str())
+            .collect();
         known.sort_unstable();
         if known.is_empty() {
             "none".to_owned()
@@ -80,7 +95,13 @@ pub fn check_placements(
         }
     };
     for row in rows {
-        if axes.sizes.get(row.axis as usize).copied().flatten().is_none() {
+        if axes
+            .sizes
+            .get(row.axis as usize)
+            .copied()
+            .flatten()
+            .is_none()
+        {
             problems.push(Problem {
                 module: row.module,
                 code: ProblemCode::Layout,
@@ -113,10 +134,18 @@ pub fn check_placements(
     let mut start = 0;
     for (module, experts) in num_experts.iter().enumerate() {
         let module = module as u32;
-        let end = start + order[start..].iter().take_while(|r| r.module == module).count();
+        let end = start
+            + order[start..]
+                .iter()
+                .take_while(|r| r.module == module)
+                .count();
         if let Some(experts) = *experts {
             if let Some(message) = expert_problem(axes, &order[start..end], experts, &label) {
-                problems.push(Problem { module, code: ProblemCode::Expert, message });
+                problems.push(Problem {
+                    module,
+                    code: ProblemCode::Expert,
+                    message,
+                });
             }
         }
         start = end;
@@ -131,7 +160,9 @@ fn expert_problem<'r>(
     num_experts: i64,
     label: &dyn Fn(&'r PlacementRow) -> &'r str,
 ) -> Option<String> {
-    let ep_size = axes.ep.and_then(|ep| axes.sizes.get(ep as usize).copied().flatten());
+    let ep_size = axes
+        .ep
+        .and_then(|ep| axes.sizes.get(ep as usize).copied().flatten());
     let Some(ep_size) = ep_size else {
         return Some("the layout context has no 'ep' axis, which an 'ep' module needs".to_owned());
     };
@@ -139,11 +170,20 @@ fn expert_problem<'r>(
         return Some(format!("num_experts must be at least 1, got {num_experts}"));
     }
     if num_experts % ep_size != 0 {
-        return Some(format!("num_experts {num_experts} is not divisible by the 'ep' axis size {ep_size}"));
+        return Some(format!(
+            "num_experts {num_experts} is not divisible by the 'ep' axis size {ep_size}"
+        ));
     }
-    let mut owned = rows.iter().copied().filter(|r| r.is_param && Some(r.axis) == axes.ep && r.kind == PlacementKind::Shard).peekable();
+    let mut owned = rows
+        .iter()
+        .copied()
+        .filter(|r| r.is_param && Some(r.axis) == axes.ep && r.kind == PlacementKind::Shard)
+        .peekable();
     if owned.peek().is_none() {
-        return Some("no parameter is Shard on the 'ep' axis: the experts would not be owned by any rank".to_owned());
+        return Some(
+            "no parameter is Shard on the 'ep' axis: the experts would not be owned by any rank"
+                .to_owned(),
+        );
     }
     for row in owned {
         if row.dim != 0 {
@@ -153,14 +193,15 @@ fn expert_problem<'r>(
                 row.dim
             ));
         }
-        if row.rank.is_some() {
-            if row.first_dim != Some(num_experts) {
-                let first = row.first_dim.map(|d| d.to_string()).unwrap_or_else(|| "none (a scalar)".to_owned());
-                return Some(format!(
-                    "{} is Shard(0) on 'ep' but its shape[0] is {first}, not num_experts {num_experts}",
-                    label(row)
-                ));
-            }
+        if row.rank.is_some() && row.first_dim != Some(num_experts) {
+            let first = row
+                .first_dim
+                .map(|d| d.to_string())
+                .unwrap_or_else(|| "none (a scalar)".to_owned());
+            return Some(format!(
+                "{} is Shard(0) on 'ep' but its shape[0] is {first}, not num_experts {num_experts}",
+                label(row)
+            ));
         }
     }
     None
@@ -170,15 +211,38 @@ fn expert_problem<'r>(
 mod tests {
     use super::*;
 
-    fn row(module: u32, axis: u32, kind: PlacementKind, dim: i64, shape: Option<Vec<i64>>) -> PlacementRow {
+    fn row(
+        module: u32,
+        axis: u32,
+        kind: PlacementKind,
+        dim: i64,
+        shape: Option<Vec<i64>>,
+    ) -> PlacementRow {
         let rank = shape.as_ref().map(|s| s.len() as i64);
         let first_dim = shape.as_ref().and_then(|s| s.first().copied());
-        PlacementRow { module, label: 0, axis, kind, dim, rank, first_dim, is_param: true }
+        PlacementRow {
+            module,
+            label: 0,
+            axis,
+            kind,
+            dim,
+            rank,
+            first_dim,
+            is_param: true,
+        }
     }
 
-    fn check(sizes: &[Option<i64>], rows: &[PlacementRow], experts: &[Option<i64>]) -> Vec<Problem> {
+    fn check(
+        sizes: &[Option<i64>],
+        rows: &[PlacementRow],
+        experts: &[Option<i64>],
+    ) -> Vec<Problem> {
         let names = vec!["ep".to_owned(), "tp".to_owned()];
-        let axes = AxisTable { names: &names, sizes, ep: Some(0) };
+        let axes = AxisTable {
+            names: &names,
+            sizes,
+            ep: Some(0),
+        };
         check_placements(&axes, &["params['w']".to_owned()], rows, experts)
     }
 
@@ -196,7 +260,8 @@ mod tests {
         assert!(first(check(&[Some(4), Some(1)], &shard0(), &[Some(0)])).contains("at least 1"));
         assert!(first(check(&[None, Some(1)], &shard0(), &[Some(8)])).contains("lacks"));
         let replicate = [row(0, 0, PlacementKind::Replicate, 0, Some(vec![8, 4]))];
-        assert!(first(check(&[Some(4), Some(1)], &replicate, &[Some(8)])).contains("no parameter is Shard"));
+        assert!(first(check(&[Some(4), Some(1)], &replicate, &[Some(8)]))
+            .contains("no parameter is Shard"));
         let shard1 = [row(0, 0, PlacementKind::Shard, 1, Some(vec![8, 8]))];
         assert!(first(check(&[Some(4), Some(1)], &shard1, &[Some(8)])).contains("must be Shard(0)"));
         let short = [row(0, 0, PlacementKind::Shard, 0, Some(vec![4, 8]))];
@@ -212,8 +277,18 @@ mod tests {
             row(2, 1, PlacementKind::Partial, 0, None),
         ];
         let problems = check(&[Some(2), None], &rows, &[None, None, None]);
-        let beyond: Vec<u32> = problems.iter().filter(|p| p.message.contains("beyond")).map(|p| p.module).collect();
+        let beyond: Vec<u32> = problems
+            .iter()
+            .filter(|p| p.message.contains("beyond"))
+            .map(|p| p.module)
+            .collect();
         assert_eq!(beyond, vec![0, 1]);
-        assert_eq!(problems.iter().filter(|p| p.message.contains("lacks")).count(), 4);
+        assert_eq!(
+            problems
+                .iter()
+                .filter(|p| p.message.contains("lacks"))
+                .count(),
+            4
+        );
     }
 }

@@ -3,8 +3,8 @@
 
 pub mod checks;
 pub mod matcher;
-pub mod pattern;
 pub mod names;
+pub mod pattern;
+mod python;
 pub mod suggest;
 pub mod walk;
-mod python;

@@ -82,11 +82,15 @@ impl PatternSet {
         let mut root_matches = Vec::new();
         let (mut dfa_regexes, mut dfa_ids) = (Vec::new(), Vec::new());
         let (mut fallback_regexes, mut fallback_ids) = (Vec::new(), Vec::new());
-        let needs_automaton = patterns.iter().any(|p| matches!(p.strategy, Strategy::Automaton(_)));
+        let needs_automaton = patterns
+            .iter()
+            .any(|p| matches!(p.strategy, Strategy::Automaton(_)));
         let escaped: Vec<String> = patterns
             .iter()
             .map(|p| match &p.strategy {
-                Strategy::Exact(name) if needs_automaton => format!("^{}$", regex_syntax::escape(name)),
+                Strategy::Exact(name) if needs_automaton => {
+                    format!("^{}$", regex_syntax::escape(name))
+                }
                 _ => String::new(),
             })
             .collect();
@@ -131,19 +135,37 @@ impl PatternSet {
                 .thompson(regex_automata::nfa::thompson::Config::new().nfa_size_limit(None))
                 .build_many(&dfa_regexes)
                 .map_err(|e| BuildError::Matcher(automaton_error(e)))?;
-            Some(Automaton { dfa, pattern_ids: dfa_ids })
+            Some(Automaton {
+                dfa,
+                pattern_ids: dfa_ids,
+            })
         };
         let fallback = if fallback_regexes.is_empty() {
             None
         } else {
             let regex = meta::Regex::builder()
-                .configure(meta::Regex::config().match_kind(MatchKind::All).nfa_size_limit(None))
+                .configure(
+                    meta::Regex::config()
+                        .match_kind(MatchKind::All)
+                        .nfa_size_limit(None),
+                )
                 .build_many(&fallback_regexes)
                 .map_err(|e| BuildError::Matcher(automaton_error(e)))?;
-            Some(Fallback { regex, pattern_ids: fallback_ids })
+            Some(Fallback {
+                regex,
+                pattern_ids: fallback_ids,
+            })
         };
         let cache = Mutex::new(automaton.as_ref().map(|a| a.dfa.create_cache()));
-        Ok(PatternSet { patterns, exact, exact_prefixes, root_matches, automaton, fallback, cache })
+        Ok(PatternSet {
+            patterns,
+            exact,
+            exact_prefixes,
+            root_matches,
+            automaton,
+            fallback,
+            cache,
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -161,10 +183,18 @@ impl PatternSet {
 
     /// Runs `f` with a matcher that owns the DFA cache for its duration.
     pub fn with_matcher<R>(&self, f: impl FnOnce(&mut Matcher<'_>) -> R) -> R {
-        let mut guard = self.cache.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut guard = self
+            .cache
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let dfa = self.automaton.as_ref().zip(guard.as_mut());
-        let fallback_hits = MatchSet::new(self.fallback.as_ref().map_or(0, |f| f.regex.pattern_len()));
-        f(&mut Matcher { set: self, dfa, fallback_hits })
+        let fallback_hits =
+            MatchSet::new(self.fallback.as_ref().map_or(0, |f| f.regex.pattern_len()));
+        f(&mut Matcher {
+            set: self,
+            dfa,
+            fallback_hits,
+        })
     }
 }
 
@@ -189,23 +219,43 @@ impl Matcher<'_> {
 
     /// The state at the start of a name (the root's state in a walk).
     pub fn start(&mut self) -> Result<Option<DfaState>, MatchError> {
-        let Some((automaton, cache)) = &mut self.dfa else { return Ok(None) };
+        let Some((automaton, cache)) = &mut self.dfa else {
+            return Ok(None);
+        };
         let config = start::Config::new().anchored(Anchored::Yes);
-        let id = automaton.dfa.start_state(cache, &config).map_err(automaton_error)?;
-        Ok(Some(DfaState { id, clear_count: cache.clear_count() }))
+        let id = automaton
+            .dfa
+            .start_state(cache, &config)
+            .map_err(automaton_error)?;
+        Ok(Some(DfaState {
+            id,
+            clear_count: cache.clear_count(),
+        }))
     }
 
     /// Feeds `bytes` after `state`.
-    pub fn advance(&mut self, state: Option<DfaState>, bytes: &[u8]) -> Result<Option<DfaState>, MatchError> {
-        let (Some((automaton, cache)), Some(state)) = (&mut self.dfa, state) else { return Ok(None) };
+    pub fn advance(
+        &mut self,
+        state: Option<DfaState>,
+        bytes: &[u8],
+    ) -> Result<Option<DfaState>, MatchError> {
+        let (Some((automaton, cache)), Some(state)) = (&mut self.dfa, state) else {
+            return Ok(None);
+        };
         let mut id = state.id;
         for &byte in bytes {
             if id.is_dead() {
                 break;
             }
-            id = automaton.dfa.next_state(cache, id, byte).map_err(automaton_error)?;
+            id = automaton
+                .dfa
+                .next_state(cache, id, byte)
+                .map_err(automaton_error)?;
         }
-        Ok(Some(DfaState { id, clear_count: cache.clear_count() }))
+        Ok(Some(DfaState {
+            id,
+            clear_count: cache.clear_count(),
+        }))
     }
 
     /// Whether a state saved earlier is still valid (a cache clear invalidates every state id).
@@ -230,7 +280,12 @@ impl Matcher<'_> {
     }
 
     /// The patterns matching the whole `name`, given the DFA state after all of it.
-    pub fn finish(&mut self, name: &str, state: Option<DfaState>, out: &mut Vec<u32>) -> Result<(), MatchError> {
+    pub fn finish(
+        &mut self,
+        name: &str,
+        state: Option<DfaState>,
+        out: &mut Vec<u32>,
+    ) -> Result<(), MatchError> {
         let before = out.len();
         if name.is_empty() {
             out.extend_from_slice(&self.set.root_matches);
@@ -243,18 +298,31 @@ impl Matcher<'_> {
         }
         if let (Some((automaton, cache)), Some(state)) = (&mut self.dfa, state) {
             if !state.id.is_dead() {
-                let end = automaton.dfa.next_eoi_state(cache, state.id).map_err(automaton_error)?;
+                let end = automaton
+                    .dfa
+                    .next_eoi_state(cache, state.id)
+                    .map_err(automaton_error)?;
                 if end.is_match() {
                     for k in 0..automaton.dfa.match_len(cache, end) {
-                        out.push(automaton.pattern_ids[automaton.dfa.match_pattern(cache, end, k).as_usize()]);
+                        out.push(
+                            automaton.pattern_ids
+                                [automaton.dfa.match_pattern(cache, end, k).as_usize()],
+                        );
                     }
                 }
             }
         }
         if let Some(fallback) = &self.set.fallback {
             self.fallback_hits.clear();
-            fallback.regex.which_overlapping_matches(&Input::new(name).anchored(Anchored::Yes), &mut self.fallback_hits);
-            out.extend(self.fallback_hits.iter().map(|p| fallback.pattern_ids[p.as_usize()]));
+            fallback.regex.which_overlapping_matches(
+                &Input::new(name).anchored(Anchored::Yes),
+                &mut self.fallback_hits,
+            );
+            out.extend(
+                self.fallback_hits
+                    .iter()
+                    .map(|p| fallback.pattern_ids[p.as_usize()]),
+            );
         }
         if out.len() - before > 1 {
             out[before..].sort_unstable();
@@ -306,10 +374,13 @@ mod tests {
 
     #[test]
     fn survives_cache_pressure_with_many_patterns() {
-        let patterns: Vec<String> = (0..2000).map(|i| format!("layers.{i}.*.w{}", i % 7)).collect();
+        let patterns: Vec<String> = (0..2000)
+            .map(|i| format!("layers.{i}.*.w{}", i % 7))
+            .collect();
         let set = PatternSet::new(&patterns).ok().unwrap();
         let mut out = Vec::new();
-        set.with_matcher(|m| m.match_name("layers.1999.mlp.w4", &mut out)).unwrap();
+        set.with_matcher(|m| m.match_name("layers.1999.mlp.w4", &mut out))
+            .unwrap();
         assert_eq!(out, vec![1999]);
     }
 }

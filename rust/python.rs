@@ -43,26 +43,41 @@ fn walk_error(error: WalkError) -> PyErr {
 }
 
 /// Reads a sequence of `str` (not a bare `str`), naming `what` in errors.
-fn extract_strings<'py>(values: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<Bound<'py, PyString>>> {
+fn extract_strings<'py>(
+    values: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<Vec<Bound<'py, PyString>>> {
     if values.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err(format!("{what} must be a sequence of str, not a single str")));
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a sequence of str, not a single str"
+        )));
     }
-    let iterator = values
-        .try_iter()
-        .map_err(|_| PyTypeError::new_err(format!("{what} must be a sequence of str, got {}", type_name(values))))?;
+    let iterator = values.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be a sequence of str, got {}",
+            type_name(values)
+        ))
+    })?;
     iterator
         .enumerate()
         .map(|(i, item)| {
             let item = item?;
             item.cast_into::<PyString>().map_err(|e| {
-                PyTypeError::new_err(format!("{what}[{i}] must be a str, got {}", type_name(e.into_inner().as_any())))
+                PyTypeError::new_err(format!(
+                    "{what}[{i}] must be a str, got {}",
+                    type_name(e.into_inner().as_any())
+                ))
             })
         })
         .collect()
 }
 
 fn type_name(value: &Bound<'_, PyAny>) -> String {
-    value.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_owned())
+    value
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".to_owned())
 }
 
 /// FQN patterns compiled once (SPEC §2).
@@ -80,7 +95,9 @@ impl PyPatternSet {
         match PatternSet::new(&texts) {
             Ok(inner) => Ok(PyPatternSet { inner }),
             Err(BuildError::Pattern(e)) => Err(pattern_error(py, &e)),
-            Err(BuildError::Matcher(e)) => Err(PyValueError::new_err(format!("cannot compile the pattern set: {e}"))),
+            Err(BuildError::Matcher(e)) => Err(PyValueError::new_err(format!(
+                "cannot compile the pattern set: {e}"
+            ))),
         }
     }
 
@@ -101,7 +118,9 @@ impl PyPatternSet {
     #[pyo3(name = "match")]
     fn match_name(&self, name: &str) -> PyResult<Vec<u32>> {
         let mut out = Vec::new();
-        self.inner.with_matcher(|m| m.match_name(name, &mut out)).map_err(match_error)?;
+        self.inner
+            .with_matcher(|m| m.match_name(name, &mut out))
+            .map_err(match_error)?;
         Ok(out)
     }
 
@@ -113,7 +132,8 @@ impl PyPatternSet {
                 .iter()
                 .map(|name| {
                     let mut out = Vec::new();
-                    m.match_name(name.to_str()?, &mut out).map_err(match_error)?;
+                    m.match_name(name.to_str()?, &mut out)
+                        .map_err(match_error)?;
                     Ok(out)
                 })
                 .collect()
@@ -131,7 +151,10 @@ impl PyPatternSet {
             (true, false) => WalkMode::Pruned,
             (true, true) => WalkMode::PrunedModules,
         };
-        let index = self.inner.with_matcher(|m| walk_tree(root, m, mode)).map_err(walk_error)?;
+        let index = self
+            .inner
+            .with_matcher(|m| walk_tree(root, m, mode))
+            .map_err(walk_error)?;
         Ok(ModuleTree { index })
     }
 
@@ -139,7 +162,10 @@ impl PyPatternSet {
     fn index_names(&self, names: &Bound<'_, PyAny>) -> PyResult<ModuleTree> {
         let names = extract_strings(names, "names")?;
         let names: Vec<&str> = names.iter().map(|n| n.to_str()).collect::<PyResult<_>>()?;
-        let index = self.inner.with_matcher(|m| index_names(names.into_iter(), m)).map_err(match_error)?;
+        let index = self
+            .inner
+            .with_matcher(|m| index_names(names.into_iter(), m))
+            .map_err(match_error)?;
         Ok(ModuleTree { index })
     }
 }
@@ -173,7 +199,10 @@ impl ModuleTree {
     fn names(&self, indices: Option<Vec<u32>>) -> PyResult<Vec<&str>> {
         match indices {
             None => Ok(self.index.names.iter().collect()),
-            Some(indices) => indices.iter().map(|&i| self.checked_name(i as usize)).collect(),
+            Some(indices) => indices
+                .iter()
+                .map(|&i| self.checked_name(i as usize))
+                .collect(),
         }
     }
 
@@ -184,7 +213,11 @@ impl ModuleTree {
 
     /// The first FQN of every module, in tree order.
     fn module_names(&self) -> Vec<&str> {
-        self.index.module_first_name.iter().map(|&n| self.index.names.get(n as usize)).collect()
+        self.index
+            .module_first_name
+            .iter()
+            .map(|&n| self.index.names.get(n as usize))
+            .collect()
     }
 
     /// The first FQN of each module at the given module indices.
@@ -327,13 +360,32 @@ fn py_check_placements(
 ) -> PyResult<Vec<(u32, &'static str, String)>> {
     let rows_len = row_module.len();
     if axis_sizes.len() != axis_names.len() || label_is_param.len() != labels.len() {
-        return Err(PyValueError::new_err("axis_sizes and label_is_param must be as long as their name lists"));
+        return Err(PyValueError::new_err(
+            "axis_sizes and label_is_param must be as long as their name lists",
+        ));
     }
-    if [row_label.len(), row_axis.len(), row_kind.len(), row_dim.len(), row_rank.len(), row_first_dim.len()].iter().any(|&n| n != rows_len) {
-        return Err(PyValueError::new_err("every row list must have the same length"));
+    if [
+        row_label.len(),
+        row_axis.len(),
+        row_kind.len(),
+        row_dim.len(),
+        row_rank.len(),
+        row_first_dim.len(),
+    ]
+    .iter()
+    .any(|&n| n != rows_len)
+    {
+        return Err(PyValueError::new_err(
+            "every row list must have the same length",
+        ));
     }
-    if let Some(m) = row_module.iter().find(|&&m| m as usize >= num_experts.len()) {
-        return Err(PyValueError::new_err(format!("row module {m} is not below len(num_experts)")));
+    if let Some(m) = row_module
+        .iter()
+        .find(|&&m| m as usize >= num_experts.len())
+    {
+        return Err(PyValueError::new_err(format!(
+            "row module {m} is not below len(num_experts)"
+        )));
     }
     let mut rows = Vec::with_capacity(rows_len);
     for i in 0..rows_len {
@@ -341,7 +393,11 @@ fn py_check_placements(
             0 => PlacementKind::Shard,
             1 => PlacementKind::Replicate,
             2 => PlacementKind::Partial,
-            other => return Err(PyValueError::new_err(format!("row {i}: unknown placement kind {other}"))),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "row {i}: unknown placement kind {other}"
+                )))
+            }
         };
         let (label, axis) = (row_label[i], row_axis[i]);
         let is_param = label_is_param
@@ -363,7 +419,11 @@ fn py_check_placements(
         });
     }
     let ep = axis_names.iter().position(|n| n == "ep").map(|p| p as u32);
-    let axes = AxisTable { names: &axis_names, sizes: &axis_sizes, ep };
+    let axes = AxisTable {
+        names: &axis_names,
+        sizes: &axis_sizes,
+        ep,
+    };
     Ok(check_placements(&axes, &labels, &rows, &num_experts)
         .into_iter()
         .map(|p| (p.module, p.code.as_str(), p.message))

@@ -12,7 +12,10 @@ use crate::pattern::{Pattern, Strategy, REGEX_PREFIX};
 
 enum PatternSegment {
     Globstar,
-    Glob { text: String, matcher: Option<Regex> },
+    Glob {
+        text: String,
+        matcher: Option<Regex>,
+    },
 }
 
 /// The `count` names nearest to `pattern`, nearest first, ties in table order.
@@ -24,7 +27,11 @@ pub fn nearest_names(pattern: &str, names: &NameTable, count: usize) -> Vec<Stri
         Some(segments) => score_by_segments(&segments, names),
         None => {
             let target = pattern.strip_prefix(REGEX_PREFIX).unwrap_or(pattern);
-            names.iter().enumerate().map(|(i, name)| (edit_distance(target, name), i)).collect()
+            names
+                .iter()
+                .enumerate()
+                .map(|(i, name)| (edit_distance(target, name), i))
+                .collect()
         }
     };
     let mut best: Vec<(usize, usize)> = Vec::with_capacity(count + 1);
@@ -35,7 +42,9 @@ pub fn nearest_names(pattern: &str, names: &NameTable, count: usize) -> Vec<Stri
             best.truncate(count);
         }
     }
-    best.into_iter().map(|(_, i)| names.get(i).to_owned()).collect()
+    best.into_iter()
+        .map(|(_, i)| names.get(i).to_owned())
+        .collect()
 }
 
 /// The top-level segments of a glob, or `None` where segments are not separable
@@ -71,7 +80,9 @@ fn segment(text: String) -> PatternSegment {
         return PatternSegment::Globstar;
     }
     let matcher = match Pattern::compile(&text).map(|p| p.strategy) {
-        Ok(Strategy::Exact(exact)) => Regex::new(&format!("^{}$", regex_syntax::escape(&exact))).ok(),
+        Ok(Strategy::Exact(exact)) => {
+            Regex::new(&format!("^{}$", regex_syntax::escape(&exact))).ok()
+        }
         Ok(Strategy::Automaton(regex)) => Regex::new(&regex).ok(),
         _ => None,
     };
@@ -121,7 +132,11 @@ fn score_by_segments(pattern: &[PatternSegment], names: &NameTable) -> Vec<(usiz
                     PatternSegment::Globstar => row[j].min(above[j]),
                     PatternSegment::Glob { .. } => above[j] + segment_costs[k][id],
                 };
-                row.push(aligned.min(above[j + 1] + skip_costs[k]).min(row[j] + segment_lengths[id]));
+                row.push(
+                    aligned
+                        .min(above[j + 1] + skip_costs[k])
+                        .min(row[j] + segment_lengths[id]),
+                );
             }
             std::mem::swap(&mut row, &mut above);
         }
@@ -187,13 +202,26 @@ mod tests {
 
     #[test]
     fn suggests_the_misspelled_segment() {
-        let names = table(&["", "embed_tokens", "layers", "layers.0", "layers.0.mlp", "layers.0.mlp.experts",
-            "layers.0.mlp.experts.0", "layers.0.mlp.experts.0.down_proj", "layers.0.mlp.experts.1.down_proj", "lm_head"]);
+        let names = table(&[
+            "",
+            "embed_tokens",
+            "layers",
+            "layers.0",
+            "layers.0.mlp",
+            "layers.0.mlp.experts",
+            "layers.0.mlp.experts.0",
+            "layers.0.mlp.experts.0.down_proj",
+            "layers.0.mlp.experts.1.down_proj",
+            "lm_head",
+        ]);
         let near = nearest_names("layers.*.mlp.expertz.*.down_proj", &names, 3);
         assert_eq!(near[0], "layers.0.mlp.experts.0.down_proj");
         assert_eq!(near[1], "layers.0.mlp.experts.1.down_proj");
         assert_eq!(nearest_names("lm_haed", &names, 1), vec!["lm_head"]);
         assert_eq!(nearest_names("re:lm_hed", &names, 1), vec!["lm_head"]);
-        assert_eq!(nearest_names("**.down_prj", &names, 1), vec!["layers.0.mlp.experts.0.down_proj"]);
+        assert_eq!(
+            nearest_names("**.down_prj", &names, 1),
+            vec!["layers.0.mlp.experts.0.down_proj"]
+        );
     }
 }

@@ -53,8 +53,12 @@ impl TreeIndex {
         let mut seen = rustc_hash::FxHashSet::default();
         let mut others = Vec::new();
         for &(name, pattern) in &self.hits {
-            let Some(Some(owner)) = pattern_owner.get(pattern as usize) else { continue };
-            let Some(&module) = self.name_module.get(name as usize) else { continue };
+            let Some(Some(owner)) = pattern_owner.get(pattern as usize) else {
+                continue;
+            };
+            let Some(&module) = self.name_module.get(name as usize) else {
+                continue;
+            };
             let slot = &mut first[module as usize];
             if *slot == u32::MAX {
                 *slot = *owner;
@@ -62,9 +66,15 @@ impl TreeIndex {
                 others.push((module, *owner));
             }
         }
-        let modules: Vec<u32> = (0..module_count as u32).filter(|&m| first[m as usize] != u32::MAX).collect();
+        let modules: Vec<u32> = (0..module_count as u32)
+            .filter(|&m| first[m as usize] != u32::MAX)
+            .collect();
         let first = modules.iter().map(|&m| first[m as usize]).collect();
-        Ownership { modules, first, others }
+        Ownership {
+            modules,
+            first,
+            others,
+        }
     }
 }
 
@@ -117,11 +127,18 @@ struct Walker<'m, 'a> {
 }
 
 /// Walks the tree under `root`, matching every FQN it reaches.
-pub fn walk_tree(root: &Bound<'_, PyAny>, matcher: &mut Matcher<'_>, mode: WalkMode) -> Result<TreeIndex, WalkError> {
+pub fn walk_tree(
+    root: &Bound<'_, PyAny>,
+    matcher: &mut Matcher<'_>,
+    mode: WalkMode,
+) -> Result<TreeIndex, WalkError> {
     let mut walker = Walker {
         matcher,
         mode,
-        index: TreeIndex { complete: mode == WalkMode::Full, ..TreeIndex::default() },
+        index: TreeIndex {
+            complete: mode == WalkMode::Full,
+            ..TreeIndex::default()
+        },
         module_ids: FxHashMap::default(),
         class_ids: FxHashMap::default(),
         scratch: Vec::new(),
@@ -131,8 +148,14 @@ pub fn walk_tree(root: &Bound<'_, PyAny>, matcher: &mut Matcher<'_>, mode: WalkM
 }
 
 /// Matches a plain list of FQNs (offline: names read from a checkpoint index, say).
-pub fn index_names<'n>(names: impl Iterator<Item = &'n str>, matcher: &mut Matcher<'_>) -> Result<TreeIndex, MatchError> {
-    let mut index = TreeIndex { complete: true, ..TreeIndex::default() };
+pub fn index_names<'n>(
+    names: impl Iterator<Item = &'n str>,
+    matcher: &mut Matcher<'_>,
+) -> Result<TreeIndex, MatchError> {
+    let mut index = TreeIndex {
+        complete: true,
+        ..TreeIndex::default()
+    };
     let mut scratch = Vec::new();
     for name in names {
         let at = index.names.push(name);
@@ -161,7 +184,14 @@ impl Walker<'_, '_> {
             let (mut key, mut child) = (std::ptr::null_mut(), std::ptr::null_mut());
             // SAFETY: the frame owns a reference to the dict; key and child are borrowed from it
             // and used before any Python code runs, except through owned references below.
-            let more = unsafe { ffi::PyDict_Next(frame.children.as_ptr(), &mut frame.position, &mut key, &mut child) };
+            let more = unsafe {
+                ffi::PyDict_Next(
+                    frame.children.as_ptr(),
+                    &mut frame.position,
+                    &mut key,
+                    &mut child,
+                )
+            };
             if more == 0 {
                 if let Some(done) = stack.pop() {
                     on_path.remove(&done.identity);
@@ -182,9 +212,13 @@ impl Walker<'_, '_> {
             let (name_end, parent_state) = (frame.name_end, frame.child_state);
             // SAFETY: borrowed from the live dict; no Python code runs before the last use of
             // `key`, and `child` is turned into an owned reference before it is entered.
-            let (key, child) = unsafe { (Borrowed::from_ptr(py, key), Borrowed::from_ptr(py, child)) };
+            let (key, child) =
+                unsafe { (Borrowed::from_ptr(py, key), Borrowed::from_ptr(py, child)) };
             let key = key.cast::<PyString>().map_err(|_| {
-                PyTypeError::new_err(format!("module {:?} has a child whose name is not a str", &fqn[..name_end]))
+                PyTypeError::new_err(format!(
+                    "module {:?} has a child whose name is not a str",
+                    &fqn[..name_end]
+                ))
             })?;
             let key = key.to_str()?;
             let mut state = parent_state;
@@ -206,8 +240,13 @@ impl Walker<'_, '_> {
                 self.record(identity, &child, &fqn, state)?;
             }
             if on_path.contains(&identity) {
-                let ancestor = stack.iter().find(|f| f.identity == identity).map_or(0, |f| f.name_end);
-                self.index.cycles.push((fqn.clone(), fqn[..ancestor].to_owned()));
+                let ancestor = stack
+                    .iter()
+                    .find(|f| f.identity == identity)
+                    .map_or(0, |f| f.name_end);
+                self.index
+                    .cycles
+                    .push((fqn.clone(), fqn[..ancestor].to_owned()));
                 continue;
             }
             if descend {
@@ -223,14 +262,22 @@ impl Walker<'_, '_> {
 
     /// Records `fqn` (a name of the module at `identity`) and its matches. A pruned walk records
     /// only names that match.
-    fn record(&mut self, identity: usize, module: &Bound<'_, PyAny>, fqn: &str, state: Option<DfaState>) -> Result<(), WalkError> {
+    fn record(
+        &mut self,
+        identity: usize,
+        module: &Bound<'_, PyAny>,
+        fqn: &str,
+        state: Option<DfaState>,
+    ) -> Result<(), WalkError> {
         self.scratch.clear();
         self.matcher.finish(fqn, state, &mut self.scratch)?;
         if self.mode == WalkMode::Pruned && self.scratch.is_empty() {
             return Ok(());
         }
         let name = self.index.names.push(fqn);
-        self.index.hits.extend(self.scratch.iter().map(|&p| (name, p)));
+        self.index
+            .hits
+            .extend(self.scratch.iter().map(|&p| (name, p)));
         if self.mode != WalkMode::Pruned {
             let next = self.index.modules.len() as u32;
             let module_index = *self.module_ids.entry(identity).or_insert(next);
@@ -239,7 +286,10 @@ impl Walker<'_, '_> {
                 self.index.module_first_name.push(name);
                 let class = module.get_type();
                 let next_class = self.index.classes.len() as u32;
-                let class_index = *self.class_ids.entry(class.as_ptr() as usize).or_insert(next_class);
+                let class_index = *self
+                    .class_ids
+                    .entry(class.as_ptr() as usize)
+                    .or_insert(next_class);
                 if class_index == next_class {
                     self.index.classes.push(class.unbind());
                 }
@@ -259,14 +309,29 @@ fn enter<'py>(
     identity: usize,
     child_state: Option<DfaState>,
 ) -> PyResult<Frame<'py>> {
-    let children = module.getattr(modules_attr).map_err(|_| not_a_module(module, fqn))?;
-    let children = children.cast_into::<PyDict>().map_err(|e| not_a_module(&e.into_inner(), fqn))?;
+    let children = module
+        .getattr(modules_attr)
+        .map_err(|_| not_a_module(module, fqn))?;
+    let children = children
+        .cast_into::<PyDict>()
+        .map_err(|e| not_a_module(&e.into_inner(), fqn))?;
     let size = children.len() as ffi::Py_ssize_t;
-    Ok(Frame { children, position: 0, size, name_end: fqn.len(), identity, child_state })
+    Ok(Frame {
+        children,
+        position: 0,
+        size,
+        name_end: fqn.len(),
+        identity,
+        child_state,
+    })
 }
 
 fn not_a_module(object: &Bound<'_, PyAny>, fqn: &str) -> PyErr {
-    let type_name = object.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+    let type_name = object
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into());
     PyTypeError::new_err(format!(
         "expected an nn.Module at {fqn:?}, got an object of type {type_name} without a _modules dict"
     ))
@@ -279,9 +344,13 @@ mod tests {
 
     #[test]
     fn owners_keeps_the_first_owner_and_lists_the_others_once() {
-        let Ok(set) = PatternSet::new(&["a.*", "a.b", "a.{b,c}", "z"]) else { panic!("the patterns compile") };
+        let Ok(set) = PatternSet::new(&["a.*", "a.b", "a.{b,c}", "z"]) else {
+            panic!("the patterns compile")
+        };
         let names = ["", "a", "a.b", "a.c", "d"];
-        let index = set.with_matcher(|m| index_names(names.into_iter(), m)).unwrap();
+        let index = set
+            .with_matcher(|m| index_names(names.into_iter(), m))
+            .unwrap();
         // Patterns 0 and 2 belong to owner 0, pattern 1 to owner 1, pattern 3 is ignored.
         let ownership = index.owners(&[Some(0), Some(1), Some(0), None]);
         assert_eq!(ownership.modules, vec![2, 3]);

@@ -17,7 +17,10 @@ pub struct PatternSyntaxError {
 
 impl PatternSyntaxError {
     pub fn new(position: usize, reason: impl Into<String>) -> Self {
-        Self { position, reason: reason.into() }
+        Self {
+            position,
+            reason: reason.into(),
+        }
     }
 }
 
@@ -41,14 +44,27 @@ pub enum Node {
     Star,
     /// `?`: one non-dot character.
     AnyChar,
-    Class { negated: bool, items: Vec<ClassItem> },
+    Class {
+        negated: bool,
+        items: Vec<ClassItem>,
+    },
     /// `<lo-hi>`: a canonical decimal numeral in the closed range.
-    Range { lo: u64, hi: u64 },
-    Alternation { position: usize, alternatives: Vec<Vec<Node>> },
+    Range {
+        lo: u64,
+        hi: u64,
+    },
+    Alternation {
+        position: usize,
+        alternatives: Vec<Vec<Node>>,
+    },
     /// The segment separator `.`.
-    Dot { position: usize },
+    Dot {
+        position: usize,
+    },
     /// `**` as written; whether it stands as a whole segment is checked later.
-    Globstar { position: usize },
+    Globstar {
+        position: usize,
+    },
 }
 
 struct Parser {
@@ -58,11 +74,17 @@ struct Parser {
 
 /// Parses the text of a glob pattern (not `re:`, not the root pattern `""`).
 pub fn parse_glob(text: &str) -> Result<Vec<Node>, PatternSyntaxError> {
-    let mut parser = Parser { chars: text.chars().collect(), pos: 0 };
+    let mut parser = Parser {
+        chars: text.chars().collect(),
+        pos: 0,
+    };
     let nodes = parser.sequence(0)?;
     if parser.pos < parser.chars.len() {
         // Only a stray `}` or `,` at depth 0 stops a sequence early, and `,` is literal there.
-        return Err(PatternSyntaxError::new(parser.pos, "unbalanced '}': no '{' opens it"));
+        return Err(PatternSyntaxError::new(
+            parser.pos,
+            "unbalanced '}': no '{' opens it",
+        ));
     }
     Ok(nodes)
 }
@@ -80,23 +102,29 @@ impl Parser {
             match c {
                 '}' => {
                     if depth == 0 {
-                        return Err(PatternSyntaxError::new(start, "unbalanced '}': no '{' opens it"));
+                        return Err(PatternSyntaxError::new(
+                            start,
+                            "unbalanced '}': no '{' opens it",
+                        ));
                     }
                     break;
                 }
                 ',' if depth > 0 => break,
                 '\\' => {
                     self.pos += 1;
-                    let escaped = self
-                        .peek()
-                        .ok_or_else(|| PatternSyntaxError::new(start, "trailing '\\' escapes nothing"))?;
+                    let escaped = self.peek().ok_or_else(|| {
+                        PatternSyntaxError::new(start, "trailing '\\' escapes nothing")
+                    })?;
                     self.pos += 1;
                     nodes.push(Node::Literal(escaped));
                 }
                 '*' => {
                     if self.chars.get(self.pos + 1) == Some(&'*') {
                         if depth > 0 {
-                            return Err(PatternSyntaxError::new(start, "'**' is not allowed inside braces"));
+                            return Err(PatternSyntaxError::new(
+                                start,
+                                "'**' is not allowed inside braces",
+                            ));
                         }
                         self.pos += 2;
                         nodes.push(Node::Globstar { position: start });
@@ -136,16 +164,21 @@ impl Parser {
         loop {
             let here = self.pos;
             let c = match self.peek() {
-                None => return Err(PatternSyntaxError::new(open, "unbalanced '[': the class is never closed")),
+                None => {
+                    return Err(PatternSyntaxError::new(
+                        open,
+                        "unbalanced '[': the class is never closed",
+                    ))
+                }
                 Some(']') => {
                     self.pos += 1;
                     break;
                 }
                 Some('\\') => {
                     self.pos += 1;
-                    let c = self
-                        .peek()
-                        .ok_or_else(|| PatternSyntaxError::new(here, "trailing '\\' escapes nothing"))?;
+                    let c = self.peek().ok_or_else(|| {
+                        PatternSyntaxError::new(here, "trailing '\\' escapes nothing")
+                    })?;
                     self.pos += 1;
                     c
                 }
@@ -154,20 +187,24 @@ impl Parser {
                     c
                 }
             };
-            let is_range = self.peek() == Some('-') && !matches!(self.chars.get(self.pos + 1), None | Some(']'));
+            let is_range = self.peek() == Some('-')
+                && !matches!(self.chars.get(self.pos + 1), None | Some(']'));
             if is_range {
                 self.pos += 1;
                 let hi_pos = self.pos;
                 let mut hi = self.chars[self.pos];
                 self.pos += 1;
                 if hi == '\\' {
-                    hi = self
-                        .peek()
-                        .ok_or_else(|| PatternSyntaxError::new(hi_pos, "trailing '\\' escapes nothing"))?;
+                    hi = self.peek().ok_or_else(|| {
+                        PatternSyntaxError::new(hi_pos, "trailing '\\' escapes nothing")
+                    })?;
                     self.pos += 1;
                 }
                 if hi < c {
-                    return Err(PatternSyntaxError::new(here, format!("reversed class range '{c}-{hi}'")));
+                    return Err(PatternSyntaxError::new(
+                        here,
+                        format!("reversed class range '{c}-{hi}'"),
+                    ));
                 }
                 items.push(ClassItem::Range(c, hi));
             } else {
@@ -186,24 +223,37 @@ impl Parser {
             .iter()
             .position(|&c| c == '>')
             .map(|offset| open + offset)
-            .ok_or_else(|| PatternSyntaxError::new(open, "unbalanced '<': the range is never closed"))?;
+            .ok_or_else(|| {
+                PatternSyntaxError::new(open, "unbalanced '<': the range is never closed")
+            })?;
         let body: String = self.chars[open + 1..close].iter().collect();
-        let (lo_text, hi_text) = body
-            .split_once('-')
-            .ok_or_else(|| PatternSyntaxError::new(open, format!("range '<{body}>' is not of the form <lo-hi>")))?;
+        let (lo_text, hi_text) = body.split_once('-').ok_or_else(|| {
+            PatternSyntaxError::new(open, format!("range '<{body}>' is not of the form <lo-hi>"))
+        })?;
         let parse_bound = |text: &str, offset: usize| -> Result<u64, PatternSyntaxError> {
             if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(PatternSyntaxError::new(offset, format!("non-numeric range bound '{text}'")));
+                return Err(PatternSyntaxError::new(
+                    offset,
+                    format!("non-numeric range bound '{text}'"),
+                ));
             }
             text.parse::<u64>()
                 .ok()
                 .filter(|&v| v <= MAX_RANGE_VALUE)
-                .ok_or_else(|| PatternSyntaxError::new(offset, format!("range bound '{text}' exceeds {MAX_RANGE_VALUE}")))
+                .ok_or_else(|| {
+                    PatternSyntaxError::new(
+                        offset,
+                        format!("range bound '{text}' exceeds {MAX_RANGE_VALUE}"),
+                    )
+                })
         };
         let lo = parse_bound(lo_text, open + 1)?;
         let hi = parse_bound(hi_text, open + 2 + lo_text.chars().count())?;
         if lo > hi {
-            return Err(PatternSyntaxError::new(open, format!("reversed range <{lo}-{hi}>")));
+            return Err(PatternSyntaxError::new(
+                open,
+                format!("reversed range <{lo}-{hi}>"),
+            ));
         }
         self.pos = close + 1;
         Ok(Node::Range { lo, hi })
@@ -212,7 +262,10 @@ impl Parser {
     fn alternation(&mut self, depth: usize) -> Result<Node, PatternSyntaxError> {
         let open = self.pos;
         if depth + 1 > MAX_BRACE_DEPTH {
-            return Err(PatternSyntaxError::new(open, format!("braces nested deeper than {MAX_BRACE_DEPTH}")));
+            return Err(PatternSyntaxError::new(
+                open,
+                format!("braces nested deeper than {MAX_BRACE_DEPTH}"),
+            ));
         }
         self.pos += 1;
         let mut alternatives = Vec::new();
@@ -222,9 +275,17 @@ impl Parser {
                 Some(',') => self.pos += 1,
                 Some('}') => {
                     self.pos += 1;
-                    return Ok(Node::Alternation { position: open, alternatives });
+                    return Ok(Node::Alternation {
+                        position: open,
+                        alternatives,
+                    });
                 }
-                _ => return Err(PatternSyntaxError::new(open, "unbalanced '{': the alternation is never closed")),
+                _ => {
+                    return Err(PatternSyntaxError::new(
+                        open,
+                        "unbalanced '{': the alternation is never closed",
+                    ))
+                }
             }
         }
     }
@@ -249,10 +310,15 @@ mod tests {
         assert_eq!(nodes[2], Node::AnyChar);
         assert_eq!(
             nodes[3],
-            Node::Class { negated: true, items: vec![ClassItem::Range('0', '9'), ClassItem::Char('_')] }
+            Node::Class {
+                negated: true,
+                items: vec![ClassItem::Range('0', '9'), ClassItem::Char('_')]
+            }
         );
         assert_eq!(nodes[4], Node::Range { lo: 1, hi: 3 });
-        assert!(matches!(&nodes[5], Node::Alternation { position: 15, alternatives } if alternatives.len() == 2));
+        assert!(
+            matches!(&nodes[5], Node::Alternation { position: 15, alternatives } if alternatives.len() == 2)
+        );
         assert_eq!(nodes[6], Node::Literal('*'));
         assert_eq!(nodes[7], Node::Dot { position: 24 });
         assert_eq!(nodes[8], Node::Globstar { position: 25 });
@@ -280,12 +346,22 @@ mod tests {
 
     #[test]
     fn escapes_and_literal_punctuation() {
-        assert_eq!(parse_glob(r"\{a\}").unwrap(), vec![Node::Literal('{'), Node::Literal('a'), Node::Literal('}')]);
+        assert_eq!(
+            parse_glob(r"\{a\}").unwrap(),
+            vec![Node::Literal('{'), Node::Literal('a'), Node::Literal('}')]
+        );
         assert_eq!(parse_glob("a,b>]").unwrap().len(), 5);
-        assert_eq!(parse_glob(r"[\]a-]").unwrap(), vec![Node::Class {
-            negated: false,
-            items: vec![ClassItem::Char(']'), ClassItem::Char('a'), ClassItem::Char('-')]
-        }]);
+        assert_eq!(
+            parse_glob(r"[\]a-]").unwrap(),
+            vec![Node::Class {
+                negated: false,
+                items: vec![
+                    ClassItem::Char(']'),
+                    ClassItem::Char('a'),
+                    ClassItem::Char('-')
+                ]
+            }]
+        );
     }
 
     #[test]

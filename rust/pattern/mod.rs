@@ -42,9 +42,17 @@ impl PatternError {
     /// The message quotes the pattern and points at the offending character with a caret.
     pub fn message(&self) -> String {
         let shown: String = self.pattern.chars().flat_map(char::escape_debug).collect();
-        let caret_column: usize =
-            self.pattern.chars().take(self.position).map(|c| c.escape_debug().count()).sum();
-        format!("invalid pattern \"{shown}\": {}\n  {shown}\n  {}^", self.reason, " ".repeat(caret_column))
+        let caret_column: usize = self
+            .pattern
+            .chars()
+            .take(self.position)
+            .map(|c| c.escape_debug().count())
+            .sum();
+        format!(
+            "invalid pattern \"{shown}\": {}\n  {shown}\n  {}^",
+            self.reason,
+            " ".repeat(caret_column)
+        )
     }
 }
 
@@ -52,21 +60,35 @@ pub const REGEX_PREFIX: &str = "re:";
 
 impl Pattern {
     pub fn compile(text: &str) -> Result<Pattern, PatternError> {
-        let fail = |e: PatternSyntaxError| PatternError { pattern: text.to_owned(), position: e.position, reason: e.reason };
+        let fail = |e: PatternSyntaxError| PatternError {
+            pattern: text.to_owned(),
+            position: e.position,
+            reason: e.reason,
+        };
         if text.is_empty() {
-            return Ok(Pattern { text: String::new(), strategy: Strategy::Root, matches_root: true });
+            return Ok(Pattern {
+                text: String::new(),
+                strategy: Strategy::Root,
+                matches_root: true,
+            });
         }
         if let Some(regex) = text.strip_prefix(REGEX_PREFIX) {
             return compile_regex(text, regex).map_err(fail);
         }
         let nodes = ast::parse_glob(text).map_err(fail)?;
         segments::check_segments(&nodes).map_err(fail)?;
-        let matches_root = nodes.iter().all(|n| matches!(n, Node::Globstar { .. } | Node::Dot { .. }));
+        let matches_root = nodes
+            .iter()
+            .all(|n| matches!(n, Node::Globstar { .. } | Node::Dot { .. }));
         let strategy = match literal_text(&nodes) {
             Some(exact) => Strategy::Exact(exact),
             None => Strategy::Automaton(glob_regex(&nodes)),
         };
-        Ok(Pattern { text: text.to_owned(), strategy, matches_root })
+        Ok(Pattern {
+            text: text.to_owned(),
+            strategy,
+            matches_root,
+        })
     }
 }
 
@@ -78,7 +100,10 @@ fn compile_regex(text: &str, regex: &str) -> Result<Pattern, PatternSyntaxError>
             regex_syntax::Error::Translate(e) => (e.span().start.offset, e.kind().to_string()),
             other => (0, other.to_string()),
         };
-        PatternSyntaxError::new(offset + regex[..byte].chars().count(), format!("invalid regex: {reason}"))
+        PatternSyntaxError::new(
+            offset + regex[..byte].chars().count(),
+            format!("invalid regex: {reason}"),
+        )
     })?;
     let anchored = format!("^(?:{regex})$");
     let whole = Regex::new(&anchored)
@@ -89,7 +114,11 @@ fn compile_regex(text: &str, regex: &str) -> Result<Pattern, PatternSyntaxError>
     } else {
         Strategy::Automaton(anchored)
     };
-    Ok(Pattern { text: text.to_owned(), strategy, matches_root })
+    Ok(Pattern {
+        text: text.to_owned(),
+        strategy,
+        matches_root,
+    })
 }
 
 /// The exact FQN a glob denotes when it has no metacharacters.
@@ -200,23 +229,51 @@ mod tests {
         match Pattern::compile(pattern).unwrap().strategy {
             Strategy::Root => name.is_empty(),
             Strategy::Exact(exact) => exact == name,
-            Strategy::Automaton(re) | Strategy::Fallback(re) => Regex::new(&re).unwrap().is_match(name),
+            Strategy::Automaton(re) | Strategy::Fallback(re) => {
+                Regex::new(&re).unwrap().is_match(name)
+            }
         }
     }
 
     #[test]
     fn classifies_strategies() {
-        assert!(matches!(Pattern::compile("").unwrap().strategy, Strategy::Root));
-        assert!(matches!(Pattern::compile(r"a.b\*").unwrap().strategy, Strategy::Exact(ref s) if s == "a.b*"));
-        assert!(matches!(Pattern::compile("a.*").unwrap().strategy, Strategy::Automaton(_)));
-        assert!(matches!(Pattern::compile(r"re:\bx").unwrap().strategy, Strategy::Fallback(_)));
-        assert!(matches!(Pattern::compile(r"re:(?-u:\b)x").unwrap().strategy, Strategy::Automaton(_)));
+        assert!(matches!(
+            Pattern::compile("").unwrap().strategy,
+            Strategy::Root
+        ));
+        assert!(
+            matches!(Pattern::compile(r"a.b\*").unwrap().strategy, Strategy::Exact(ref s) if s == "a.b*")
+        );
+        assert!(matches!(
+            Pattern::compile("a.*").unwrap().strategy,
+            Strategy::Automaton(_)
+        ));
+        assert!(matches!(
+            Pattern::compile(r"re:\bx").unwrap().strategy,
+            Strategy::Fallback(_)
+        ));
+        assert!(matches!(
+            Pattern::compile(r"re:(?-u:\b)x").unwrap().strategy,
+            Strategy::Automaton(_)
+        ));
     }
 
     #[test]
     fn root_rule() {
-        for (pattern, root) in [("", true), ("**", true), ("**.**", true), ("*", false), ("{a,}", false), ("re:a*", true), ("re:a+", false)] {
-            assert_eq!(Pattern::compile(pattern).unwrap().matches_root, root, "{pattern}");
+        for (pattern, root) in [
+            ("", true),
+            ("**", true),
+            ("**.**", true),
+            ("*", false),
+            ("{a,}", false),
+            ("re:a*", true),
+            ("re:a+", false),
+        ] {
+            assert_eq!(
+                Pattern::compile(pattern).unwrap().matches_root,
+                root,
+                "{pattern}"
+            );
         }
     }
 

@@ -7,7 +7,11 @@ pub fn range_regex(lo: u64, hi: u64) -> String {
     let mut alternatives = Vec::new();
     let (lo_digits, hi_digits) = (digit_count(lo), digit_count(hi));
     for digits in lo_digits..=hi_digits {
-        let smallest = if digits == 1 { 0 } else { 10u64.pow(digits - 1) };
+        let smallest = if digits == 1 {
+            0
+        } else {
+            10u64.pow(digits - 1)
+        };
         let largest = 10u64.pow(digits) - 1;
         let from = lo.max(smallest).to_string();
         let to = hi.min(largest).to_string();
@@ -28,14 +32,22 @@ fn same_length(from: &[u8], to: &[u8]) -> Vec<String> {
     }
     let (rest_lo, rest_hi) = (&from[1..], &to[1..]);
     if first_lo == first_hi {
-        return vec![format!("{}{}", first_lo as char, group(same_length(rest_lo, rest_hi)))];
+        return vec![format!(
+            "{}{}",
+            first_lo as char,
+            group(same_length(rest_lo, rest_hi))
+        )];
     }
     let all_nines = vec![b'9'; rest_lo.len()];
     let all_zeros = vec![b'0'; rest_lo.len()];
     let mut alternatives = Vec::new();
     let mut middle_lo = first_lo;
     if rest_lo != all_zeros.as_slice() {
-        alternatives.push(format!("{}{}", first_lo as char, group(same_length(rest_lo, &all_nines))));
+        alternatives.push(format!(
+            "{}{}",
+            first_lo as char,
+            group(same_length(rest_lo, &all_nines))
+        ));
         middle_lo += 1;
     }
     let mut middle_hi = first_hi;
@@ -44,10 +56,18 @@ fn same_length(from: &[u8], to: &[u8]) -> Vec<String> {
         middle_hi -= 1;
     }
     if middle_lo <= middle_hi {
-        alternatives.push(format!("{}[0-9]{{{}}}", digit_class(middle_lo, middle_hi), rest_lo.len()));
+        alternatives.push(format!(
+            "{}[0-9]{{{}}}",
+            digit_class(middle_lo, middle_hi),
+            rest_lo.len()
+        ));
     }
     if upper_edge {
-        alternatives.push(format!("{}{}", first_hi as char, group(same_length(&all_zeros, rest_hi))));
+        alternatives.push(format!(
+            "{}{}",
+            first_hi as char,
+            group(same_length(&all_zeros, rest_hi))
+        ));
     }
     alternatives
 }
@@ -86,7 +106,11 @@ mod tests {
                 }
                 let re = accepts(lo, hi);
                 for n in 0..1_200u64 {
-                    assert_eq!(re.is_match(&n.to_string()), (lo..=hi).contains(&n), "<{lo}-{hi}> on {n}");
+                    assert_eq!(
+                        re.is_match(&n.to_string()),
+                        (lo..=hi).contains(&n),
+                        "<{lo}-{hi}> on {n}"
+                    );
                 }
             }
         }

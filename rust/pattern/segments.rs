@@ -21,7 +21,10 @@ pub fn check_segments(nodes: &[Node]) -> Result<(), PatternSyntaxError> {
     check_expansion_count(nodes)?;
     let expansions = expand(nodes);
     if expansions.iter().all(Vec::is_empty) {
-        return Err(PatternSyntaxError::new(0, "the pattern only expands to an empty name; write \"\" for the root"));
+        return Err(PatternSyntaxError::new(
+            0,
+            "the pattern only expands to an empty name; write \"\" for the root",
+        ));
     }
     // An empty expansion would only match the root, which no glob but `**` selects (SPEC §2).
     for expansion in expansions.iter().filter(|e| !e.is_empty()) {
@@ -33,7 +36,11 @@ pub fn check_segments(nodes: &[Node]) -> Result<(), PatternSyntaxError> {
 fn check_expansion_count(nodes: &[Node]) -> Result<(), PatternSyntaxError> {
     let mut product: usize = 1;
     for node in nodes {
-        if let Node::Alternation { position, alternatives } = node {
+        if let Node::Alternation {
+            position,
+            alternatives,
+        } = node
+        {
             let mut sum: usize = 0;
             for alternative in alternatives {
                 check_expansion_count(alternative)?;
@@ -53,9 +60,12 @@ fn check_expansion_count(nodes: &[Node]) -> Result<(), PatternSyntaxError> {
 
 fn expansion_count(nodes: &[Node]) -> usize {
     nodes.iter().fold(1usize, |product, node| match node {
-        Node::Alternation { alternatives, .. } => {
-            product.saturating_mul(alternatives.iter().map(|a| expansion_count(a)).fold(0, usize::saturating_add))
-        }
+        Node::Alternation { alternatives, .. } => product.saturating_mul(
+            alternatives
+                .iter()
+                .map(|a| expansion_count(a))
+                .fold(0, usize::saturating_add),
+        ),
         _ => product,
     })
 }
@@ -105,16 +115,26 @@ fn check_expansion(tokens: &[Token]) -> Result<(), PatternSyntaxError> {
         match *token {
             Token::Dot(position) => {
                 if before.is_none() || matches!(before, Some(Token::Dot(_))) {
-                    return Err(PatternSyntaxError::new(position, "empty segment before '.'"));
+                    return Err(PatternSyntaxError::new(
+                        position,
+                        "empty segment before '.'",
+                    ));
                 }
                 if after.is_none() {
-                    return Err(PatternSyntaxError::new(position, "empty segment after a trailing '.'"));
+                    return Err(PatternSyntaxError::new(
+                        position,
+                        "empty segment after a trailing '.'",
+                    ));
                 }
             }
             Token::Globstar(position) => {
-                let whole = matches!(before, None | Some(Token::Dot(_))) && matches!(after, None | Some(Token::Dot(_)));
+                let whole = matches!(before, None | Some(Token::Dot(_)))
+                    && matches!(after, None | Some(Token::Dot(_)));
                 if !whole {
-                    return Err(PatternSyntaxError::new(position, "'**' must be a whole segment"));
+                    return Err(PatternSyntaxError::new(
+                        position,
+                        "'**' must be a whole segment",
+                    ));
                 }
             }
             Token::Content => {}
@@ -134,7 +154,18 @@ mod tests {
 
     #[test]
     fn accepts_whole_segments() {
-        for ok in ["a", "a.b", "**", "**.x", "a.**", "a.**.b", "**.**", "{a,b.c}.d", "a{.b,}", "x.{a,b*}"] {
+        for ok in [
+            "a",
+            "a.b",
+            "**",
+            "**.x",
+            "a.**",
+            "a.**.b",
+            "**.**",
+            "{a,b.c}.d",
+            "a{.b,}",
+            "x.{a,b*}",
+        ] {
             assert!(check(ok).is_ok(), "{ok}");
         }
     }
