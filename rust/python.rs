@@ -295,6 +295,19 @@ impl ModuleTree {
         (ownership.modules, ownership.first, ownership.others)
     }
 
+    /// How many names matched at least one pattern (hits come grouped by name).
+    fn matched_names(&self) -> usize {
+        let mut count = 0;
+        let mut last = u32::MAX;
+        for &(name, _) in &self.index.hits {
+            if name != last {
+                count += 1;
+                last = name;
+            }
+        }
+        count
+    }
+
     /// How many names each of `pattern_count` patterns matched.
     fn hit_counts(&self, pattern_count: usize) -> Vec<u32> {
         let mut counts = vec![0u32; pattern_count];

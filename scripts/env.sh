@@ -17,9 +17,10 @@ if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
 fi
 export PATH="$venv/bin:$PATH"
 export VIRTUAL_ENV="$venv"
-# Build the extension from this checkout into the environment (incremental after the first time).
+# Build the extension from this checkout and install the package editable into the environment,
+# pointing it at this checkout (incremental after the first time; a fresh clone re-points it).
 build_log=$(mktemp)
-if ! (cd "$repo_root" && maturin develop --release --skip-install >"$build_log" 2>&1); then
+if ! (cd "$repo_root" && maturin develop --release >"$build_log" 2>&1); then
     cat "$build_log" >&2
     exit 1
 fi

@@ -23,8 +23,9 @@ from meshbind.demo import DemoConfig
         (DemoConfig(dp=1, cp=2, tp=2, ep=2, dtype="float64"), 1e-10),
         (DemoConfig(dp=2, cp=2, tp=1, ep=4, dtype="float64"), 1e-10),
         (DemoConfig(world_size=2, dp=1, cp=2, tp=1, ep=2, dtype="float64", layers=3), 1e-10),
+        (DemoConfig(dp=4, cp=1, tp=1, ep=1, dtype="float64"), 1e-10),  # no expert mesh built: the demo wraps one
     ],
-    ids=["4-ranks-float32", "4-ranks-cp2-ep2-float64", "4-ranks-dp2-ep4-float64", "2-ranks-float64"],
+    ids=["4-ranks-float32", "4-ranks-cp2-ep2-float64", "4-ranks-dp2-ep4-float64", "2-ranks-float64", "4-ranks-dp4-ep1-float64"],
 )
 def test_the_distributed_run_matches_one_process(config: DemoConfig, bound: float) -> None:
     report = demo.run_local(config)

@@ -1,5 +1,7 @@
 """meshbind: resolve, validate and bind large-model parallel plans onto PyTorch module trees."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from meshbind._core import ModuleTree, PatternError, PatternSet
 from meshbind.binding import (
     BindingError,
@@ -17,6 +19,11 @@ from meshbind.mesh import MeshBinding, MeshContext
 from meshbind.plan import ParallelPlan, PlanError, PlanProblem, resolve_plan
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
 from meshbind.validation import validate_parallel_module
+
+try:
+    __version__ = version("meshbind")
+except PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = "unknown"
 
 __all__ = [
     "BindingError",

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from meshbind import LayoutContext, NativeParallelBindingRequest, PlanError, demo, resolve_plan
+from meshbind import LayoutContext, NativeParallelBindingRequest, PlanError, bench, demo, resolve_plan
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_flags(demo_parser, world_size=True)
     demo_parser.set_defaults(run=_demo)
+    commands.add_parser(
+        "bench",
+        help="the quick plan-resolution benchmark against the baselines (flags: meshbind bench -- --help)",
+        add_help=False,
+    ).set_defaults(run=None)
     check = commands.add_parser("check", help="offline pre-flight of a plan against a model built on meta")
     check.add_argument("model_factory", metavar="MODEL_FACTORY", help="module:function returning the nn.Module")
     check.add_argument("plan", metavar="PLAN", help="module:attribute, a sequence of requests or a function returning one")
@@ -100,8 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["bench"]:
+        # The benchmark owns its flags (the same as benches/plan_resolution.py, quick defaults).
+        return bench.main([a for a in arguments[1:] if a != "--"], quick=True)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
     try:
         result: int = args.run(args)
     except (_UsageError, ValueError, TypeError) as error:

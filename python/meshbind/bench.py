@@ -1,0 +1,499 @@
+"""Plan resolution against the field: how long each method takes to find what a plan selects.
+
+    python benches/plan_resolution.py --sizes 8x16,61x256,61x1024,1M --plans deep,shallow,per_layer,globstar,typo,moe
+    meshbind bench                      # the quick version: two sizes, three plans, a plot
+
+Every method runs on the same tree (or flat FQN list) in one process, each timed as the median of
+``--repeat`` runs with the garbage collector paused (a method whose first run takes over
+``SLOW_SECONDS`` is timed once), and every method that can express a plan must select exactly
+what meshbind selects (the run fails otherwise); ``n/a`` marks a plan a method cannot state.
+Ratios are to ``meshbind``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import functools
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from meshbind._core import PatternSet
+from meshbind.examples.moe_tree import DEEP_PLAN, MOE_PLAN, FusedExperts, build_moe_tree, moe_tree_fqns
+from meshbind.plan import PlanError, resolve_plan
+from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
+
+SLOW_SECONDS = 3.0
+TYPO = "layers.*.mlp.experts.*.gate_prj"
+
+Target = nn.Module | list[str]
+"""A module tree, or a flat list of FQNs (the offline form)."""
+
+
+def _per_layer(layers: int) -> tuple[str, ...]:
+    """The deep plan written out once per layer, as generated plans look."""
+    per_layer = [p for p in DEEP_PLAN if p.startswith("layers.*.")]
+    ends = [p for p in DEEP_PLAN if not p.startswith("layers.*.")]
+    return tuple(p.replace("layers.*.", f"layers.{layer}.", 1) for layer in range(layers) for p in per_layer) + tuple(ends)
+
+
+PLANS: dict[str, Callable[[int], tuple[str, ...]]] = {
+    "deep": lambda layers: DEEP_PLAN,
+    "shallow": lambda layers: ("layers.*.self_attn", "layers.*.mlp.experts", "layers.*.mlp.gate", "lm_head", "embed_tokens"),
+    "per_layer": _per_layer,
+    "globstar": lambda layers: ("**.down_proj", "**.experts.<0-127>.up_proj", "layers.**.q_proj", "**.mlp.gate", "embed_tokens"),
+    "typo": lambda layers: (*DEEP_PLAN, TYPO),
+    "moe": lambda layers: MOE_PLAN,
+}
+FUSED_EXPERT_PLANS = ("moe",)
+"""Plans run on the tree whose experts are one FusedExperts module per layer."""
+
+
+class NotExpressible(Exception):
+    """The method cannot state this plan (a syntax it lacks) or run on this target."""
+
+
+MAX_PER_PATTERN_CHECKS = 50_000_000
+"""A method that tries every pattern on every name is skipped past this many (pattern, name)
+pairs (490 patterns over a million names would take minutes); the table says ``skip``."""
+
+
+class TooSlow(Exception):
+    """The method would take minutes here: skipped, and said so."""
+
+
+def _per_pattern_budget(target: Target, plan: tuple[str, ...]) -> None:
+    names = len(target) if isinstance(target, list) else None
+    if names is not None and names * len(plan) > MAX_PER_PATTERN_CHECKS:
+        raise TooSlow(f"{len(plan)} patterns x {names} names")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    matches: int | None
+    """What was selected (``None``: the method gave no selection, as when it rejects the plan)."""
+    noticed: bool
+    """Whether the method reported a pattern that selects nothing."""
+
+
+# --- the baselines -------------------------------------------------------------------------------
+
+
+def glob_to_regex(pattern: str) -> str:
+    """Segment-aware translation of the glob forms Python users write (``*``, ``?``, classes,
+    braces, whole-segment ``**``, numeric ranges as alternations) to a Python regex."""
+    if pattern.startswith("re:"):
+        raise NotExpressible(pattern)
+    segments = pattern.split(".")
+    out: list[str] = []
+    for k, segment in enumerate(segments):
+        last = k == len(segments) - 1
+        if segment == "**":
+            out.append(r"(?:[^.]+\.)*" if not last else r"(?:\.[^.]+)*" if out else ".*")
+            if last and out[:-1]:
+                out[-2] = out[-2][:-2]  # drop the dot that `.**` absorbs
+            continue
+        piece = re.escape(segment).replace(r"\*", "[^.]*").replace(r"\?", "[^.]")
+        piece = piece.replace(r"\{", "(?:").replace(r"\}", ")").replace(",", "|")
+        piece = piece.replace(r"\[!", "[^").replace(r"\[", "[").replace(r"\]", "]").replace(r"\-", "-")
+        piece = re.sub(r"<(\d+)-(\d+)>", lambda m: "(?:" + "|".join(map(str, range(int(m[1]), int(m[2]) + 1))) + ")", piece)
+        out.append(piece + ("" if last else r"\."))
+    return "".join(out)
+
+
+def _names(target: Target) -> list[str]:
+    if isinstance(target, list):
+        return target
+    return [name for name, _ in target.named_modules(remove_duplicate=False)]
+
+
+class RecordingStyle(ParallelStyle):
+    """A ParallelStyle that only records which modules torch's plan resolution hands it."""
+
+    def __init__(self, seen: list[nn.Module]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        self.seen.append(module)
+        return module
+
+
+def torch_parallelize_module(target: Target, plan: tuple[str, ...]) -> Outcome:
+    if isinstance(target, list):
+        raise NotExpressible("parallelize_module needs a module tree")
+    if any(p.startswith("re:") or "**" in p or "<" in p or "{" in p or "[" in p for p in plan):
+        raise NotExpressible("torch plan keys are fnmatch tokens per segment")
+    seen: list[nn.Module] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # A plan-key resolution needs no communication: any truthy mesh stand-in is never used.
+        parallelize_module(target, object(), dict.fromkeys(plan, RecordingStyle(seen)))  # type: ignore[arg-type]
+    noticed = any("could not be resolved" in str(w.message) for w in caught)
+    return Outcome(len(seen), noticed)
+
+
+def fnmatch_baseline(target: Target, plan: tuple[str, ...]) -> Outcome:
+    """named_modules() + fnmatchcase, as Hugging Face tp_plan and compressed-tensors match."""
+    if any(p.startswith("re:") or "**" in p or "<" in p or "{" in p for p in plan):
+        raise NotExpressible("fnmatch has no braces, ranges or **")
+    _per_pattern_budget(target, plan)
+    return Outcome(sum(1 for name in _names(target) if any(fnmatch.fnmatchcase(name, p) for p in plan)), False)
+
+
+def regex_per_pattern(target: Target, plan: tuple[str, ...]) -> Outcome:
+    """One re.fullmatch per key per module (veScale)."""
+    compiled = [re.compile(glob_to_regex(p)) for p in plan]
+    _per_pattern_budget(target, plan)
+    return Outcome(sum(1 for name in _names(target) if any(r.fullmatch(name) for r in compiled)), False)
+
+
+def one_regex(target: Target, plan: tuple[str, ...]) -> Outcome:
+    """named_modules() + one alternation regex: the best pure Python."""
+    combined = re.compile("|".join(f"(?:{glob_to_regex(p)})" for p in plan))
+    return Outcome(sum(1 for name in _names(target) if combined.fullmatch(name)), False)
+
+
+# --- meshbind ------------------------------------------------------------------------------------
+
+
+def meshbind_resolution(target: Target, plan: tuple[str, ...]) -> Outcome:
+    """Compile, walk (or index the FQN list) and match; report patterns that select nothing."""
+    patterns = PatternSet(plan)
+    tree = patterns.index_names(target) if isinstance(target, list) else patterns.walk(target)
+    return Outcome(tree.matched_names(), 0 in tree.hit_counts(len(plan)))
+
+
+MODULE_SPEC = ParallelModuleSpec("module", stages={"forward": ()})
+REPLICATED = ModuleShardingSpec(params={"weight": {"tp": Replicate()}})
+NO_PARAMETERS = ModuleShardingSpec()
+EXPERTS_OWNED = ModuleShardingSpec(params={name: {"ep": Shard(0)} for name in ("gate_proj", "up_proj", "down_proj")})
+CONTEXT = LayoutContext({"dp": 1, "tp": 1, "ep": 8})
+
+
+def _replicated(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+    return REPLICATED
+
+
+def _no_parameters(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+    """For the blocks of the shallow plan (attention, expert lists), which own no weight directly."""
+    return NO_PARAMETERS
+
+
+def _experts_owned(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+    return EXPERTS_OWNED
+
+
+def _accept(**kwargs: Any) -> None:
+    return None
+
+
+def meshbind_validate(target: Target, plan: tuple[str, ...]) -> Outcome:
+    """Resolution plus every validation: one request per pattern, one layout-provider call per
+    planned module; a pattern selecting fused experts binds them with an ``ep`` spec."""
+    experts = None if isinstance(target, list) else target.get_submodule("layers.0.mlp.experts")
+    requests = []
+    for pattern in plan:
+        if isinstance(experts, FusedExperts) and pattern.endswith(".experts"):
+            options = {"num_experts": experts.num_experts}
+            stages = {"forward": ("tokens", "expert_ids")}
+            spec = ParallelModuleSpec("fused_experts", "ep", stages=stages, validate=_accept, options=options)
+            requests.append(NativeParallelBindingRequest((pattern,), spec, _experts_owned))
+        else:
+            block = pattern.rsplit(".", 1)[-1] in ("self_attn", "experts")
+            requests.append(NativeParallelBindingRequest((pattern,), MODULE_SPEC, _no_parameters if block else _replicated))
+    try:
+        return Outcome(len(resolve_plan(target, requests, CONTEXT).parallel_modules), False)
+    except PlanError as error:
+        if not any(problem.code == "unmatched" for problem in error.problems):
+            raise
+        return Outcome(None, True)
+
+
+def rust_walk_floor(target: Target, plan: tuple[str, ...]) -> Outcome:
+    """A Rust walk over every module that matches nothing: the floor of any full walk."""
+    if isinstance(target, list):
+        raise NotExpressible("no tree to walk")
+    return Outcome(len(PatternSet([]).walk(target, prune=False)), False)
+
+
+METHODS: dict[str, Callable[[Target, tuple[str, ...]], Outcome]] = {
+    "torch_parallelize_module": torch_parallelize_module,
+    "fnmatch": fnmatch_baseline,
+    "regex_per_pattern": regex_per_pattern,
+    "one_regex": one_regex,
+    "meshbind": meshbind_resolution,
+    "meshbind_validate": meshbind_validate,
+    "rust_walk_floor": rust_walk_floor,
+}
+PYTHON_BASELINES = ("torch_parallelize_module", "fnmatch", "regex_per_pattern", "one_regex")
+UNCOUNTED = ("rust_walk_floor",)
+"""Methods whose count is not a selection (the floor counts every FQN it walked)."""
+
+
+# --- running -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Size:
+    label: str
+    layers: int
+    experts: int
+    flat: bool
+
+    @staticmethod
+    def parse(text: str) -> Size:
+        """``LxE`` (a module tree) or ``1M`` (about a million FQNs as a flat list, no tree)."""
+        if text == "1M":
+            return Size("1M", 61, 4096, True)
+        layers, _, experts = text.partition("x")
+        if not (layers.isdigit() and experts.isdigit()):
+            raise argparse.ArgumentTypeError(f"size {text!r} is neither LAYERSxEXPERTS nor 1M")
+        return Size(text, int(layers), int(experts), False)
+
+
+@dataclass
+class Row:
+    size: str
+    modules: int
+    plan: str
+    method: str
+    median_s: float | None
+    runs: int
+    matches: int | None
+    noticed: bool | None
+    skipped: bool = False
+
+
+def time_method(fn: Callable[[], Outcome], repeat: int) -> tuple[float, int, Outcome]:
+    times: list[float] = []
+    outcome = Outcome(None, False)
+    for _ in range(repeat):
+        gc.collect()
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            outcome = fn()
+            times.append(time.perf_counter() - start)
+        finally:
+            gc.enable()
+        if times[0] > SLOW_SECONDS:
+            break
+    return statistics.median(times), len(times), outcome
+
+
+def _target(size: Size, fused: bool) -> Target:
+    if size.flat:
+        return moe_tree_fqns(size.layers, size.experts)
+    return build_moe_tree(size.layers, size.experts, fused_experts=fused)
+
+
+def run(sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Sequence[str] = tuple(METHODS)) -> list[Row]:
+    rows: list[Row] = []
+    for size in sizes:
+        targets: dict[bool, Target] = {}
+        for plan_name in plans:
+            fused = plan_name in FUSED_EXPERT_PLANS
+            if fused and size.flat:
+                continue
+            if fused not in targets:
+                what = "FQNs" if size.flat else "tree" + (" with fused experts" if fused else "")
+                print(f"building {size.label} {what} ...", file=sys.stderr, flush=True)
+                targets[fused] = _target(size, fused)
+            target = targets[fused]
+            modules = len(target) if isinstance(target, list) else sum(1 for _ in target.modules())
+            plan = PLANS[plan_name](size.layers)
+            counts: dict[str, int] = {}
+            for method in methods:
+                call = METHODS[method]
+                try:
+                    median, runs, outcome = time_method(functools.partial(call, target, plan), repeat)
+                except (NotExpressible, TooSlow) as reason:
+                    rows.append(Row(size.label, modules, plan_name, method, None, 0, None, None, isinstance(reason, TooSlow)))
+                    continue
+                if outcome.matches is not None and method not in UNCOUNTED:
+                    counts[method] = outcome.matches
+                noticed = None if method in UNCOUNTED else outcome.noticed
+                rows.append(Row(size.label, modules, plan_name, method, median, runs, outcome.matches, noticed))
+                print(f"  {size.label:<8} {plan_name:<10} {method:<26} {median:9.4f} s", file=sys.stderr, flush=True)
+            if len(set(counts.values())) > 1:
+                raise AssertionError(f"match counts differ on {size.label} {plan_name}: {counts}")
+    return rows
+
+
+def _reference(rows: Sequence[Row], row: Row, method: str = "meshbind") -> float | None:
+    return next((r.median_s for r in rows if (r.size, r.plan, r.method) == (row.size, row.plan, method)), None)
+
+
+def summary(rows: Sequence[Row]) -> list[str]:
+    """The ratios the issues name, one line each."""
+    lines = []
+    groups = dict.fromkeys((r.size, r.plan) for r in rows)
+    for size, plan in groups:
+        group = {r.method: r.median_s for r in rows if (r.size, r.plan) == (size, plan)}
+        ours = group.get("meshbind")
+        best = min((group[m] for m in PYTHON_BASELINES if group.get(m) is not None), default=None)  # type: ignore[type-var]
+        parts = []
+        if best and ours:
+            parts.append(f"fastest Python baseline / meshbind = {best / ours:.1f}x")
+        if group.get("torch_parallelize_module") and ours:
+            parts.append(f"torch / meshbind = {group['torch_parallelize_module'] / ours:.1f}x")  # type: ignore[operator]
+        if group.get("torch_parallelize_module") and group.get("meshbind_validate"):
+            parts.append(f"torch / meshbind_validate = {group['torch_parallelize_module'] / group['meshbind_validate']:.2f}x")  # type: ignore[operator]
+        if group.get("meshbind_validate") and ours:
+            parts.append(f"meshbind_validate / meshbind = {group['meshbind_validate'] / ours:.1f}x")  # type: ignore[operator]
+        if group.get("rust_walk_floor") and ours:
+            parts.append(f"meshbind / rust_walk_floor = {ours / group['rust_walk_floor']:.2f}x")  # type: ignore[operator]
+        if parts:
+            lines.append(f"{size} {plan}: " + "; ".join(parts))
+    trees = [r for r in rows if r.method == "meshbind" and r.median_s and r.size in ("61x256", "61x1024")]
+    for plan in dict.fromkeys(r.plan for r in trees):
+        cost = {r.size: r.median_s / r.modules for r in trees if r.plan == plan and r.median_s}
+        if len(cost) == 2:
+            lines.append(
+                f"{plan}: meshbind cost per module 61x1024 / 61x256 = {cost['61x1024'] / cost['61x256']:.2f} (linear: 1.0)"
+            )
+    return lines
+
+
+def table(rows: Sequence[Row], markdown: bool = False) -> list[str]:
+    header = ("size", "modules", "plan", "method", "median s", "runs", "matches", "noticed typo", "x meshbind")
+    lines = []
+    for row in rows:
+        reference = _reference(rows, row)
+        median = ("skip" if row.skipped else "n/a") if row.median_s is None else f"{row.median_s:.4f}"
+        ratio = "" if row.median_s is None or not reference else f"{row.median_s / reference:.2f}"
+        noticed = "" if row.noticed is None or row.plan != "typo" else ("yes" if row.noticed else "no")
+        matches = "" if row.matches is None else str(row.matches)
+        lines.append((row.size, str(row.modules), row.plan, row.method, median, str(row.runs), matches, noticed, ratio))
+    if markdown:
+        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return out + ["| " + " | ".join(line) + " |" for line in lines]
+    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(header)]
+    return [
+        "  ".join(
+            cell.rjust(w) if i in (1, 4, 5, 6, 8) else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in [header, *lines]
+    ]
+
+
+def machine() -> str:
+    import meshbind
+
+    cores = os.cpu_count()
+    return (
+        f"{platform.machine()}, {cores} cores, {platform.system()}; CPython {platform.python_version()}, "
+        f"torch {torch.__version__}, meshbind {getattr(meshbind, '__version__', 'dev')}"
+    )
+
+
+def plot(rows: Sequence[Row], path: str) -> None:
+    """Log-log, one panel per plan: time against module count, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plans = list(dict.fromkeys(r.plan for r in rows))
+    columns = min(3, len(plans))
+    figure, grid = plt.subplots(
+        (len(plans) + columns - 1) // columns,
+        columns,
+        figsize=(5 * columns, 4 * ((len(plans) + columns - 1) // columns)),
+        squeeze=False,
+    )
+    colors = dict(zip(METHODS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for axes, plan in zip(grid.flat, plans, strict=False):
+        for method in METHODS:
+            points = sorted((r.modules, r.median_s) for r in rows if r.plan == plan and r.method == method and r.median_s)
+            if points:
+                xs, ys = zip(*points, strict=True)
+                style = "-" if method.startswith("meshbind") else "--"
+                axes.plot(xs, ys, style, marker="o", color=colors[method], label=method)
+        axes.set(xscale="log", yscale="log", title=plan, xlabel="modules (or FQNs)", ylabel="median seconds")
+        axes.grid(True, which="both", alpha=0.3)
+    for axes in list(grid.flat)[len(plans) :]:
+        axes.axis("off")
+    grid.flat[0].legend(fontsize=7)
+    figure.suptitle("Plan resolution: meshbind against the baselines")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(figure)
+
+
+README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def update_readme(path: str, rows: Sequence[Row], command: str, plot_path: str | None) -> None:
+    """Replace the README's results section (between the bench markers) with this run's."""
+    with open(path) as f:
+        text = f.read()
+    if README_START not in text or README_END not in text:
+        raise SystemExit(f"{path} has no {README_START} ... {README_END} section")
+    body = [f"Machine: {machine()}.", "", f"Regenerate: `{command}`", "", *table(rows, markdown=True), ""]
+    body += [f"- {line}" for line in summary(rows)]
+    if plot_path:
+        body += ["", f"![plan resolution, log-log]({os.path.relpath(plot_path, os.path.dirname(os.path.abspath(path)))})"]
+    head, rest = text.split(README_START, 1)
+    tail = rest.split(README_END, 1)[1]
+    with open(path, "w") as f:
+        f.write(head + README_START + "\n" + "\n".join(body) + "\n" + README_END + tail)
+
+
+def main(argv: Sequence[str] | None = None, *, quick: bool = False) -> int:
+    parser = argparse.ArgumentParser(
+        prog="meshbind bench" if quick else "plan_resolution.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    default_sizes = "8x16,61x256" if quick else "8x16,61x256,61x1024"
+    default_plans = "deep,shallow,typo" if quick else "deep,shallow"
+    parser.add_argument(
+        "--sizes", type=lambda t: [Size.parse(s) for s in t.split(",")], default=[Size.parse(s) for s in default_sizes.split(",")]
+    )
+    parser.add_argument("--plans", default=default_plans, help=f"comma-separated, of {sorted(PLANS)}")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {list(METHODS)}")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    parser.add_argument(
+        "--plot", metavar="PATH", default="bench-results/plan_resolution.png" if quick else None, help="write a log-log PNG"
+    )
+    parser.add_argument("--readme", metavar="PATH", help="rewrite the results section of this README")
+    args = parser.parse_args(argv)
+    plans = args.plans.split(",")
+    methods = args.methods.split(",")
+    unknown = [p for p in plans if p not in PLANS] + [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown plans or methods {unknown}; plans: {sorted(PLANS)}, methods: {list(METHODS)}")
+    if args.repeat < 5:
+        parser.error("--repeat must be at least 5 (medians of fewer runs are noise)")
+    rows = run(args.sizes, plans, args.repeat, methods)
+    print(f"machine: {machine()}")
+    print("\n".join(table(rows)))
+    print("\n".join(summary(rows)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "rows": [asdict(row) for row in rows]}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot: {os.path.abspath(args.plot)}")
+    if args.readme:
+        command = "python benches/plan_resolution.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        update_readme(args.readme, rows, command, args.plot)
+    return 0

@@ -1,0 +1,40 @@
+"""The benchmark machinery (not its timings): `meshbind bench` runs, agrees across methods, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshbind import bench
+from meshbind.cli import main
+
+
+def test_meshbind_bench_runs_the_quick_version_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot, rows = tmp_path / "plot.png", tmp_path / "rows.json"
+    argv = ["bench", "--sizes", "4x4,8x8", "--plans", "deep,typo,globstar", "--plot", str(plot), "--json", str(rows)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"plot: {plot}" in out and plot.stat().st_size > 1000
+    data = json.loads(rows.read_text())["rows"]
+    typo = {row["method"]: row["noticed"] for row in data if row["plan"] == "typo" and row["size"] == "8x8"}
+    assert typo["meshbind"] and typo["meshbind_validate"] and typo["torch_parallelize_module"]
+    assert not typo["fnmatch"] and not typo["one_regex"]
+    globstar = {row["method"]: row["median_s"] for row in data if row["plan"] == "globstar"}
+    assert globstar["fnmatch"] is None and globstar["torch_parallelize_module"] is None  # n/a: no ** or ranges
+    assert "fastest Python baseline / meshbind" in out
+
+
+def test_flat_names_are_matched_offline() -> None:
+    rows = bench.run([bench.Size("flat", 2, 4, True)], ["deep", "per_layer"], 5, ("one_regex", "meshbind", "meshbind_validate"))
+    assert {row.matches for row in rows} == {2 * (4 * 3 + 4 + 1) + 2}
+
+
+def test_the_readme_section_is_rewritten_between_its_markers(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n{bench.README_START}\nold\n{bench.README_END}\ntail\n")
+    rows = bench.run([bench.Size.parse("4x4")], ["deep"], 5, ("one_regex", "meshbind"))
+    bench.update_readme(str(readme), rows, "python benches/plan_resolution.py --sizes 4x4", None)
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("tail\n") and "| 4x4 |" in text and "Machine:" in text
