@@ -148,6 +148,10 @@ pub fn walk_tree(
 }
 
 /// Matches a plain list of FQNs (offline: names read from a checkpoint index, say).
+///
+/// Such lists come grouped (`…experts.203`, `…experts.203.gate_proj`, …), so the DFA resumes from
+/// the state after the longest segment prefix this name shares with the previous one, as the
+/// tree walk does from a parent, instead of reading every name from its first byte.
 pub fn index_names<'n>(
     names: impl Iterator<Item = &'n str>,
     matcher: &mut Matcher<'_>,
@@ -157,13 +161,42 @@ pub fn index_names<'n>(
         ..TreeIndex::default()
     };
     let mut scratch = Vec::new();
+    let mut previous = "";
+    // `(offset just after a '.', DFA state there)` for each separator of the previous name.
+    let mut boundaries: Vec<(usize, Option<DfaState>)> = Vec::new();
     for name in names {
+        let common = previous
+            .bytes()
+            .zip(name.bytes())
+            .take_while(|(a, b)| a == b)
+            .count();
+        while boundaries
+            .last()
+            .is_some_and(|&(offset, _)| offset > common)
+        {
+            boundaries.pop();
+        }
+        let (mut offset, mut state) = match boundaries.last() {
+            Some(&(offset, state)) if matcher.is_current(state) => (offset, state),
+            _ => {
+                // No shared segment, or the DFA cache was cleared since: start over.
+                boundaries.clear();
+                (0, matcher.start()?)
+            }
+        };
+        while let Some(dot) = name[offset..].find('.') {
+            state = matcher.advance(state, &name.as_bytes()[offset..=offset + dot])?;
+            offset += dot + 1;
+            boundaries.push((offset, state));
+        }
+        state = matcher.advance(state, &name.as_bytes()[offset..])?;
         let at = index.names.push(name);
         index.name_module.push(at);
         index.module_first_name.push(at);
         scratch.clear();
-        matcher.match_name(name, &mut scratch)?;
+        matcher.finish(name, state, &mut scratch)?;
         index.hits.extend(scratch.iter().map(|&p| (at, p)));
+        previous = name;
     }
     Ok(index)
 }

@@ -89,6 +89,13 @@ def test_pattern_set_agrees_with_reference(pattern_list: list[str], name_list: l
     expected = [[i for i, p in enumerate(pattern_list) if reference_match(p, n)] for n in name_list]
     assert ps.match_many(name_list) == expected
     assert [ps.match(n) for n in name_list] == expected
+    # The offline index resumes the DFA from prefixes shared with the previous name: sorted lists
+    # share the most.
+    for ordered in (name_list, sorted(name_list)):
+        indexed: list[list[int]] = [[] for _ in ordered]
+        for name, pattern in zip(*ps.index_names(ordered).hits(), strict=True):
+            indexed[name].append(pattern)
+        assert indexed == [expected[name_list.index(n)] for n in ordered]
 
 
 def test_offline_index_matches_every_name() -> None:
