@@ -8,7 +8,7 @@ use pyo3::types::{PyString, PyType};
 use crate::checks::{check_placements, AxisTable, PlacementKind, PlacementRow};
 use crate::matcher::{BuildError, MatchError, PatternSet};
 use crate::suggest::nearest_names;
-use crate::walk::{index_names, walk_tree, TreeIndex, WalkError, WalkMode};
+use crate::walk::{walk_tree, NameIndexer, TreeIndex, WalkError, WalkMode};
 
 create_exception!(
     meshbind._core,
@@ -47,6 +47,17 @@ fn extract_strings<'py>(
     values: &Bound<'py, PyAny>,
     what: &str,
 ) -> PyResult<Vec<Bound<'py, PyString>>> {
+    string_items(values, what)?.collect()
+}
+
+/// The items of a sequence of `str` (not a bare `str`), one at a time, naming `what` in errors.
+fn string_items<'py, 'w>(
+    values: &Bound<'py, PyAny>,
+    what: &'w str,
+) -> PyResult<impl Iterator<Item = PyResult<Bound<'py, PyString>>> + 'w>
+where
+    'py: 'w,
+{
     if values.is_instance_of::<PyString>() {
         return Err(PyTypeError::new_err(format!(
             "{what} must be a sequence of str, not a single str"
@@ -58,18 +69,14 @@ fn extract_strings<'py>(
             type_name(values)
         ))
     })?;
-    iterator
-        .enumerate()
-        .map(|(i, item)| {
-            let item = item?;
-            item.cast_into::<PyString>().map_err(|e| {
-                PyTypeError::new_err(format!(
-                    "{what}[{i}] must be a str, got {}",
-                    type_name(e.into_inner().as_any())
-                ))
-            })
+    Ok(iterator.enumerate().map(move |(i, item)| {
+        item?.cast_into::<PyString>().map_err(|e| {
+            PyTypeError::new_err(format!(
+                "{what}[{i}] must be a str, got {}",
+                type_name(e.into_inner().as_any())
+            ))
         })
-        .collect()
+    }))
 }
 
 fn type_name(value: &Bound<'_, PyAny>) -> String {
@@ -160,12 +167,15 @@ impl PyPatternSet {
 
     /// The offline form of `walk`: matches a plain sequence of FQNs.
     fn index_names(&self, names: &Bound<'_, PyAny>) -> PyResult<ModuleTree> {
-        let names = extract_strings(names, "names")?;
-        let names: Vec<&str> = names.iter().map(|n| n.to_str()).collect::<PyResult<_>>()?;
-        let index = self
-            .inner
-            .with_matcher(|m| index_names(names.into_iter(), m))
-            .map_err(match_error)?;
+        let items = string_items(names, "names")?;
+        let index = self.inner.with_matcher(|m| -> PyResult<TreeIndex> {
+            // Streamed: no intermediate vector of a million strings.
+            let mut indexer = NameIndexer::default();
+            for item in items {
+                indexer.push(item?.to_str()?, m).map_err(match_error)?;
+            }
+            Ok(indexer.finish())
+        })?;
         Ok(ModuleTree { index })
     }
 }

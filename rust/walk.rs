@@ -148,57 +148,90 @@ pub fn walk_tree(
 }
 
 /// Matches a plain list of FQNs (offline: names read from a checkpoint index, say).
-///
-/// Such lists come grouped (`…experts.203`, `…experts.203.gate_proj`, …), so the DFA resumes from
-/// the state after the longest segment prefix this name shares with the previous one, as the
-/// tree walk does from a parent, instead of reading every name from its first byte.
 pub fn index_names<'n>(
     names: impl Iterator<Item = &'n str>,
     matcher: &mut Matcher<'_>,
 ) -> Result<TreeIndex, MatchError> {
-    let mut index = TreeIndex {
-        complete: true,
-        ..TreeIndex::default()
-    };
-    let mut scratch = Vec::new();
-    let mut previous = "";
-    // `(offset just after a '.', DFA state there)` for each separator of the previous name.
-    let mut boundaries: Vec<(usize, Option<DfaState>)> = Vec::new();
+    let mut indexer = NameIndexer::default();
     for name in names {
-        let common = previous
-            .bytes()
-            .zip(name.bytes())
-            .take_while(|(a, b)| a == b)
-            .count();
-        while boundaries
+        indexer.push(name, matcher)?;
+    }
+    Ok(indexer.finish())
+}
+
+/// Builds the offline index one name at a time, so names can stream in without being collected.
+///
+/// Such lists come grouped (`…experts.203`, `…experts.203.gate_proj`, …), so the DFA resumes from
+/// the state after the longest segment prefix a name shares with the previous one, as the tree
+/// walk does from a parent, instead of reading every name from its first byte.
+pub struct NameIndexer {
+    index: TreeIndex,
+    scratch: Vec<u32>,
+    /// `(offset just after a '.', DFA state there)` for each separator of the previous name.
+    boundaries: Vec<(usize, Option<DfaState>)>,
+}
+
+impl Default for NameIndexer {
+    fn default() -> Self {
+        NameIndexer {
+            index: TreeIndex {
+                complete: true,
+                ..TreeIndex::default()
+            },
+            scratch: Vec::new(),
+            boundaries: Vec::new(),
+        }
+    }
+}
+
+impl NameIndexer {
+    pub fn push(&mut self, name: &str, matcher: &mut Matcher<'_>) -> Result<(), MatchError> {
+        let count = self.index.names.len();
+        let common = if count == 0 {
+            0
+        } else {
+            let previous = self.index.names.get(count - 1);
+            previous
+                .bytes()
+                .zip(name.bytes())
+                .take_while(|(a, b)| a == b)
+                .count()
+        };
+        while self
+            .boundaries
             .last()
             .is_some_and(|&(offset, _)| offset > common)
         {
-            boundaries.pop();
+            self.boundaries.pop();
         }
-        let (mut offset, mut state) = match boundaries.last() {
+        let (mut offset, mut state) = match self.boundaries.last() {
             Some(&(offset, state)) if matcher.is_current(state) => (offset, state),
             _ => {
                 // No shared segment, or the DFA cache was cleared since: start over.
-                boundaries.clear();
+                self.boundaries.clear();
                 (0, matcher.start()?)
             }
         };
         while let Some(dot) = name[offset..].find('.') {
             state = matcher.advance(state, &name.as_bytes()[offset..=offset + dot])?;
             offset += dot + 1;
-            boundaries.push((offset, state));
+            self.boundaries.push((offset, state));
         }
         state = matcher.advance(state, &name.as_bytes()[offset..])?;
-        let at = index.names.push(name);
-        index.name_module.push(at);
-        index.module_first_name.push(at);
-        scratch.clear();
-        matcher.finish(name, state, &mut scratch)?;
-        index.hits.extend(scratch.iter().map(|&p| (at, p)));
-        previous = name;
+        let at = self.index.names.push(name);
+        self.index.name_module.push(at);
+        self.index.module_first_name.push(at);
+        self.scratch.clear();
+        matcher.finish(name, state, &mut self.scratch)?;
+        self.index
+            .hits
+            .extend(self.scratch.iter().map(|&p| (at, p)));
+        Ok(())
     }
-    Ok(index)
+
+    pub fn finish(self) -> TreeIndex {
+        self.index
+    }
 }
 
 impl Walker<'_, '_> {
