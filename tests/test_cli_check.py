@@ -60,3 +60,12 @@ def test_a_malformed_axis_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
         main(["check", MODEL, PLAN, "--axis", "tp=x"])
     assert exited.value.code == 2
     assert "an axis is NAME=SIZE" in capsys.readouterr().err
+
+
+def test_the_demo_model_is_checked_offline(capsys: pytest.CaptureFixture[str]) -> None:
+    model = "meshbind.examples.moe_transformer:MoETransformer"
+    plan = "meshbind.examples.moe_transformer:loss_head_request"
+    assert main(["check", model, plan, "--axis", "dp=1", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]) == 0
+    assert "5 planned modules" in capsys.readouterr().out
+    assert main(["check", model, plan, "--axis", "dp=1", "--axis", "cp=2", "--axis", "ep=3"]) == 1
+    assert "num_experts 8 is not divisible by the 'ep' axis size 3" in capsys.readouterr().err

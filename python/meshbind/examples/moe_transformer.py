@@ -288,7 +288,7 @@ class DecoderBlock(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig = TransformerConfig()) -> None:
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab, config.hidden)
