@@ -300,6 +300,13 @@ def check_binding(context: MeshContext) -> None:
     _expect(
         ValueError, "'blocks.0.mlp' already has a communication owner", lambda: bind_parallel_modules(model, other_plan, context)
     )
+    # The same plan on meshes rebuilt with the same layout (equal, but other groups) is another owner.
+    rebuilt = MeshContext.build(**context.axis_sizes())
+    if rebuilt != context or rebuilt.same_meshes(context):
+        raise AssertionError("a rebuilt mesh context should be equal in layout and other in meshes")
+    _expect(ValueError, "'blocks.0.attn' already has a communication owner", lambda: bind_parallel_modules(model, plan, rebuilt))
+    if bind_parallel_modules(model, plan, MeshContext(context.device_mesh, context.fsdp_moe_mesh)) != []:
+        raise AssertionError("wrapping the same meshes again should be the same owner")
     validate_materialized_modules(model)
 
 

@@ -124,7 +124,7 @@ def _prepare(
             raise ValueError(f"the plan names {fqn!r}, which this model does not have: {error}") from None
         owner = module.__dict__.get(_OWNER)
         if isinstance(owner, _Owner):
-            if owner.spec == spec and owner.sharding == plan.sharding[fqn] and owner.mesh_context == mesh_context:
+            if owner.spec == spec and owner.sharding == plan.sharding[fqn] and owner.mesh_context.same_meshes(mesh_context):
                 unchanged[fqn] = owner.binding
                 continue
             raise ValueError(f"{fqn!r} already has a communication owner ({owner.spec.describe()}); unbind it first")

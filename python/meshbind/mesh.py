@@ -95,6 +95,11 @@ class MeshContext:
         sizes.setdefault("ep", 1)
         return sizes
 
+    def same_meshes(self, other: MeshContext) -> bool:
+        """Whether ``other`` wraps these very meshes. ``DeviceMesh`` equality compares layouts,
+        not groups: a mesh rebuilt with the same layout is equal but communicates elsewhere."""
+        return self.device_mesh is other.device_mesh and self.fsdp_moe_mesh is other.fsdp_moe_mesh
+
     def layout_context(self) -> LayoutContext:
         return LayoutContext(self.axis_sizes())
 
