@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 
@@ -20,12 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshbind import CPContext, EPContext, MeshBinding, MeshContext
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from meshbind.launch import free_port
 
 
 def check_cp(context: MeshContext, device: torch.device) -> float:
@@ -76,7 +70,7 @@ def main() -> int:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group(args.backend, rank=0, world_size=1)
     try:
         started = time.perf_counter()
