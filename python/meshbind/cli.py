@@ -1,4 +1,4 @@
-"""The ``meshbind`` command line."""
+"""The meshbind command line: demo, bench, check."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.set_defaults(run=_demo)
     commands.add_parser(
         "bench",
-        help="the quick plan-resolution benchmark against the baselines (flags: meshbind bench -- --help)",
+        help="the quick plan-resolution benchmark against the baselines (meshbind bench --help)",
         add_help=False,
     ).set_defaults(run=None)
     check = commands.add_parser("check", help="offline pre-flight of a plan against a model built on meta")
