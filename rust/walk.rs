@@ -147,19 +147,8 @@ pub fn walk_tree(
     Ok(walker.index)
 }
 
-/// Matches a plain list of FQNs (offline: names read from a checkpoint index, say).
-pub fn index_names<'n>(
-    names: impl Iterator<Item = &'n str>,
-    matcher: &mut Matcher<'_>,
-) -> Result<TreeIndex, MatchError> {
-    let mut indexer = NameIndexer::default();
-    for name in names {
-        indexer.push(name, matcher)?;
-    }
-    Ok(indexer.finish())
-}
-
-/// Builds the offline index one name at a time, so names can stream in without being collected.
+/// Matches a plain list of FQNs (offline: names read from a checkpoint index, say), built one name
+/// at a time, so names can stream in without being collected.
 ///
 /// Such lists come grouped (`…experts.203`, `…experts.203.gate_proj`, …), so the DFA resumes from
 /// the state after the longest segment prefix a name shares with the previous one, as the tree
@@ -415,7 +404,13 @@ mod tests {
         };
         let names = ["", "a", "a.b", "a.c", "d"];
         let index = set
-            .with_matcher(|m| index_names(names.into_iter(), m))
+            .with_matcher(|m| {
+                let mut indexer = NameIndexer::default();
+                names
+                    .into_iter()
+                    .try_for_each(|name| indexer.push(name, m))?;
+                Ok::<_, MatchError>(indexer.finish())
+            })
             .unwrap();
         // Patterns 0 and 2 belong to owner 0, pattern 1 to owner 1, pattern 3 is ignored.
         let ownership = index.owners(&[Some(0), Some(1), Some(0), None]);

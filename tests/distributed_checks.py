@@ -33,13 +33,9 @@ from meshbind import (
     resolve_plan,
     validate_materialized_modules,
 )
+from meshbind.mesh import process_group_count
 
 TOLERANCE = 1e-10
-
-
-def process_groups() -> int:
-    """How many process groups exist now (the default one included)."""
-    return len(dist.distributed_c10d._world.pg_map)
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -52,7 +48,7 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 def check_mesh_sizes(sizes: dict[str, int]) -> None:
     world = dist.get_world_size()
-    before = process_groups()
+    before = process_group_count()
     for bad, message in (({"dp": world + 1}, "the world size is"), ({"dp": world, "ep": 3}, "does not divide the world size")):
         try:
             MeshContext.build(**bad)
@@ -61,7 +57,7 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
                 raise AssertionError(f"unexpected message {error}") from error
         else:
             raise AssertionError(f"MeshContext.build({bad}) did not fail")
-    if process_groups() != before:
+    if process_group_count() != before:
         raise AssertionError("a rejected MeshContext.build created a group")
     context = MeshContext.build(**sizes)
     if context.axis_sizes() != {"dp": sizes["dp"], "cp": sizes["cp"], "tp": sizes["tp"], "ep": sizes["ep"]}:
@@ -76,7 +72,7 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
 
 
 def check_axis_mesh(context: MeshContext) -> None:
-    before = process_groups()
+    before = process_group_count()
     binding = MeshBinding(context)
     for axis in ("dp", "cp", "tp", "ep"):
         mesh = binding.axis_mesh(axis)
@@ -89,8 +85,8 @@ def check_axis_mesh(context: MeshContext) -> None:
             raise
     else:
         raise AssertionError("a missing axis did not fail")
-    if process_groups() != before:
-        raise AssertionError(f"axis_mesh created {process_groups() - before} groups")
+    if process_group_count() != before:
+        raise AssertionError(f"axis_mesh created {process_group_count() - before} groups")
 
 
 def check_cp(context: MeshContext) -> None:
@@ -271,10 +267,10 @@ def check_binding(context: MeshContext) -> None:
     model = nn.Module()
     model.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
     plan = resolve_plan(model, [_experts_plan(num_experts)], context.layout_context())
-    before = process_groups()
+    before = process_group_count()
     bound = bind_parallel_modules(model, plan, context)
-    if process_groups() != before:
-        raise AssertionError(f"binding created {process_groups() - before} process groups")
+    if process_group_count() != before:
+        raise AssertionError(f"binding created {process_group_count() - before} process groups")
     if bound != ["blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]:
         raise AssertionError(f"bound {bound}")
     attention, experts = model.blocks[0].attn, model.blocks[0].mlp
@@ -316,9 +312,9 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
     model.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
     model.blocks[1].mlp.fail_bind = True
     plan = resolve_plan(model, [_experts_plan(num_experts)], context.layout_context())
-    before = process_groups()
+    before = process_group_count()
     error = _expect(BindingError, "'blocks.1.mlp'", lambda: bind_parallel_modules(model, plan, context))
-    if "no experts here" not in str(error) or process_groups() != before:
+    if "no experts here" not in str(error) or process_group_count() != before:
         raise AssertionError(f"unexpected {error}")
     attentions = [model.blocks[0].attn, model.blocks[1].attn]
     if [a.events for a in attentions] != [["bind", "unbind"], ["bind", "unbind"]]:

@@ -306,7 +306,7 @@ def _target(size: Size, fused: bool) -> Target:
 def run(sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Sequence[str] = tuple(METHODS)) -> list[Row]:
     rows: list[Row] = []
     for size in sizes:
-        targets: dict[bool, Target] = {}
+        targets: dict[bool, tuple[Target, int]] = {}
         for plan_name in plans:
             fused = plan_name in FUSED_EXPERT_PLANS
             if fused and size.flat:
@@ -314,9 +314,9 @@ def run(sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Seque
             if fused not in targets:
                 what = "FQNs" if size.flat else "tree" + (" with fused experts" if fused else "")
                 print(f"building {size.label} {what} ...", file=sys.stderr, flush=True)
-                targets[fused] = _target(size, fused)
-            target = targets[fused]
-            modules = len(target) if isinstance(target, list) else sum(1 for _ in target.modules())
+                built = _target(size, fused)
+                targets[fused] = built, len(built) if isinstance(built, list) else sum(1 for _ in built.modules())
+            target, modules = targets[fused]
             plan = PLANS[plan_name](size.layers)
             counts: dict[str, int] = {}
             for method in methods:

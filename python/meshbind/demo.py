@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from meshbind.binding import bind_parallel_modules, validate_materialized_modules
 from meshbind.examples.moe_transformer import MoELayer, MoETransformer, TransformerConfig, batch, initialize, loss_head_request
 from meshbind.launch import run_local_world
-from meshbind.mesh import EXPERT_MESH_DIMS, MeshBinding, MeshContext, waited
+from meshbind.mesh import EXPERT_MESH_DIMS, MeshBinding, MeshContext, process_group_count, waited
 from meshbind.plan import resolve_plan
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -106,10 +106,6 @@ class Phases:
         self.seconds[name] = time.perf_counter() - started
 
 
-def process_groups() -> int:
-    return len(dist.distributed_c10d._world.pg_map)
-
-
 def _mesh_context(config: DemoConfig) -> MeshContext:
     context = MeshContext.build(dp=config.dp, cp=config.cp, tp=config.tp, ep=config.ep)
     if context.fsdp_moe_mesh is None:
@@ -136,9 +132,9 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     with phases("plan"):
         plan = resolve_plan(model, [loss_head_request()], mesh_context.layout_context())
     with phases("bind"):
-        groups_before = process_groups()
+        groups_before = process_group_count()
         bound = bind_parallel_modules(model, plan, mesh_context)
-        new_groups = process_groups() - groups_before
+        new_groups = process_group_count() - groups_before
     with phases("materialise"):
         model.to_empty(device=device)
         model.to(dtype)
@@ -153,11 +149,12 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     with phases("backward"):
         loss.backward()
     with phases("reduce"):
-        _reduce_gradients(model, mesh_context)
+        experts = _expert_weights(model)
+        _reduce_gradients(model, experts, mesh_context)
         total_loss = loss.detach().clone()
         dist.all_reduce(total_loss)
     with phases("compare"):
-        gradients = _full_gradients(model, mesh_context)
+        gradients = _full_gradients(model, experts, mesh_context)
         worst = torch.tensor([float(new_groups)])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if rank != 0:
@@ -185,10 +182,9 @@ def _expert_weights(model: MoETransformer) -> set[torch.nn.Parameter]:
     return {getattr(m, name) for m in model.modules() if isinstance(m, MoELayer) for name in MoELayer.EXPERT_WEIGHTS}
 
 
-def _reduce_gradients(model: MoETransformer, mesh_context: MeshContext) -> None:
+def _reduce_gradients(model: MoETransformer, experts: set[torch.nn.Parameter], mesh_context: MeshContext) -> None:
     """Sum each gradient over the ranks holding a copy of its parameter: expert weights over the
     expert mesh's data-parallel dims, everything else over the whole world. Existing groups only."""
-    experts = _expert_weights(model)
     expert_mesh = mesh_context.fsdp_moe_mesh
     assert expert_mesh is not None
     replica_groups = [
@@ -204,9 +200,10 @@ def _reduce_gradients(model: MoETransformer, mesh_context: MeshContext) -> None:
             dist.all_reduce(parameter.grad)
 
 
-def _full_gradients(model: MoETransformer, mesh_context: MeshContext) -> dict[str, torch.Tensor]:
+def _full_gradients(
+    model: MoETransformer, experts: set[torch.nn.Parameter], mesh_context: MeshContext
+) -> dict[str, torch.Tensor]:
     """Every gradient at its full shape: expert slices are gathered over the ep group."""
-    experts = _expert_weights(model)
     ep_group = MeshBinding(mesh_context).axis_mesh("ep").get_group()
     gradients = {}
     for name, parameter in model.named_parameters():

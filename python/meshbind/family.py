@@ -7,7 +7,7 @@ planned with; binding marks that layout applied on the mesh it was bound to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -86,5 +86,4 @@ def set_family_applied(module: nn.Module, applied_on: object | None) -> None:
     """Mark the recorded layout applied on a mesh (or un-applied with ``None``)."""
     info = module.__dict__.get(_BUILD_INFO)
     if isinstance(info, FamilyBuildInfo) and info.layout is not None:
-        layout = FamilyLayout(spec=info.layout.spec, sharding=info.layout.sharding, applied_on=applied_on)
-        module.__dict__[_BUILD_INFO] = FamilyBuildInfo(spec=info.spec, fqn=info.fqn, layout=layout)
+        module.__dict__[_BUILD_INFO] = replace(info, layout=replace(info.layout, applied_on=applied_on))

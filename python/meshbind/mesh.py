@@ -27,6 +27,11 @@ def waited(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
 
+def process_group_count() -> int:
+    """How many process groups exist now (the default one included): what "creates no group" counts."""
+    return len(dist.distributed_c10d._world.pg_map)
+
+
 def _positive(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -216,14 +216,14 @@ class _Resolution:
     def run(self) -> ParallelPlan:
         self._report_cycles()
         planned, request_of, override_hits = self._assign_requests()
-        if self.family_specs_found():
+        if self._find_family_specs():
             planned, request_of = self._join_families(planned, request_of)
         fqns = self.tree.module_fqns(planned)
         modules: list[nn.Module | None] = [None] * len(planned) if self.offline else self.tree.modules(planned)  # type: ignore[assignment]
         specs, sources = self._specs_and_sources(planned, request_of, modules)
         self._report_unmatched(planned, override_hits)
         self._report_nested(fqns, specs)
-        shardings = self._shardings(planned, request_of, modules, fqns, override_hits)
+        shardings = self._shardings(planned, request_of, modules, fqns, sources, override_hits)
         if any(map(is_, shardings, repeat(None))):
             rows = [row for row, sharding in enumerate(shardings) if sharding is not None]
             planned, modules, fqns, specs, sources = (  # type: ignore[assignment]
@@ -282,7 +282,7 @@ class _Resolution:
                 hits.sort()
         return planned, request_of, override_hits
 
-    def family_specs_found(self) -> bool:
+    def _find_family_specs(self) -> bool:
         """Collect the family classes met by the walk; whether there is any."""
         for index, cls in enumerate(self.classes):
             spec = family_spec(cls)
@@ -328,11 +328,8 @@ class _Resolution:
             for row, request in enumerate(request_of):
                 if request == _FAMILY:
                     specs[row] = self.family_specs[self.module_classes[planned[row]]]
-                    sources[row] = self._source(_FAMILY, modules[row])
+                    sources[row] = f"family {type(modules[row]).__qualname__}"
         return specs, sources
-
-    def _source(self, request: int, module: nn.Module | None) -> str:
-        return f"requests[{request}]" if request != _FAMILY else f"family {type(module).__qualname__}"
 
     def _report_unmatched(self, planned: list[int], override_hits: dict[int, list[int]]) -> None:
         counts = self.tree.hit_counts(len(self.patterns))
@@ -380,6 +377,7 @@ class _Resolution:
         request_of: list[int],
         modules: list[nn.Module | None],
         fqns: list[str],
+        sources: list[str],
         override_hits: dict[int, list[int]],
     ) -> list[ModuleShardingSpec | None]:
         """Every planned module's layout from its provider, overrides merged; ``None`` after a problem."""
@@ -388,18 +386,18 @@ class _Resolution:
         providers = [request.sharding for request in self.requests] + [_family_sharding]
         shardings: list[ModuleShardingSpec | None] = []
         append = shardings.append
-        for request, module, fqn in zip(request_of, modules, fqns, strict=True):
+        for request, module, fqn, source in zip(request_of, modules, fqns, sources, strict=True):
             try:
                 append(providers[request](module, fqn, context))
             except Exception as error:
                 message = f"the layout provider raised {type(error).__name__}: {error}"
-                self.problems.append(PlanProblem("layout", fqn, self._source(request, module), message))
+                self.problems.append(PlanProblem("layout", fqn, source, message))
                 append(None)
         if not all(map(isinstance, shardings, repeat(ModuleShardingSpec))):
             for row, sharding in enumerate(shardings):
                 if sharding is not None and not isinstance(sharding, ModuleShardingSpec):
                     message = f"the layout provider returned {type(sharding).__name__}, not a ModuleShardingSpec"
-                    self.problems.append(PlanProblem("layout", fqns[row], self._source(request_of[row], modules[row]), message))
+                    self.problems.append(PlanProblem("layout", fqns[row], sources[row], message))
                     shardings[row] = None
         if override_hits:
             for row, module_index in enumerate(planned):

@@ -115,7 +115,6 @@ def _placement_kind(placement: Placement) -> tuple[int, int] | None:
 class _ShardingTemplate:
     """A sharding flattened once: its §5 failure, and its rows without the module's shapes."""
 
-    sharding: ModuleShardingSpec
     failure: Failure | None
     rows: tuple[tuple[int, int, int, int, str | None], ...]
     """``(label, axis, kind, dim, parameter path or None)``."""
@@ -327,7 +326,7 @@ class ValidationBatch:
                     problems.append(f"{label_text} on axis '{axis}' is an unsupported placement {placement}")
                     continue
                 rows.append((label, self._axis_ids.setdefault(axis, len(self._axis_ids)), kind[0], kind[1], path))
-        return _ShardingTemplate(sharding, sharding_failure(sharding), tuple(rows), tuple(problems))
+        return _ShardingTemplate(sharding_failure(sharding), tuple(rows), tuple(problems))
 
     def _label(self, text: str, *, is_param: bool) -> int:
         label = self._label_ids.get(text)

@@ -307,23 +307,23 @@ def initialize(model: MoETransformer, seed: int) -> None:
     """Deterministic values from the seed and each parameter's FQN, the same with or without
     parallelism: an expert-sharded weight takes its slice of the full tensor."""
     with torch.no_grad():
-        for fqn, parameter in model.named_parameters():
-            module_fqn, _, name = fqn.rpartition(".")
-            module = model.get_submodule(module_fqn)
-            shape = tuple(parameter.shape)
-            ep = module.ep if isinstance(module, MoELayer) and name in MoELayer.EXPERT_WEIGHTS else None
-            if ep is not None:
-                shape = (ep.num_experts, *shape[1:])
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
-            if name == "weight" and isinstance(module, nn.LayerNorm):
-                full = 1.0 + 0.1 * torch.randn(shape, generator=generator, dtype=torch.float64)
-            elif name == "bias":
-                full = 0.1 * torch.randn(shape, generator=generator, dtype=torch.float64)
-            else:
-                full = torch.randn(shape, generator=generator, dtype=torch.float64) / (shape[-1] ** 0.5)
-            if ep is not None:
-                full = full[ep.local_expert_start : ep.local_expert_stop]
-            parameter.copy_(full.to(parameter.dtype))
+        for module_fqn, module in model.named_modules():
+            for name, parameter in module.named_parameters(recurse=False):
+                fqn = f"{module_fqn}.{name}" if module_fqn else name
+                shape = tuple(parameter.shape)
+                ep = module.ep if isinstance(module, MoELayer) and name in MoELayer.EXPERT_WEIGHTS else None
+                if ep is not None:
+                    shape = (ep.num_experts, *shape[1:])
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+                if name == "weight" and isinstance(module, nn.LayerNorm):
+                    full = 1.0 + 0.1 * torch.randn(shape, generator=generator, dtype=torch.float64)
+                elif name == "bias":
+                    full = 0.1 * torch.randn(shape, generator=generator, dtype=torch.float64)
+                else:
+                    full = torch.randn(shape, generator=generator, dtype=torch.float64) / (shape[-1] ** 0.5)
+                if ep is not None:
+                    full = full[ep.local_expert_start : ep.local_expert_stop]
+                parameter.copy_(full.to(parameter.dtype))
 
 
 def batch(config: TransformerConfig, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -124,18 +124,9 @@ DEEP_PLAN: tuple[str, ...] = (
 )
 """The per-expert projections, the attention projections, the router and the two ends."""
 
-MOE_PLAN: tuple[str, ...] = (
-    "layers.*.mlp.experts",
-    "layers.*.self_attn.q_proj",
-    "layers.*.self_attn.k_proj",
-    "layers.*.self_attn.v_proj",
-    "layers.*.self_attn.o_proj",
-    "layers.*.mlp.gate",
-    "lm_head",
-    "embed_tokens",
-)
-"""For a tree with fused experts: each layer's ``FusedExperts``, the attention projections, the
-router and the two ends."""
+MOE_PLAN: tuple[str, ...] = ("layers.*.mlp.experts", *(p for p in DEEP_PLAN if ".experts." not in p))
+"""For a tree with fused experts: the deep plan with each layer's ``FusedExperts`` in place of the
+per-expert projections."""
 
 
 def small_moe_tree() -> MoeForCausalLM:
