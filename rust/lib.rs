@@ -6,5 +6,6 @@ pub mod matcher;
 pub mod names;
 pub mod pattern;
 mod python;
+pub mod sequence;
 pub mod suggest;
 pub mod walk;

@@ -239,18 +239,54 @@ impl Matcher<'_> {
         state: Option<DfaState>,
         bytes: &[u8],
     ) -> Result<Option<DfaState>, MatchError> {
+        self.advance_segments(state, bytes, |_, _| {})
+    }
+
+    /// Feeds `bytes` after `state`, telling `after_dot` the offset just after each `.` and the
+    /// state there (a dead state stays dead, so the dots past it are found without the DFA).
+    pub fn advance_segments(
+        &mut self,
+        state: Option<DfaState>,
+        bytes: &[u8],
+        mut after_dot: impl FnMut(usize, Option<DfaState>),
+    ) -> Result<Option<DfaState>, MatchError> {
         let (Some((automaton, cache)), Some(state)) = (&mut self.dfa, state) else {
             return Ok(None);
         };
+        let dfa = &automaton.dfa;
         let mut id = state.id;
-        for &byte in bytes {
-            if id.is_dead() {
-                break;
+        for (offset, &byte) in bytes.iter().enumerate() {
+            if !id.is_tagged() {
+                // The common case: a cached transition out of an ordinary state.
+                let next = dfa.next_state_untagged(cache, id, byte);
+                id = if next.is_unknown() {
+                    dfa.next_state(cache, id, byte).map_err(automaton_error)?
+                } else {
+                    next
+                };
+            } else if id.is_dead() {
+                let state = Some(DfaState {
+                    id,
+                    clear_count: cache.clear_count(),
+                });
+                for (rest, &byte) in bytes.iter().enumerate().skip(offset) {
+                    if byte == b'.' {
+                        after_dot(rest + 1, state);
+                    }
+                }
+                return Ok(state);
+            } else {
+                id = dfa.next_state(cache, id, byte).map_err(automaton_error)?;
             }
-            id = automaton
-                .dfa
-                .next_state(cache, id, byte)
-                .map_err(automaton_error)?;
+            if byte == b'.' {
+                after_dot(
+                    offset + 1,
+                    Some(DfaState {
+                        id,
+                        clear_count: cache.clear_count(),
+                    }),
+                );
+            }
         }
         Ok(Some(DfaState {
             id,

@@ -3,12 +3,14 @@
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyString, PyType};
+use pyo3::types::{PyBytes, PyIterator, PyList, PyString, PyType};
+use pyo3::{ffi, intern, Borrowed};
 
 use crate::checks::{check_placements, AxisTable, PlacementKind, PlacementRow};
 use crate::matcher::{BuildError, MatchError, PatternSet};
+use crate::sequence::{IndexHits, NameIndexer};
 use crate::suggest::nearest_names;
-use crate::walk::{walk_tree, NameIndexer, TreeIndex, WalkError, WalkMode};
+use crate::walk::{walk_tree, TreeIndex, WalkError, WalkMode};
 
 create_exception!(
     meshbind._core,
@@ -58,18 +60,7 @@ fn string_items<'py, 'w>(
 where
     'py: 'w,
 {
-    if values.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err(format!(
-            "{what} must be a sequence of str, not a single str"
-        )));
-    }
-    let iterator = values.try_iter().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "{what} must be a sequence of str, got {}",
-            type_name(values)
-        ))
-    })?;
-    Ok(iterator.enumerate().map(move |(i, item)| {
+    Ok(iterate(values, what)?.enumerate().map(move |(i, item)| {
         item?.cast_into::<PyString>().map_err(|e| {
             PyTypeError::new_err(format!(
                 "{what}[{i}] must be a str, got {}",
@@ -77,6 +68,69 @@ where
             ))
         })
     }))
+}
+
+/// An iterator over a sequence that is not a bare `str`, naming `what` in errors.
+fn iterate<'py>(values: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyIterator>> {
+    if values.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a sequence of str, not a single str"
+        )));
+    }
+    values.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be a sequence of str, got {}",
+            type_name(values)
+        ))
+    })
+}
+
+/// The `str` items of a list, borrowed in place, naming `what[i]` for an item that is not one.
+/// No Python code may run while they are borrowed, so the list and its items stay as they are.
+fn borrowed_strs<'a>(
+    list: &'a Bound<'_, PyList>,
+    what: &'a str,
+) -> impl Iterator<Item = PyResult<&'a str>> + 'a {
+    (0..list.len()).map(move |i| {
+        // SAFETY: PyList_GetItem checks the index and returns a reference borrowed from the list.
+        let item = unsafe {
+            Borrowed::from_ptr_or_err(
+                list.py(),
+                ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t),
+            )
+        }?;
+        let mut size: ffi::Py_ssize_t = 0;
+        // SAFETY: `item` is alive; for a str, the UTF-8 buffer CPython returns (and caches in the
+        // object) lives as long as the object, which the list holds while it is borrowed.
+        let data = unsafe { ffi::PyUnicode_AsUTF8AndSize(item.as_ptr(), &mut size) };
+        if data.is_null() {
+            let error = PyErr::fetch(list.py());
+            if item.is_instance_of::<PyString>() {
+                return Err(error);
+            }
+            return Err(PyTypeError::new_err(format!(
+                "{what}[{i}] must be a str, got {}",
+                type_name(&item)
+            )));
+        }
+        // SAFETY: CPython hands out valid UTF-8 of `size` bytes.
+        Ok(unsafe {
+            std::str::from_utf8_unchecked(std::slice::from_raw_parts(data.cast(), size as usize))
+        })
+    })
+}
+
+/// `values` itself when it is a list, else a new list of its items.
+fn as_list<'py>(values: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyList>> {
+    if let Ok(list) = values.cast_exact::<PyList>() {
+        return Ok(list.clone());
+    }
+    iterate(values, what)?;
+    // SAFETY: PySequence_List returns a new reference, or NULL with an exception set.
+    let list = unsafe {
+        Bound::from_owned_ptr_or_err(values.py(), ffi::PySequence_List(values.as_ptr()))
+    }?;
+    Ok(list.cast_into::<PyList>()?)
 }
 
 fn type_name(value: &Bound<'_, PyAny>) -> String {
@@ -165,19 +219,94 @@ impl PyPatternSet {
         Ok(ModuleTree { index })
     }
 
-    /// The offline form of `walk`: matches a plain sequence of FQNs.
-    fn index_names(&self, names: &Bound<'_, PyAny>) -> PyResult<ModuleTree> {
-        let items = string_items(names, "names")?;
+    /// The offline form of `walk`: matches a plain sequence of FQNs. With `prune`, only the
+    /// FQNs that match are recorded, as in a pruned walk; without it, every FQN is.
+    #[pyo3(signature = (names, *, prune = true))]
+    fn index_names(&self, names: &Bound<'_, PyAny>, prune: bool) -> PyResult<ModuleTree> {
+        let list = as_list(names, "names")?;
         let index = self.inner.with_matcher(|m| -> PyResult<TreeIndex> {
-            // Streamed: no intermediate vector of a million strings.
-            let mut indexer = NameIndexer::default();
-            for item in items {
-                indexer.push(item?.to_str()?, m).map_err(match_error)?;
+            let mut indexer = NameIndexer::new(prune);
+            for name in borrowed_strs(&list, "names") {
+                indexer.push(name?, m).map_err(match_error)?;
             }
             Ok(indexer.finish())
         })?;
         Ok(ModuleTree { index })
     }
+
+    /// The compact form of `match_many`, for names by the million: one `(name position, pattern)`
+    /// pair per match, as flat arrays, and how many names each pattern matched.
+    fn match_indices(&self, names: &Bound<'_, PyAny>) -> PyResult<IndexMatches> {
+        let list = as_list(names, "names")?;
+        let found = self.inner.with_matcher(|m| -> PyResult<IndexHits<'_>> {
+            let mut found = IndexHits::new(self.inner.len());
+            for name in borrowed_strs(&list, "names") {
+                found.push(name?, m).map_err(match_error)?;
+            }
+            Ok(found)
+        })?;
+        Ok(IndexMatches {
+            names: found.names,
+            patterns: found.patterns,
+            counts: found.counts,
+        })
+    }
+}
+
+/// What `PatternSet.match_indices` found: flat `uint32` arrays, read as `memoryview`s.
+#[pyclass(name = "IndexMatches", module = "meshbind._core", frozen)]
+pub struct IndexMatches {
+    names: Vec<u32>,
+    patterns: Vec<u32>,
+    counts: Vec<u32>,
+}
+
+#[pymethods]
+impl IndexMatches {
+    /// The number of `(name, pattern)` matches.
+    fn __len__(&self) -> usize {
+        self.patterns.len()
+    }
+
+    /// The position (in the given sequence) of the name of every match, ascending.
+    #[getter]
+    fn names<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        uint32_view(py, &self.names)
+    }
+
+    /// The pattern of every match: ascending within each name.
+    #[getter]
+    fn patterns<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        uint32_view(py, &self.patterns)
+    }
+
+    /// How many names matched at least one pattern.
+    fn matched_names(&self) -> usize {
+        distinct_runs(self.names.iter().copied())
+    }
+
+    /// How many names each pattern matched (a 0: the pattern selects nothing).
+    #[getter]
+    fn counts(&self) -> Vec<u32> {
+        self.counts.clone()
+    }
+}
+
+/// How many runs of equal values `values` holds: the distinct names of hits grouped by name.
+fn distinct_runs(values: impl Iterator<Item = u32>) -> usize {
+    let mut last = None;
+    values.filter(|&v| last.replace(v) != Some(v)).count()
+}
+
+/// A read-only `memoryview` of format `I` over a copy of `values`.
+fn uint32_view<'py>(py: Python<'py>, values: &[u32]) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: a u32 slice is also a byte slice four times as long (no padding, any alignment).
+    let raw = unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), values.len() * 4) };
+    let bytes = PyBytes::new(py, raw);
+    // SAFETY: PyMemoryView_FromObject returns a new reference, or NULL with an exception set.
+    let view =
+        unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyMemoryView_FromObject(bytes.as_ptr())) }?;
+    view.call_method1(intern!(py, "cast"), ("I",))
 }
 
 /// What a walk saw: every FQN, the module and class behind it, and every match.
@@ -305,17 +434,9 @@ impl ModuleTree {
         (ownership.modules, ownership.first, ownership.others)
     }
 
-    /// How many names matched at least one pattern (hits come grouped by name).
+    /// How many names matched at least one pattern.
     fn matched_names(&self) -> usize {
-        let mut count = 0;
-        let mut last = u32::MAX;
-        for &(name, _) in &self.index.hits {
-            if name != last {
-                count += 1;
-                last = name;
-            }
-        }
-        count
+        distinct_runs(self.index.hits.iter().map(|&(name, _)| name))
     }
 
     /// How many names each of `pattern_count` patterns matched.
@@ -458,6 +579,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PatternError", m.py().get_type::<PatternError>())?;
     m.add_class::<PyPatternSet>()?;
     m.add_class::<ModuleTree>()?;
+    m.add_class::<IndexMatches>()?;
     m.add_function(wrap_pyfunction!(py_check_placements, m)?)?;
     m.add_function(wrap_pyfunction!(check_patterns, m)?)?;
     Ok(())

@@ -147,82 +147,6 @@ pub fn walk_tree(
     Ok(walker.index)
 }
 
-/// Matches a plain list of FQNs (offline: names read from a checkpoint index, say), built one name
-/// at a time, so names can stream in without being collected.
-///
-/// Such lists come grouped (`…experts.203`, `…experts.203.gate_proj`, …), so the DFA resumes from
-/// the state after the longest segment prefix a name shares with the previous one, as the tree
-/// walk does from a parent, instead of reading every name from its first byte.
-pub struct NameIndexer {
-    index: TreeIndex,
-    scratch: Vec<u32>,
-    /// `(offset just after a '.', DFA state there)` for each separator of the previous name.
-    boundaries: Vec<(usize, Option<DfaState>)>,
-}
-
-impl Default for NameIndexer {
-    fn default() -> Self {
-        NameIndexer {
-            index: TreeIndex {
-                complete: true,
-                ..TreeIndex::default()
-            },
-            scratch: Vec::new(),
-            boundaries: Vec::new(),
-        }
-    }
-}
-
-impl NameIndexer {
-    pub fn push(&mut self, name: &str, matcher: &mut Matcher<'_>) -> Result<(), MatchError> {
-        let count = self.index.names.len();
-        let common = if count == 0 {
-            0
-        } else {
-            let previous = self.index.names.get(count - 1);
-            previous
-                .bytes()
-                .zip(name.bytes())
-                .take_while(|(a, b)| a == b)
-                .count()
-        };
-        while self
-            .boundaries
-            .last()
-            .is_some_and(|&(offset, _)| offset > common)
-        {
-            self.boundaries.pop();
-        }
-        let (mut offset, mut state) = match self.boundaries.last() {
-            Some(&(offset, state)) if matcher.is_current(state) => (offset, state),
-            _ => {
-                // No shared segment, or the DFA cache was cleared since: start over.
-                self.boundaries.clear();
-                (0, matcher.start()?)
-            }
-        };
-        while let Some(dot) = name[offset..].find('.') {
-            state = matcher.advance(state, &name.as_bytes()[offset..=offset + dot])?;
-            offset += dot + 1;
-            self.boundaries.push((offset, state));
-        }
-        state = matcher.advance(state, &name.as_bytes()[offset..])?;
-        let at = self.index.names.push(name);
-        self.index.name_module.push(at);
-        self.index.module_first_name.push(at);
-        self.scratch.clear();
-        matcher.finish(name, state, &mut self.scratch)?;
-        self.index
-            .hits
-            .extend(self.scratch.iter().map(|&p| (at, p)));
-        Ok(())
-    }
-
-    pub fn finish(self) -> TreeIndex {
-        self.index
-    }
-}
-
 impl Walker<'_, '_> {
     fn run(&mut self, root: &Bound<'_, PyAny>) -> Result<(), WalkError> {
         let py = root.py();
@@ -396,6 +320,7 @@ fn not_a_module(object: &Bound<'_, PyAny>, fqn: &str) -> PyErr {
 mod tests {
     use super::*;
     use crate::matcher::PatternSet;
+    use crate::sequence::NameIndexer;
 
     #[test]
     fn owners_keeps_the_first_owner_and_lists_the_others_once() {
@@ -405,7 +330,7 @@ mod tests {
         let names = ["", "a", "a.b", "a.c", "d"];
         let index = set
             .with_matcher(|m| {
-                let mut indexer = NameIndexer::default();
+                let mut indexer = NameIndexer::new(false);
                 names
                     .into_iter()
                     .try_for_each(|name| indexer.push(name, m))?;

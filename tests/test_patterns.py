@@ -92,17 +92,57 @@ def test_pattern_set_agrees_with_reference(pattern_list: list[str], name_list: l
     # The offline index resumes the DFA from prefixes shared with the previous name: sorted lists
     # share the most.
     for ordered in (name_list, sorted(name_list)):
+        ordered_expected = [expected[name_list.index(n)] for n in ordered]
         indexed: list[list[int]] = [[] for _ in ordered]
-        for name, pattern in zip(*ps.index_names(ordered).hits(), strict=True):
+        for name, pattern in zip(*ps.index_names(ordered, prune=False).hits(), strict=True):
             indexed[name].append(pattern)
-        assert indexed == [expected[name_list.index(n)] for n in ordered]
+        assert indexed == ordered_expected
+        found = ps.match_indices(ordered)
+        flat = [(n, p) for n, patterns_of_name in enumerate(ordered_expected) for p in patterns_of_name]
+        assert list(zip(found.names.tolist(), found.patterns.tolist(), strict=True)) == flat
+        assert found.counts == [sum(p in m for m in ordered_expected) for p in range(len(pattern_list))]
 
 
 def test_offline_index_matches_every_name() -> None:
     ps = PatternSet(["layers.*.mlp", "lm_head"])
-    tree = ps.index_names(["", "layers.0.mlp", "lm_head", "layers.1.mlp"])
-    assert tree.matches() == [("layers.0.mlp", [0]), ("lm_head", [1]), ("layers.1.mlp", [0])]
-    assert tree.hit_counts(2) == [2, 1]
+    names = ["", "layers.0.mlp", "lm_head", "layers.1.mlp"]
+    pruned = ps.index_names(names)
+    assert pruned.matches() == [("layers.0.mlp", [0]), ("lm_head", [1]), ("layers.1.mlp", [0])]
+    assert pruned.hit_counts(2) == [2, 1]
+    # Pruned, only the matches are recorded, as in a pruned walk.
+    assert pruned.names() == ["layers.0.mlp", "lm_head", "layers.1.mlp"] and not pruned.complete
+    every = ps.index_names(names, prune=False)
+    assert every.names() == names and every.complete
+    assert every.matches() == pruned.matches()
+
+
+def test_match_indices_is_the_flat_form_of_match_many() -> None:
+    ps = PatternSet(["layers.*.mlp", "**.mlp", "lm_head", "typo"])
+    names = ("", "layers.0.mlp", "lm_head", "layers.0.mlp.x", "layers.1.mlp")
+    found = ps.match_indices(names)  # any sequence, not only a list
+    assert found.names.format == found.patterns.format == "I"
+    assert found.names.tolist() == [1, 1, 2, 4, 4]
+    assert found.patterns.tolist() == [0, 1, 2, 0, 1]
+    assert found.counts == [2, 2, 1, 0] and len(found) == 5 and found.matched_names() == 3
+    assert len(ps.match_indices(iter(names))) == 5
+    assert len(ps.match_indices([])) == 0
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        ("layers.0", TypeError, "not a single str"),
+        (3, TypeError, "must be a sequence of str, got int"),
+        (["a", b"b"], TypeError, r"names\[1\] must be a str, got bytes"),
+        (["a", None], TypeError, r"names\[1\] must be a str, got NoneType"),
+        (["\ud800"], UnicodeEncodeError, "surrogates not allowed"),
+    ],
+)
+def test_bad_name_lists_are_clear_errors(bad: object, error: type[Exception], message: str) -> None:
+    ps = PatternSet(["a"])
+    for method in (ps.match_indices, ps.index_names, ps.match_many):
+        with pytest.raises(error, match=message):
+            method(bad)  # type: ignore[operator]
 
 
 @pytest.mark.parametrize(
@@ -167,6 +207,8 @@ def test_many_patterns_and_names() -> None:
     result = few.match_many(names)
     assert len(result) == 1_000_000
     assert result[5] == [0, 1] and result[55] == [1]
+    found = few.match_indices(names)
+    assert found.counts == [sum(1 for r in result if 0 in r), sum(1 for r in result if 1 in r)]
 
 
 def test_non_ascii_names_and_patterns() -> None:

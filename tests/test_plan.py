@@ -370,6 +370,10 @@ def test_offline_resolution_over_fqns_with_shapes() -> None:
     problems = problems_of(names, [EXPERTS_REQUEST], param_shapes={"layers.0.mlp.w1": (EXPERTS, 8)})
     assert [(p.code, p.fqn) for p in problems] == [("layout", "layers.1.mlp")]
     assert "no shape was given for parameter 'layers.1.mlp.w1'" in problems[0].message
+    # The offline index records only matches; "did you mean" still searches every given FQN.
+    typo = NativeParallelBindingRequest(("layers.*.mpl",), EP_SPEC, experts_sharding)
+    [problem] = problems_of(names, [typo], param_shapes=shapes)
+    assert problem.code == "unmatched" and "did you mean 'layers.0.mlp', 'layers.1.mlp'" in problem.message
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,28 @@ class PatternSet:
 
         With ``prune`` only matching FQNs are recorded (and, with ``modules``, their modules and
         classes) and no subtree that no pattern can reach is entered; without it, everything is."""
-    def index_names(self, names: Sequence[str]) -> ModuleTree:
-        """Match a plain sequence of FQNs (the offline form of ``walk``)."""
+    def index_names(self, names: Sequence[str], *, prune: bool = True) -> ModuleTree:
+        """Match a plain sequence of FQNs (the offline form of ``walk``), each name its own module.
+
+        With ``prune`` only matching FQNs are recorded; without it, every one is."""
+    def match_indices(self, names: Sequence[str]) -> IndexMatches:
+        """The compact form of ``match_many``, for names by the million: flat index arrays."""
+
+class IndexMatches:
+    """What ``PatternSet.match_indices`` found: one ``(name, pattern)`` pair per match."""
+
+    def __len__(self) -> int: ...
+    def matched_names(self) -> int:
+        """How many names matched at least one pattern."""
+    @property
+    def names(self) -> memoryview:
+        """The position of the name of every match in the given sequence (``uint32``), ascending."""
+    @property
+    def patterns(self) -> memoryview:
+        """The pattern of every match (``uint32``), ascending within each name."""
+    @property
+    def counts(self) -> list[int]:
+        """How many names each pattern matched: a 0 is a pattern that selects nothing."""
 
 class ModuleTree:
     """What a walk saw: every FQN, the module and class behind it, and every match."""

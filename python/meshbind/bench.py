@@ -173,9 +173,13 @@ def one_regex(target: Target, plan: tuple[str, ...]) -> Outcome:
 
 
 def meshbind_resolution(target: Target, plan: tuple[str, ...]) -> Outcome:
-    """Compile, walk (or index the FQN list) and match; report patterns that select nothing."""
+    """Compile, walk the tree (or match the FQN list, answered as flat index arrays) and match;
+    report patterns that select nothing."""
     patterns = PatternSet(plan)
-    tree = patterns.index_names(target) if isinstance(target, list) else patterns.walk(target)
+    if isinstance(target, list):
+        found = patterns.match_indices(target)
+        return Outcome(found.matched_names(), 0 in found.counts)
+    tree = patterns.walk(target)
     return Outcome(tree.matched_names(), 0 in tree.hit_counts(len(plan)))
 
 

@@ -348,11 +348,15 @@ class _Resolution:
             self.problems.append(PlanProblem("unmatched", None, source, f"pattern {pattern!r} does not select {what}{hint}"))
 
     def _every_name(self) -> ModuleTree:
-        """A tree holding every FQN, for "did you mean" (a pruned walk recorded only matches)."""
-        if self.tree.complete or not isinstance(self.model, nn.Module):
+        """An index of every FQN, for "did you mean" (a pruned index recorded only matches)."""
+        if self.tree.complete:
             return self.tree
         if self.all_names is None:
-            self.all_names = PatternSet([]).walk(self.model, prune=False)
+            every = PatternSet([])
+            if isinstance(self.model, nn.Module):
+                self.all_names = every.walk(self.model, prune=False)
+            else:
+                self.all_names = every.index_names(self.model, prune=False)
         return self.all_names
 
     def _report_nested(self, fqns: list[str], specs: list[ParallelModuleSpec]) -> None:

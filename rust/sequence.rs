@@ -1,0 +1,180 @@
+//! Matching a plain sequence of FQNs (offline: names read from a checkpoint index, say), one name
+//! at a time, so names can stream in.
+//!
+//! Such lists come grouped (`…experts.203`, `…experts.203.gate_proj`, …), so the DFA resumes from
+//! the state after the longest segment prefix a name shares with the previous one, as the tree
+//! walk does from a parent, instead of reading every name from its first byte.
+
+use crate::matcher::{DfaState, MatchError, Matcher};
+use crate::walk::TreeIndex;
+
+/// Every match of a list of names as flat arrays (for names by the million, where a list per name
+/// would cost more than the matching).
+pub struct IndexHits<'n> {
+    /// The position of the name of every match, ascending.
+    pub names: Vec<u32>,
+    /// The pattern of every match, ascending within each name.
+    pub patterns: Vec<u32>,
+    /// How many names each pattern matched.
+    pub counts: Vec<u32>,
+    next_position: u32,
+    sequence: SequenceMatcher<'n>,
+}
+
+impl<'n> IndexHits<'n> {
+    pub fn new(pattern_count: usize) -> IndexHits<'n> {
+        IndexHits {
+            names: Vec::new(),
+            patterns: Vec::new(),
+            counts: vec![0; pattern_count],
+            next_position: 0,
+            sequence: SequenceMatcher::default(),
+        }
+    }
+
+    /// Matches the next name of the list.
+    pub fn push(&mut self, name: &'n str, matcher: &mut Matcher<'_>) -> Result<(), MatchError> {
+        let before = self.patterns.len();
+        self.sequence.matches(name, matcher, &mut self.patterns)?;
+        for &pattern in &self.patterns[before..] {
+            self.counts[pattern as usize] += 1;
+        }
+        let matched = self.patterns.len() - before;
+        self.names
+            .extend(std::iter::repeat(self.next_position).take(matched));
+        self.next_position += 1;
+        Ok(())
+    }
+}
+
+/// Answers names in sequence, remembering where the DFA stood after each segment of the last one.
+#[derive(Default)]
+pub struct SequenceMatcher<'n> {
+    previous: &'n str,
+    /// `(offset, DFA state there)` just after each separator of the previous name, and at its end.
+    boundaries: Vec<(usize, Option<DfaState>)>,
+}
+
+impl<'n> SequenceMatcher<'n> {
+    /// Appends to `out` the ascending indices of the patterns matching `name`.
+    pub fn matches(
+        &mut self,
+        name: &'n str,
+        matcher: &mut Matcher<'_>,
+        out: &mut Vec<u32>,
+    ) -> Result<(), MatchError> {
+        let common = common_prefix(self.previous.as_bytes(), name.as_bytes());
+        while self
+            .boundaries
+            .last()
+            .is_some_and(|&(offset, _)| offset > common)
+        {
+            self.boundaries.pop();
+        }
+        let (offset, state) = match self.boundaries.last() {
+            Some(&(offset, state)) if matcher.is_current(state) => (offset, state),
+            _ => {
+                // No shared segment, or the DFA cache was cleared since: start over.
+                self.boundaries.clear();
+                (0, matcher.start()?)
+            }
+        };
+        let boundaries = &mut self.boundaries;
+        let state = matcher.advance_segments(state, &name.as_bytes()[offset..], |end, state| {
+            boundaries.push((offset + end, state));
+        })?;
+        // The whole name is a prefix too: `…experts.7.gate_proj` resumes after `…experts.7`.
+        if state.is_some()
+            && self
+                .boundaries
+                .last()
+                .map_or(true, |&(end, _)| end < name.len())
+        {
+            self.boundaries.push((name.len(), state));
+        }
+        self.previous = name;
+        matcher.finish(name, state, out)
+    }
+}
+
+/// Builds the offline form of a walk's index: each name its own module. Pruned, it records only
+/// the names that match, as a pruned walk does.
+pub struct NameIndexer<'n> {
+    index: TreeIndex,
+    prune: bool,
+    sequence: SequenceMatcher<'n>,
+    scratch: Vec<u32>,
+}
+
+impl<'n> NameIndexer<'n> {
+    pub fn new(prune: bool) -> NameIndexer<'n> {
+        NameIndexer {
+            index: TreeIndex {
+                complete: true,
+                ..TreeIndex::default()
+            },
+            prune,
+            sequence: SequenceMatcher::default(),
+            scratch: Vec::new(),
+        }
+    }
+
+    pub fn push(&mut self, name: &'n str, matcher: &mut Matcher<'_>) -> Result<(), MatchError> {
+        self.scratch.clear();
+        self.sequence.matches(name, matcher, &mut self.scratch)?;
+        if self.prune && self.scratch.is_empty() {
+            self.index.complete = false;
+            return Ok(());
+        }
+        let at = self.index.names.push(name);
+        self.index.name_module.push(at);
+        self.index.module_first_name.push(at);
+        self.index
+            .hits
+            .extend(self.scratch.iter().map(|&p| (at, p)));
+        Ok(())
+    }
+
+    pub fn finish(self) -> TreeIndex {
+        self.index
+    }
+}
+
+/// The length of the longest common prefix of `a` and `b`, compared eight bytes at a time.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    let length = a.len().min(b.len());
+    let (a, b) = (&a[..length], &b[..length]);
+    let mut done = 0;
+    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        let differ = u64::from_le_bytes(x.try_into().unwrap_or_default())
+            ^ u64::from_le_bytes(y.try_into().unwrap_or_default());
+        if differ != 0 {
+            return done + (differ.trailing_zeros() / 8) as usize;
+        }
+        done += 8;
+    }
+    done + a[done..]
+        .iter()
+        .zip(&b[done..])
+        .take_while(|(x, y)| x == y)
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn common_prefix_counts_bytes_across_words() {
+        assert_eq!(common_prefix(b"", b"abc"), 0);
+        assert_eq!(
+            common_prefix(b"layers.12.mlp", b"layers.12.mlp.experts"),
+            13
+        );
+        assert_eq!(common_prefix(b"layers.12.mlp", b"layers.13.mlp"), 8);
+        assert_eq!(
+            common_prefix(b"abcdefghijklmnopq", b"abcdefghijklmnopz"),
+            16
+        );
+    }
+}
