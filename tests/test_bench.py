@@ -18,7 +18,7 @@ def test_meshbind_bench_runs_the_quick_version_and_plots(tmp_path: Path, capsys:
     out = capsys.readouterr().out
     assert f"plot: {plot}" in out and plot.stat().st_size > 1000
     data = json.loads(rows.read_text())["rows"]
-    typo = {row["method"]: row["noticed"] for row in data if row["plan"] == "typo" and row["size"] == "8x8"}
+    typo = {row["method"]: row["noticed"] for row in data if row["plan"] == "typo" and row["tree"] == "8x8"}
     assert typo["meshbind"] and typo["meshbind_validate"] and typo["torch_parallelize_module"]
     assert not typo["fnmatch"] and not typo["one_regex"]
     globstar = {row["method"]: row["median_s"] for row in data if row["plan"] == "globstar"}

@@ -2,7 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from meshbind._core import ModuleTree, PatternError, PatternSet
+from meshbind._core import IndexMatches, ModuleTree, PatternError, PatternSet
 from meshbind.binding import (
     BindingError,
     BoundModule,
@@ -32,6 +32,7 @@ __all__ = [
     "EPContext",
     "FamilyBuildInfo",
     "FamilyLayout",
+    "IndexMatches",
     "LayoutContext",
     "MaterializationError",
     "MeshBinding",

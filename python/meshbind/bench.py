@@ -273,7 +273,8 @@ class Size:
 
 @dataclass
 class Row:
-    size: str
+    tree: str
+    """The size label: ``LxE`` for a module tree, ``1M`` for the flat FQN list."""
     modules: int
     plan: str
     method: str
@@ -341,15 +342,15 @@ def run(sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Seque
 
 
 def _reference(rows: Sequence[Row], row: Row, method: str = "meshbind") -> float | None:
-    return next((r.median_s for r in rows if (r.size, r.plan, r.method) == (row.size, row.plan, method)), None)
+    return next((r.median_s for r in rows if (r.tree, r.plan, r.method) == (row.tree, row.plan, method)), None)
 
 
 def summary(rows: Sequence[Row]) -> list[str]:
     """The ratios the issues name, one line each."""
     lines = []
-    groups = dict.fromkeys((r.size, r.plan) for r in rows)
+    groups = dict.fromkeys((r.tree, r.plan) for r in rows)
     for size, plan in groups:
-        group = {r.method: r.median_s for r in rows if (r.size, r.plan) == (size, plan)}
+        group = {r.method: r.median_s for r in rows if (r.tree, r.plan) == (size, plan)}
         ours = group.get("meshbind")
         best = min((group[m] for m in PYTHON_BASELINES if group.get(m) is not None), default=None)  # type: ignore[type-var]
         parts = []
@@ -365,9 +366,9 @@ def summary(rows: Sequence[Row]) -> list[str]:
             parts.append(f"meshbind / rust_walk_floor = {ours / group['rust_walk_floor']:.2f}x")  # type: ignore[operator]
         if parts:
             lines.append(f"{size} {plan}: " + "; ".join(parts))
-    trees = [r for r in rows if r.method == "meshbind" and r.median_s and r.size in ("61x256", "61x1024")]
+    trees = [r for r in rows if r.method == "meshbind" and r.median_s and r.tree in ("61x256", "61x1024")]
     for plan in dict.fromkeys(r.plan for r in trees):
-        cost = {r.size: r.median_s / r.modules for r in trees if r.plan == plan and r.median_s}
+        cost = {r.tree: r.median_s / r.modules for r in trees if r.plan == plan and r.median_s}
         if len(cost) == 2:
             lines.append(
                 f"{plan}: meshbind cost per module 61x1024 / 61x256 = {cost['61x1024'] / cost['61x256']:.2f} (linear: 1.0)"
@@ -376,7 +377,7 @@ def summary(rows: Sequence[Row]) -> list[str]:
 
 
 def table(rows: Sequence[Row], markdown: bool = False) -> list[str]:
-    header = ("size", "modules", "plan", "method", "median s", "runs", "matches", "noticed typo", "x meshbind")
+    header = ("tree", "modules", "plan", "method", "median s", "runs", "matches", "noticed typo", "x meshbind")
     lines = []
     for row in rows:
         reference = _reference(rows, row)
@@ -384,7 +385,7 @@ def table(rows: Sequence[Row], markdown: bool = False) -> list[str]:
         ratio = "" if row.median_s is None or not reference else f"{row.median_s / reference:.2f}"
         noticed = "" if row.noticed is None or row.plan != "typo" else ("yes" if row.noticed else "no")
         matches = "" if row.matches is None else str(row.matches)
-        lines.append((row.size, str(row.modules), row.plan, row.method, median, str(row.runs), matches, noticed, ratio))
+        lines.append((row.tree, str(row.modules), row.plan, row.method, median, str(row.runs), matches, noticed, ratio))
     if markdown:
         out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         return out + ["| " + " | ".join(line) + " |" for line in lines]
