@@ -163,6 +163,58 @@ fn common_prefix(a: &[u8], b: &[u8]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::matcher::PatternSet;
+
+    /// Every name answered in sequence, against each name answered alone.
+    fn sequence_agrees(patterns: &[&str], names: &[&str]) {
+        let Ok(set) = PatternSet::new(patterns) else {
+            panic!("the patterns compile")
+        };
+        set.with_matcher(|m| {
+            let mut sequence = SequenceMatcher::default();
+            for name in names {
+                let (mut resumed, mut alone) = (Vec::new(), Vec::new());
+                sequence.matches(name, m, &mut resumed).unwrap();
+                m.match_name(name, &mut alone).unwrap();
+                assert_eq!(resumed, alone, "{name:?}");
+                // Boundaries sit at increasing offsets, however often a name repeats.
+                let offsets: Vec<usize> = sequence.boundaries.iter().map(|b| b.0).collect();
+                assert!(
+                    offsets.windows(2).all(|w| w[0] < w[1]),
+                    "{name:?}: {offsets:?}"
+                );
+            }
+        });
+    }
+
+    #[test]
+    fn resumes_after_shared_segments_and_after_the_whole_previous_name() {
+        let patterns = [
+            "layers.*.mlp",
+            "layers.*.mlp.experts.*.gate_proj",
+            "**.up_proj",
+            "a.bc",
+        ];
+        sequence_agrees(
+            &patterns,
+            &[
+                "",
+                "layers",
+                "layers.0",
+                "layers.0.mlp",
+                "layers.0.mlp.experts.7",
+                "layers.0.mlp.experts.7.gate_proj",
+                "layers.0.mlp.experts.7.up_proj",
+                "layers.0.mlp.experts.70.gate_proj",
+                "layers.1.mlp",
+                "a.b",
+                "a.bc",
+                "a.bc",
+                "a.bc",
+                "a.b",
+            ],
+        );
+    }
 
     #[test]
     fn common_prefix_counts_bytes_across_words() {
