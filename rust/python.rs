@@ -3,7 +3,7 @@
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyIterator, PyList, PyString, PyType};
+use pyo3::types::{PyBytes, PyList, PyString, PyType};
 use pyo3::{ffi, intern, Borrowed};
 
 use crate::checks::{check_placements, AxisTable, PlacementKind, PlacementRow};
@@ -44,47 +44,6 @@ fn walk_error(error: WalkError) -> PyErr {
     }
 }
 
-/// Reads a sequence of `str` (not a bare `str`), naming `what` in errors.
-fn extract_strings<'py>(
-    values: &Bound<'py, PyAny>,
-    what: &str,
-) -> PyResult<Vec<Bound<'py, PyString>>> {
-    string_items(values, what)?.collect()
-}
-
-/// The items of a sequence of `str` (not a bare `str`), one at a time, naming `what` in errors.
-fn string_items<'py, 'w>(
-    values: &Bound<'py, PyAny>,
-    what: &'w str,
-) -> PyResult<impl Iterator<Item = PyResult<Bound<'py, PyString>>> + 'w>
-where
-    'py: 'w,
-{
-    Ok(iterate(values, what)?.enumerate().map(move |(i, item)| {
-        item?.cast_into::<PyString>().map_err(|e| {
-            PyTypeError::new_err(format!(
-                "{what}[{i}] must be a str, got {}",
-                type_name(e.into_inner().as_any())
-            ))
-        })
-    }))
-}
-
-/// An iterator over a sequence that is not a bare `str`, naming `what` in errors.
-fn iterate<'py>(values: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyIterator>> {
-    if values.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err(format!(
-            "{what} must be a sequence of str, not a single str"
-        )));
-    }
-    values.try_iter().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "{what} must be a sequence of str, got {}",
-            type_name(values)
-        ))
-    })
-}
-
 /// The `str` items of a list, borrowed in place, naming `what[i]` for an item that is not one.
 /// No Python code may run while they are borrowed, so the list and its items stay as they are.
 fn borrowed_strs<'a>(
@@ -120,12 +79,23 @@ fn borrowed_strs<'a>(
     })
 }
 
-/// `values` itself when it is a list, else a new list of its items.
+/// `values` itself when it is a list, else a new list of its items; a bare `str` or something
+/// that is not iterable is a `TypeError` naming `what`.
 fn as_list<'py>(values: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyList>> {
     if let Ok(list) = values.cast_exact::<PyList>() {
         return Ok(list.clone());
     }
-    iterate(values, what)?;
+    if values.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a sequence of str, not a single str"
+        )));
+    }
+    values.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be a sequence of str, got {}",
+            type_name(values)
+        ))
+    })?;
     // SAFETY: PySequence_List returns a new reference, or NULL with an exception set.
     let list = unsafe {
         Bound::from_owned_ptr_or_err(values.py(), ffi::PySequence_List(values.as_ptr()))
@@ -151,8 +121,8 @@ pub struct PyPatternSet {
 impl PyPatternSet {
     #[new]
     fn new(py: Python<'_>, patterns: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let texts = extract_strings(patterns, "patterns")?;
-        let texts: Vec<&str> = texts.iter().map(|t| t.to_str()).collect::<PyResult<_>>()?;
+        let list = as_list(patterns, "patterns")?;
+        let texts = borrowed_strs(&list, "patterns").collect::<PyResult<Vec<&str>>>()?;
         match PatternSet::new(&texts) {
             Ok(inner) => Ok(PyPatternSet { inner }),
             Err(BuildError::Pattern(e)) => Err(pattern_error(py, &e)),
@@ -187,14 +157,12 @@ impl PyPatternSet {
 
     /// `match` for every name of a sequence, in one call.
     fn match_many(&self, names: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
-        let names = extract_strings(names, "names")?;
+        let list = as_list(names, "names")?;
         self.inner.with_matcher(|m| {
-            names
-                .iter()
+            borrowed_strs(&list, "names")
                 .map(|name| {
                     let mut out = Vec::new();
-                    m.match_name(name.to_str()?, &mut out)
-                        .map_err(match_error)?;
+                    m.match_name(name?, &mut out).map_err(match_error)?;
                     Ok(out)
                 })
                 .collect()
@@ -475,8 +443,9 @@ impl ModuleTree {
 /// Parses every pattern without building a set: raises `PatternError` for the first malformed one.
 #[pyfunction]
 fn check_patterns(py: Python<'_>, patterns: &Bound<'_, PyAny>) -> PyResult<()> {
-    for text in extract_strings(patterns, "patterns")? {
-        crate::pattern::Pattern::compile(text.to_str()?).map_err(|e| pattern_error(py, &e))?;
+    let list = as_list(patterns, "patterns")?;
+    for text in borrowed_strs(&list, "patterns") {
+        crate::pattern::Pattern::compile(text?).map_err(|e| pattern_error(py, &e))?;
     }
     Ok(())
 }
