@@ -12,6 +12,7 @@ use pyo3::types::{PyDict, PyString, PyType};
 use pyo3::{ffi, intern, Borrowed};
 use rustc_hash::FxHashMap;
 
+use crate::lookahead::{Lookahead, WIDE};
 use crate::matcher::{DfaState, MatchError, Matcher};
 use crate::names::NameTable;
 
@@ -104,11 +105,16 @@ struct Frame<'py> {
     identity: usize,
     /// The DFA state after this module's FQN and the `.` its children's names follow.
     child_state: Option<DfaState>,
+    /// Whether the module has enough children to look ahead over them.
+    wide: bool,
+    /// Whether the walk entered the last child it met here: look ahead only while it does.
+    entering: bool,
 }
 
 /// What a walk records. A full walk indexes every FQN, module and class (plan resolution needs
 /// them all to find family modules); a pruned walk records only the FQNs that match, enters no
-/// subtree that no pattern can reach, and never touches a module object it does not enter;
+/// subtree that no pattern can reach, and reads no module object it does not enter (beyond the
+/// look-ahead's hints, which run only while the walk is entering a wide module's children);
 /// `PrunedModules` prunes the same way and also indexes the module and class behind each match.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum WalkMode {
@@ -159,7 +165,12 @@ impl Walker<'_, '_> {
         let mut stack = vec![enter(root, modules_attr, &fqn, root_identity, start)?];
         let mut on_path = rustc_hash::FxHashSet::default();
         on_path.insert(root_identity);
+        let mut lookahead = Lookahead::new(py);
         while let Some(frame) = stack.last_mut() {
+            if frame.wide && frame.entering {
+                // SAFETY: the frame owns the dict.
+                unsafe { lookahead.ahead(frame.children.as_ptr(), frame.position) };
+            }
             let (mut key, mut child) = (std::ptr::null_mut(), std::ptr::null_mut());
             // SAFETY: the frame owns a reference to the dict; key and child are borrowed from it
             // and used before any Python code runs, except through owned references below.
@@ -188,7 +199,7 @@ impl Walker<'_, '_> {
             if child == unsafe { ffi::Py_None() } {
                 continue;
             }
-            let (name_end, parent_state) = (frame.name_end, frame.child_state);
+            let (name_end, parent_state, wide) = (frame.name_end, frame.child_state, frame.wide);
             // SAFETY: borrowed from the live dict; no Python code runs before the last use of
             // `key`, and `child` is turned into an owned reference before it is entered.
             let (key, child) =
@@ -215,6 +226,9 @@ impl Walker<'_, '_> {
             let identity = child.as_ptr() as usize;
             let below = self.matcher.advance(state, b".")?;
             let descend = self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, below, true);
+            if let Some(frame) = stack.last_mut() {
+                frame.entering = descend;
+            }
             if self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, state, false) {
                 self.record(identity, &child, &fqn, state)?;
             }
@@ -230,7 +244,12 @@ impl Walker<'_, '_> {
             }
             if descend {
                 let child = child.to_owned();
-                stack.push(enter(&child, modules_attr, &fqn, identity, below)?);
+                let frame = enter(&child, modules_attr, &fqn, identity, below)?;
+                if wide {
+                    // SAFETY: both are alive, and the dict is the child's `_modules`.
+                    unsafe { lookahead.learn(child.as_ptr(), frame.children.as_ptr()) };
+                }
+                stack.push(frame);
                 on_path.insert(identity);
             } else {
                 self.index.complete = false;
@@ -299,6 +318,8 @@ fn enter<'py>(
         children,
         position: 0,
         size,
+        wide: size >= WIDE,
+        entering: true,
         name_end: fqn.len(),
         identity,
         child_state,

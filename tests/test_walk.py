@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch import nn
@@ -58,6 +60,31 @@ def test_cycles_are_reported_not_followed() -> None:
         tree = PatternSet(["**"]).walk(outer, prune=prune)
         assert tree.cycles() == [("1.1", "")]
         assert "1.1" in tree.names()
+
+
+def _odd_wide_list() -> nn.ModuleList:
+    """A wide module (the walk looks ahead over its children) whose children vary in every way
+    CPython lays a module out: holes left by deleted entries, None, a shared child, an instance
+    dict replaced by a plain one, a reassigned class, an OrderedDict of children."""
+    experts = nn.ModuleList(nn.Sequential(nn.Linear(1, 1), nn.ReLU()) for _ in range(120))
+    for index in range(0, 120, 9):
+        del experts._modules[str(index)]
+    experts._modules["none"] = None
+    experts._modules["alias"] = experts[5]
+    experts[10].__dict__ = dict(experts[10].__dict__)
+    experts[11].__class__ = nn.ModuleList
+    experts[12]._modules = OrderedDict(experts[12]._modules)
+    experts[13].extra = nn.ModuleList(nn.Identity() for _ in range(40))
+    return experts
+
+
+def test_wide_modules_walk_like_named_modules_whatever_their_layout() -> None:
+    model = nn.ModuleDict({"a": _odd_wide_list(), "b": _odd_wide_list()})
+    expected = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    assert PatternSet([]).walk(model, prune=False).names() == expected
+    patterns = ["*.*.0", "b.1?.**", "a.alias.1", "*.13.extra.3?"]
+    hits = [(n, [i for i, p in enumerate(patterns) if reference_match(p, n)]) for n in expected]
+    assert PatternSet(patterns).walk(model).matches() == [(n, h) for n, h in hits if h]
 
 
 def test_none_children_are_skipped_like_named_modules() -> None:

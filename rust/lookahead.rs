@@ -1,0 +1,232 @@
+//! Look-ahead for walking wide modules (an expert list of 1024 children).
+//!
+//! Each child's `_modules` is found through a chain of objects that lie far apart in memory —
+//! the module, its `__dict__`, the dict's values, the `_modules` dict, that dict's entries — and
+//! walking one child after another waits for each link in turn. At each step of the walk, the
+//! link chains of the children a few positions ahead are followed one link further than the
+//! step before did, asking for each link's cache line: the misses of many children then
+//! overlap instead of adding up.
+//!
+//! Everything here is a hint. A prefetch never faults and no answer depends on one; the reads
+//! that find the next link follow CPython's object layout, so they run only on the versions
+//! whose layout is known (3.11 to 3.13), only on live objects borrowed from the dict being
+//! walked, and only within the bounds that layout guarantees.
+
+use pyo3::{ffi, Python};
+use rustc_hash::FxHashMap;
+
+/// A module with at least this many children is looked ahead over.
+pub const WIDE: ffi::Py_ssize_t = 16;
+
+/// How many children ahead of the walk each link is asked for, farthest (the first link) first.
+const DISTANCES: [usize; 5] = [40, 32, 24, 16, 8];
+
+/// `Py_TPFLAGS_MANAGED_DICT` (3.11+): the instance dict pointer sits three words before the object.
+const MANAGED_DICT: std::os::raw::c_ulong = 1 << 4;
+const MANAGED_DICT_WORDS_BEFORE: usize = 3;
+/// Field offsets in `PyDictObject` and its keys object, the same from 3.11 to 3.13.
+const DICT_USED: usize = 16;
+const DICT_KEYS: usize = 32;
+const DICT_VALUES: usize = 40;
+const KEYS_LOG2_INDEX_BYTES: usize = 9;
+const KEYS_KIND: usize = 10;
+const KEYS_ENTRY_COUNT: usize = 24;
+const KEYS_INDICES: usize = 32;
+/// `DICT_KEYS_GENERAL`: entries that also store a hash (keys not all str).
+const KIND_GENERAL: u8 = 0;
+/// A str-keyed entry: key and value pointers.
+const UNICODE_ENTRY: usize = 16;
+
+/// Asks for the cache line holding `address`.
+#[inline(always)]
+fn prefetch(address: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint; it never faults, whatever the address.
+    unsafe {
+        use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch(address as *const i8, _MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = address;
+}
+
+/// Reads the pointer-sized word `offset` bytes into `base`.
+///
+/// # Safety
+/// `base + offset` must lie inside a live object.
+#[inline(always)]
+unsafe fn word(base: *const u8, offset: usize) -> *const u8 {
+    *(base.add(offset) as *const *const u8)
+}
+
+/// Follows the links from a child module to its `_modules` dict, ahead of the walk.
+pub struct Lookahead {
+    /// Whether the running CPython's layout is one whose links can be followed.
+    layout_known: bool,
+    /// Where a dict's values array starts after its `ma_values` pointer (3.13 puts a header first).
+    values_start: usize,
+    /// Per class: which slot of an instance dict's values holds `_modules` (`None`: not found).
+    modules_slot: FxHashMap<usize, Option<usize>>,
+    last_class: usize,
+    last_slot: Option<usize>,
+}
+
+impl Lookahead {
+    pub fn new(py: Python<'_>) -> Self {
+        let version = py.version_info();
+        Lookahead {
+            // Elsewhere `prefetch` asks for nothing, so following the links would be wasted.
+            layout_known: cfg!(target_arch = "x86_64")
+                && version.major == 3
+                && (11..=13).contains(&version.minor),
+            values_start: if version.minor >= 13 { 8 } else { 0 },
+            modules_slot: FxHashMap::default(),
+            last_class: 0,
+            last_slot: None,
+        }
+    }
+
+    /// The instance dict of `object`, when its class keeps one where the layout says.
+    ///
+    /// # Safety
+    /// `object` must be alive.
+    unsafe fn instance_dict(&self, object: *mut ffi::PyObject) -> Option<*const u8> {
+        if !self.layout_known || ffi::PyType_GetFlags(ffi::Py_TYPE(object)) & MANAGED_DICT == 0 {
+            return None;
+        }
+        let dict = *(object as *const *const u8).sub(MANAGED_DICT_WORDS_BEFORE);
+        // 3.12 tags a pointer to bare values (no dict made yet) with its low bit.
+        (!dict.is_null() && dict as usize & 1 == 0).then_some(dict)
+    }
+
+    /// The values array of a split dict (`None` for a combined one).
+    ///
+    /// # Safety
+    /// `dict` must be a live dict.
+    unsafe fn values_of(&self, dict: *const u8) -> Option<*const *const u8> {
+        let values = word(dict, DICT_VALUES);
+        (!values.is_null()).then(|| values.add(self.values_start) as *const *const u8)
+    }
+
+    fn slot_of(&mut self, class: usize) -> Option<usize> {
+        if class != self.last_class {
+            self.last_class = class;
+            self.last_slot = self.modules_slot.get(&class).copied().flatten();
+        }
+        self.last_slot
+    }
+
+    /// Where `object`'s `_modules` value sits in its dict's values array, the slot checked
+    /// against the dict's item count (a split dict's values array holds at least that many).
+    ///
+    /// # Safety
+    /// `object` must be alive.
+    unsafe fn modules_value(&mut self, object: *mut ffi::PyObject) -> Option<*const *const u8> {
+        let slot = self.slot_of(ffi::Py_TYPE(object) as usize)?;
+        let dict = self.instance_dict(object)?;
+        let values = self.values_of(dict)?;
+        (slot < word(dict, DICT_USED) as usize).then(|| values.add(slot))
+    }
+
+    /// The `_modules` dict of `object`, found through the layout.
+    ///
+    /// # Safety
+    /// `object` must be alive.
+    unsafe fn modules_dict(&mut self, object: *mut ffi::PyObject) -> Option<*const u8> {
+        let modules = *self.modules_value(object)?;
+        (!modules.is_null() && ffi::PyDict_Check(modules as *mut ffi::PyObject) != 0)
+            .then_some(modules)
+    }
+
+    /// Learns, from a child just entered, which values slot holds its class's `_modules`.
+    ///
+    /// # Safety
+    /// `object` must be alive and `modules` its `_modules` dict.
+    pub unsafe fn learn(&mut self, object: *mut ffi::PyObject, modules: *mut ffi::PyObject) {
+        let class = ffi::Py_TYPE(object) as usize;
+        if self.modules_slot.contains_key(&class) {
+            return;
+        }
+        let slot = self.instance_dict(object).and_then(|dict| {
+            let values = self.values_of(dict)?;
+            let used = word(dict, DICT_USED) as usize;
+            (0..used).find(|&slot| *values.add(slot) == modules as *const u8)
+        });
+        self.modules_slot.insert(class, slot);
+        self.last_class = 0;
+    }
+
+    /// Asks for the links of the children `DISTANCES` ahead of `position` (the walk's
+    /// `PyDict_Next` position) in `dict`, a module's `_modules`: each child's farther links
+    /// were asked for on earlier steps, so each link has arrived before the next is read.
+    ///
+    /// # Safety
+    /// `dict` must be a live dict.
+    pub unsafe fn ahead(&mut self, dict: *mut ffi::PyObject, position: ffi::Py_ssize_t) {
+        let dict = dict as *const u8;
+        // A split table's positions are not entry indices; module dicts are never split.
+        if !self.layout_known || !word(dict, DICT_VALUES).is_null() {
+            return;
+        }
+        let keys = word(dict, DICT_KEYS);
+        if *keys.add(KEYS_KIND) == KIND_GENERAL {
+            return;
+        }
+        let entries = keys.add(KEYS_INDICES + (1 << *keys.add(KEYS_LOG2_INDEX_BYTES)));
+        let entry_count = word(keys, KEYS_ENTRY_COUNT) as usize;
+        for (stage, distance) in DISTANCES.into_iter().enumerate() {
+            let index = position as usize + distance;
+            if index >= entry_count {
+                continue;
+            }
+            let entry = entries.add(index * UNICODE_ENTRY);
+            let (key, child) = (word(entry, 0), word(entry, 8));
+            // A deleted entry has no value.
+            if !child.is_null() {
+                self.stage(stage, child as *mut ffi::PyObject, key);
+            }
+        }
+    }
+
+    /// Prefetches link `stage` of `child`'s chain (0: the child itself and its name).
+    ///
+    /// # Safety
+    /// `child` and `key` must be alive; the links before `stage` are prefetched already.
+    unsafe fn stage(&mut self, stage: usize, child: *mut ffi::PyObject, key: *const u8) {
+        match stage {
+            0 => {
+                let at = child as *const u8;
+                prefetch(at.wrapping_sub(8 * (MANAGED_DICT_WORDS_BEFORE + 1)));
+                prefetch(at);
+                prefetch(key);
+            }
+            1 => {
+                if let Some(dict) = self.instance_dict(child) {
+                    prefetch(dict);
+                    prefetch(dict.wrapping_add(DICT_VALUES));
+                }
+            }
+            2 => {
+                if let Some(value) = self.modules_value(child) {
+                    prefetch(value as *const u8);
+                }
+            }
+            3 => {
+                // Not yet known to be a dict (its type is on the line being asked for).
+                if let Some(value) = self.modules_value(child) {
+                    prefetch(*value);
+                    prefetch((*value).wrapping_add(DICT_KEYS));
+                }
+            }
+            _ => {
+                if let Some(modules) = self.modules_dict(child) {
+                    // The header, indices and entries of a dict of a few children.
+                    let keys = word(modules, DICT_KEYS);
+                    for line in 0..3 {
+                        prefetch(keys.wrapping_add(64 * line));
+                    }
+                }
+            }
+        }
+    }
+}
