@@ -2,6 +2,7 @@
 //! diagnostics. `python.rs` is the only file that knows about Python.
 
 pub mod checks;
+pub mod families;
 mod lookahead;
 pub mod matcher;
 pub mod names;

@@ -3,7 +3,9 @@
 //! A set of exact FQNs only is answered by one hash lookup per name. Otherwise every pattern,
 //! exact ones included, joins one lazy DFA (`MatchKind::All`, so one pass reports every pattern
 //! that matches): once the DFA runs anyway, a literal costs it nothing per name, while a hash
-//! lookup would hash the whole name again. The DFA is also stepped
+//! lookup would hash the whole name again. Patterns that differ in one literal segment only (a
+//! generated plan's one pattern per layer) join it as one family pattern (see `families`). The
+//! DFA is also stepped
 //! segment by segment by the tree walk, whose pruning is "the DFA is dead and no exact FQN lies
 //! below". `re:` patterns with Unicode word boundaries, which the DFA cannot run, are asked of
 //! one meta regex per name and disable pruning.
@@ -17,6 +19,7 @@ use regex_automata::util::start;
 use regex_automata::{Anchored, Input, MatchKind, PatternSet as MatchSet};
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use crate::families::{find_families, Family};
 use crate::pattern::{Pattern, PatternError, Strategy};
 
 /// The lazy DFA's cache budget: large enough that big generated plans rarely clear it.
@@ -41,10 +44,17 @@ pub enum BuildError {
     Matcher(MatchError),
 }
 
-/// The indices (into the set) of the patterns each strategy answers.
+/// The lazy DFA and what a match of each of its patterns means.
 struct Automaton {
     dfa: DFA,
-    pattern_ids: Vec<u32>,
+    answers: Vec<Answer>,
+}
+
+enum Answer {
+    /// One pattern of the set (its index).
+    Pattern(u32),
+    /// Patterns the same but for one literal segment, which tells them apart.
+    Family(Family),
 }
 
 struct Fallback {
@@ -80,15 +90,30 @@ impl PatternSet {
         let mut exact: FxHashMap<String, Vec<u32>> = FxHashMap::default();
         let mut exact_prefixes = FxHashSet::default();
         let mut root_matches = Vec::new();
-        let (mut dfa_regexes, mut dfa_ids) = (Vec::new(), Vec::new());
+        let (mut dfa_regexes, mut dfa_answers) = (Vec::new(), Vec::new());
         let (mut fallback_regexes, mut fallback_ids) = (Vec::new(), Vec::new());
         let needs_automaton = patterns
             .iter()
             .any(|p| matches!(p.strategy, Strategy::Automaton(_)));
+        let families = if needs_automaton {
+            let globs: Vec<u32> = (0..patterns.len() as u32)
+                .filter(|&i| !patterns[i as usize].glob.is_empty())
+                .collect();
+            find_families(&patterns, &globs)
+        } else {
+            Vec::new()
+        };
+        let mut in_family = vec![false; patterns.len()];
+        for family in &families {
+            for &index in family.members.values().flatten() {
+                in_family[index as usize] = true;
+            }
+        }
         let escaped: Vec<String> = patterns
             .iter()
-            .map(|p| match &p.strategy {
-                Strategy::Exact(name) if needs_automaton => {
+            .zip(&in_family)
+            .map(|(p, &in_family)| match &p.strategy {
+                Strategy::Exact(name) if needs_automaton && !in_family => {
                     format!("^{}$", regex_syntax::escape(name))
                 }
                 _ => String::new(),
@@ -101,9 +126,10 @@ impl PatternSet {
             }
             match &pattern.strategy {
                 Strategy::Root => {}
+                _ if in_family[index] => {}
                 Strategy::Exact(_) if needs_automaton => {
                     dfa_regexes.push(escaped[index].as_str());
-                    dfa_ids.push(index32);
+                    dfa_answers.push(Answer::Pattern(index32));
                 }
                 Strategy::Exact(name) => {
                     exact.entry(name.clone()).or_default().push(index32);
@@ -113,7 +139,7 @@ impl PatternSet {
                 }
                 Strategy::Automaton(regex) => {
                     dfa_regexes.push(regex.as_str());
-                    dfa_ids.push(index32);
+                    dfa_answers.push(Answer::Pattern(index32));
                 }
                 Strategy::Fallback(regex) => {
                     fallback_regexes.push(regex.as_str());
@@ -121,6 +147,7 @@ impl PatternSet {
                 }
             }
         }
+        dfa_regexes.extend(families.iter().map(|family| family.regex.as_str()));
         let automaton = if dfa_regexes.is_empty() {
             None
         } else {
@@ -135,9 +162,10 @@ impl PatternSet {
                 .thompson(regex_automata::nfa::thompson::Config::new().nfa_size_limit(None))
                 .build_many(&dfa_regexes)
                 .map_err(|e| BuildError::Matcher(automaton_error(e)))?;
+            dfa_answers.extend(families.into_iter().map(Answer::Family));
             Some(Automaton {
                 dfa,
-                pattern_ids: dfa_ids,
+                answers: dfa_answers,
             })
         };
         let fallback = if fallback_regexes.is_empty() {
@@ -340,10 +368,13 @@ impl Matcher<'_> {
                     .map_err(automaton_error)?;
                 if end.is_match() {
                     for k in 0..automaton.dfa.match_len(cache, end) {
-                        out.push(
-                            automaton.pattern_ids
-                                [automaton.dfa.match_pattern(cache, end, k).as_usize()],
-                        );
+                        let matched = automaton.dfa.match_pattern(cache, end, k).as_usize();
+                        match &automaton.answers[matched] {
+                            Answer::Pattern(index) => out.push(*index),
+                            Answer::Family(family) => {
+                                out.extend_from_slice(family.members_of(name))
+                            }
+                        }
                     }
                 }
             }
@@ -387,6 +418,18 @@ mod tests {
     }
 
     #[test]
+    fn families_answer_each_member_with_the_other_patterns_in_order() {
+        let mut patterns: Vec<String> = (0..12).map(|l| format!("layers.{l}.mlp.gate")).collect();
+        patterns.insert(3, "layers.*.mlp.gate".to_owned());
+        patterns.push("layers.5.mlp.gate".to_owned());
+        let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
+        assert_eq!(matches(&patterns, "layers.5.mlp.gate"), vec![3, 6, 13]);
+        assert_eq!(matches(&patterns, "layers.11.mlp.gate"), vec![3, 12]);
+        assert_eq!(matches(&patterns, "layers.12.mlp.gate"), vec![3]);
+        assert!(matches(&patterns, "layers.5.mlp").is_empty());
+    }
+
+    #[test]
     fn numeric_ranges_and_unicode() {
         assert_eq!(matches(&["layers.<0-15>.mlp"], "layers.15.mlp"), vec![0]);
         assert!(matches(&["layers.<0-15>.mlp"], "layers.16.mlp").is_empty());
@@ -410,12 +453,11 @@ mod tests {
 
     #[test]
     fn survives_cache_pressure_with_many_patterns() {
-        let patterns: Vec<String> = (0..2000)
-            .map(|i| format!("layers.{i}.*.w{}", i % 7))
-            .collect();
+        // Two segments vary, so the patterns form no family: 2000 DFA patterns.
+        let patterns: Vec<String> = (0..2000).map(|i| format!("layers.{i}.*.w{i}")).collect();
         let set = PatternSet::new(&patterns).ok().unwrap();
         let mut out = Vec::new();
-        set.with_matcher(|m| m.match_name("layers.1999.mlp.w4", &mut out))
+        set.with_matcher(|m| m.match_name("layers.1999.mlp.w1999", &mut out))
             .unwrap();
         assert_eq!(out, vec![1999]);
     }

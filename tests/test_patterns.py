@@ -103,6 +103,38 @@ def test_pattern_set_agrees_with_reference(pattern_list: list[str], name_list: l
         assert found.counts == [sum(p in m for m in ordered_expected) for p in range(len(pattern_list))]
 
 
+LAYER_LITERALS = [str(n) for n in range(64)] + ["a", "ü", "x_y", "blöck", r"a\*b"]
+
+
+@st.composite
+def pattern_families(draw: st.DrawFn) -> tuple[list[str], list[str]]:
+    """A generated plan's shape: one template written out for many literal segments (which
+    the set runs as one family pattern), mixed with other patterns; and names that hit it."""
+    template = [_segment_pattern(draw) for _ in range(draw(st.integers(1, 3)))]
+    position = draw(st.integers(0, len(template)))
+    literals = draw(st.lists(st.sampled_from(LAYER_LITERALS), min_size=8, max_size=20, unique=True))
+    family = [".".join([*template[:position], literal, *template[position:]]) for literal in literals]
+    others = draw(st.lists(patterns(), max_size=3))
+    pattern_list = draw(st.permutations(family + others + family[:1]))
+    name_segments = st.sampled_from([*SEGMENTS, *(literal.replace("\\", "") for literal in literals)])
+    name_list = draw(st.lists(st.lists(name_segments, min_size=1, max_size=5).map(".".join), min_size=1, max_size=10))
+    return list(pattern_list), name_list
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pattern_families())
+@example(([f"layers.{n}.mlp.*" for n in range(10)] + ["layers.*.mlp.gate"], ["layers.3.mlp.gate", "layers.30.mlp.gate"]))
+def test_families_of_generated_patterns_agree_with_reference(case: tuple[list[str], list[str]]) -> None:
+    pattern_list, name_list = case
+    ps = PatternSet(pattern_list)
+    expected = [[i for i, p in enumerate(pattern_list) if reference_match(p, n)] for n in name_list]
+    assert ps.match_many(name_list) == expected
+    indexed: list[list[int]] = [[] for _ in name_list]
+    for name, pattern in zip(*PatternSet(pattern_list).index_names(name_list, prune=False).hits(), strict=True):
+        indexed[name].append(pattern)
+    assert indexed == expected
+
+
 def test_offline_index_matches_every_name() -> None:
     ps = PatternSet(["layers.*.mlp", "lm_head"])
     names = ["", "layers.0.mlp", "lm_head", "layers.1.mlp"]

@@ -28,6 +28,8 @@ pub struct Pattern {
     pub text: String,
     pub strategy: Strategy,
     pub matches_root: bool,
+    /// The parsed glob (empty for the root and `re:` patterns).
+    pub glob: Vec<Node>,
 }
 
 /// A malformed pattern: the whole text, a character position and the reason.
@@ -70,6 +72,7 @@ impl Pattern {
                 text: String::new(),
                 strategy: Strategy::Root,
                 matches_root: true,
+                glob: Vec::new(),
             });
         }
         if let Some(regex) = text.strip_prefix(REGEX_PREFIX) {
@@ -88,6 +91,7 @@ impl Pattern {
             text: text.to_owned(),
             strategy,
             matches_root,
+            glob: nodes,
         })
     }
 }
@@ -118,6 +122,7 @@ fn compile_regex(text: &str, regex: &str) -> Result<Pattern, PatternSyntaxError>
         text: text.to_owned(),
         strategy,
         matches_root,
+        glob: Vec::new(),
     })
 }
 
@@ -134,7 +139,7 @@ fn literal_text(nodes: &[Node]) -> Option<String> {
 }
 
 /// A glob as an anchored regular expression over the whole FQN.
-fn glob_regex(nodes: &[Node]) -> String {
+pub fn glob_regex(nodes: &[Node]) -> String {
     let mut out = String::from("^");
     let mut i = 0;
     // True where the text so far ends at a segment boundary reached through `**.`.

@@ -1,0 +1,258 @@
+//! Pattern families. Generated plans repeat one pattern per layer (`layers.0.mlp.gate`,
+//! `layers.1.mlp.gate`, … `layers.60.mlp.gate`). Patterns that are the same but for one literal
+//! segment join the DFA as a single pattern whose segment is an alternation of theirs; which
+//! member matched is then read off that segment of the name. The DFA gets one pattern where it
+//! had dozens: it compiles faster, and the states past the varying segment are shared by every
+//! member instead of being built once per member.
+//!
+//! The varying segment must sit at a fixed position in every name the family matches, so only
+//! segments with no `**`, no braces (which may hold dots) and no escaped `.` before them vary.
+
+use std::ops::Range;
+
+use rustc_hash::FxHashMap;
+
+use crate::pattern::ast::Node;
+use crate::pattern::{glob_regex, Pattern};
+
+/// Fewer members than this stay separate patterns: telling members apart costs a lookup per
+/// match, which a few members do not repay in DFA states saved.
+const MIN_MEMBERS: usize = 8;
+
+#[derive(Debug)]
+pub struct Family {
+    /// Which dot-separated segment of a name tells the members apart.
+    pub segment: usize,
+    /// The DFA pattern: the members' shared glob, its varying segment an alternation.
+    pub regex: String,
+    /// Each member's literal segment and its pattern indices (a repeated pattern has several).
+    pub members: FxHashMap<Box<[u8]>, Vec<u32>>,
+}
+
+impl Family {
+    /// The members matching `name`, a name the family's regex matched.
+    pub fn members_of(&self, name: &str) -> &[u32] {
+        name.as_bytes()
+            .split(|&byte| byte == b'.')
+            .nth(self.segment)
+            .and_then(|segment| self.members.get(segment))
+            .map_or(&[], Vec::as_slice)
+    }
+}
+
+/// A literal segment of one pattern, and the rest of the pattern around it.
+struct LiteralSegment<'p> {
+    segment: usize,
+    /// The top-level glob nodes the segment spans (literals only).
+    nodes: Range<usize>,
+    /// The pattern text before and after the segment.
+    around: (&'p str, &'p str),
+}
+
+/// The families among `candidates` (indices of glob patterns the DFA runs), largest first; each
+/// pattern joins at most one.
+pub fn find_families(patterns: &[Pattern], candidates: &[u32]) -> Vec<Family> {
+    type Key<'p> = (usize, (&'p str, &'p str));
+    let mut groups: FxHashMap<Key<'_>, Vec<(u32, Range<usize>)>> = FxHashMap::default();
+    for &index in candidates {
+        let pattern = &patterns[index as usize];
+        for found in literal_segments(&pattern.text, &pattern.glob) {
+            groups
+                .entry((found.segment, found.around))
+                .or_default()
+                .push((index, found.nodes));
+        }
+    }
+    let mut groups: Vec<(Key<'_>, Vec<_>)> = groups
+        .into_iter()
+        .filter(|(_, members)| members.len() >= MIN_MEMBERS)
+        .collect();
+    // A fixed order, so a set always compiles the same way.
+    groups.sort_unstable_by(|(a_key, a), (b_key, b)| {
+        b.len().cmp(&a.len()).then_with(|| a_key.cmp(b_key))
+    });
+    let mut joined = vec![false; patterns.len()];
+    let mut families = Vec::new();
+    for ((segment, _), members) in groups {
+        let free: Vec<_> = members
+            .into_iter()
+            .filter(|(index, _)| !joined[*index as usize])
+            .collect();
+        if free.len() < MIN_MEMBERS {
+            continue;
+        }
+        let mut by_literal: FxHashMap<Box<[u8]>, Vec<u32>> = FxHashMap::default();
+        let mut literals = Vec::with_capacity(free.len());
+        for (index, nodes) in &free {
+            joined[*index as usize] = true;
+            let literal: String = patterns[*index as usize].glob[nodes.clone()]
+                .iter()
+                .filter_map(|node| match node {
+                    Node::Literal(c) => Some(*c),
+                    _ => None,
+                })
+                .collect();
+            by_literal
+                .entry(literal.as_bytes().into())
+                .or_default()
+                .push(*index);
+            literals.push(literal);
+        }
+        literals.sort_unstable();
+        literals.dedup();
+        let alternation = Node::Alternation {
+            position: 0,
+            alternatives: literals
+                .iter()
+                .map(|literal| literal.chars().map(Node::Literal).collect())
+                .collect(),
+        };
+        let (first, nodes) = &free[0];
+        let glob = &patterns[*first as usize].glob;
+        let mut family_glob = glob[..nodes.start].to_vec();
+        family_glob.push(alternation);
+        family_glob.extend_from_slice(&glob[nodes.end..]);
+        families.push(Family {
+            segment,
+            regex: glob_regex(&family_glob),
+            members: by_literal,
+        });
+    }
+    families
+}
+
+/// The segments of a glob that are plain literals and sit at a fixed position in every name the
+/// glob matches (nothing before them spans a varying number of segments).
+fn literal_segments<'p>(text: &'p str, glob: &[Node]) -> Vec<LiteralSegment<'p>> {
+    // Dot positions count characters; they ascend, so one pass over the text finds their bytes.
+    let mut chars = text.char_indices().enumerate();
+    let mut byte_at = |position: usize| {
+        chars
+            .find(|&(count, _)| count == position)
+            .map_or(text.len(), |(_, (byte, _))| byte)
+    };
+    let mut found = Vec::new();
+    let (mut segment, mut first_node, mut start_byte) = (0, 0, 0);
+    for index in 0..=glob.len() {
+        let end_byte = match glob.get(index) {
+            Some(Node::Dot { position }) => byte_at(*position),
+            None => text.len(),
+            Some(_) => continue,
+        };
+        let nodes = &glob[first_node..index];
+        // An escaped `.` makes a segment of the pattern two segments of the name.
+        let spans_segments = nodes.iter().any(|node| {
+            matches!(
+                node,
+                Node::Globstar { .. } | Node::Alternation { .. } | Node::Literal('.')
+            )
+        });
+        if spans_segments {
+            break;
+        }
+        if !nodes.is_empty() && nodes.iter().all(|node| matches!(node, Node::Literal(_))) {
+            found.push(LiteralSegment {
+                segment,
+                nodes: first_node..index,
+                around: (&text[..start_byte], &text[end_byte..]),
+            });
+        }
+        segment += 1;
+        first_node = index + 1;
+        start_byte = end_byte + 1;
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn families(texts: &[&str]) -> Vec<Family> {
+        let patterns: Vec<Pattern> = texts.iter().map(|t| Pattern::compile(t).unwrap()).collect();
+        let candidates: Vec<u32> = (0..texts.len() as u32).collect();
+        find_families(&patterns, &candidates)
+    }
+
+    #[test]
+    fn one_family_per_repeated_pattern_of_a_generated_plan() {
+        let mut texts = Vec::new();
+        for layer in 0..12 {
+            texts.push(format!("layers.{layer}.mlp.experts.*.gate_proj"));
+            texts.push(format!("layers.{layer}.mlp.gate"));
+        }
+        texts.push("lm_head".to_owned());
+        let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let found = families(&texts);
+        assert_eq!(found.len(), 2);
+        for family in &found {
+            assert_eq!(family.segment, 1);
+            assert_eq!(family.members.len(), 12);
+        }
+        let gate = found
+            .iter()
+            .find(|f| f.regex.ends_with(r"\.gate$"))
+            .unwrap();
+        assert_eq!(gate.members_of("layers.7.mlp.gate"), &[15]);
+        assert_eq!(gate.members_of("layers.70.mlp.gate"), &[] as &[u32]);
+    }
+
+    /// `template` with `#` replaced by each of `literals`.
+    fn each(template: &str, literals: &[&str]) -> Vec<String> {
+        literals.iter().map(|l| template.replace('#', l)).collect()
+    }
+
+    const EIGHT: [&str; 8] = ["a", "b", "c", "d", "e", "f", "g", "h"];
+
+    fn families_of(texts: &[String]) -> Vec<Family> {
+        families(&texts.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn repeated_patterns_are_members_under_one_literal() {
+        let mut texts = each("a.#.b", &EIGHT);
+        texts.push("a.a.b".to_owned());
+        let found = families_of(&texts);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].members_of("a.a.b"), &[0, 8]);
+        assert_eq!(found[0].members_of("a.c.b"), &[2]);
+    }
+
+    #[test]
+    fn too_few_members_stay_separate() {
+        assert!(families_of(&each("a.#.b", &EIGHT[..7])).is_empty());
+    }
+
+    #[test]
+    fn no_segment_varies_after_a_globstar_or_braces() {
+        assert!(families_of(&each("**.#.b", &EIGHT)).is_empty());
+        assert!(families_of(&each("{a,c.d}.#.b", &EIGHT)).is_empty());
+        assert!(families_of(&each(r"a\.b.#.c", &EIGHT)).is_empty());
+        assert!(families_of(&each(r"x\.#.c", &EIGHT)).is_empty());
+        // Before them, a segment may vary.
+        assert_eq!(families_of(&each("#.**.b", &EIGHT)).len(), 1);
+    }
+
+    #[test]
+    fn escaped_literals_are_compared_unescaped() {
+        let found = families_of(&each(r"a.#\*.b", &EIGHT));
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].members_of("a.c*.b"), &[2]);
+        assert_eq!(
+            found[0].regex,
+            r"^a\.(?:a\*|b\*|c\*|d\*|e\*|f\*|g\*|h\*)\.b$"
+        );
+    }
+
+    #[test]
+    fn each_pattern_joins_the_largest_family_only() {
+        // `a.up` could join the `#.up` family (segment 0, nine members) or the `a.#` one
+        // (segment 1, eight members, then seven without it: too few).
+        let mut texts = each("#.up", &[&EIGHT[..], &["i"]].concat());
+        texts.extend(each("a.#", &["p", "q", "r", "s", "t", "u", "v"]));
+        let found = families_of(&texts);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].segment, 0);
+        assert_eq!(found[0].members.len(), 9);
+    }
+}
