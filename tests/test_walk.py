@@ -62,11 +62,25 @@ def test_cycles_are_reported_not_followed() -> None:
         assert "1.1" in tree.names()
 
 
+class _LateModules(nn.Module):
+    """A module whose ``_modules`` sits late in its instance dict (attributes set before
+    ``Module.__init__``), so instances of other classes reassigned to it hold fewer values."""
+
+    def __init__(self) -> None:
+        for index in range(8):
+            object.__setattr__(self, f"early{index}", index)
+        super().__init__()
+        self.inner = nn.ReLU()
+
+
 def _odd_wide_list() -> nn.ModuleList:
     """A wide module (the walk looks ahead over its children) whose children vary in every way
     CPython lays a module out: holes left by deleted entries, None, a shared child, an instance
-    dict replaced by a plain one, a reassigned class, an OrderedDict of children."""
+    dict replaced by a plain one, reassigned classes, an OrderedDict of children."""
     experts = nn.ModuleList(nn.Sequential(nn.Linear(1, 1), nn.ReLU()) for _ in range(120))
+    experts[20] = _LateModules()
+    experts[21] = nn.ReLU()
+    experts[21].__class__ = _LateModules
     for index in range(0, 120, 9):
         del experts._modules[str(index)]
     experts._modules["none"] = None
