@@ -5,9 +5,8 @@
 //! that matches): once the DFA runs anyway, a literal costs it nothing per name, while a hash
 //! lookup would hash the whole name again. Patterns that differ in one literal segment only (a
 //! generated plan's one pattern per layer) join it as one family pattern (see `families`). The
-//! DFA is also stepped
-//! segment by segment by the tree walk, whose pruning is "the DFA is dead and no exact FQN lies
-//! below". `re:` patterns with Unicode word boundaries, which the DFA cannot run, are asked of
+//! DFA is also stepped segment by segment by the tree walk, whose pruning is "the DFA is dead
+//! and no exact FQN lies below". `re:` patterns with Unicode word boundaries, which the DFA cannot run, are asked of
 //! one meta regex per name and disable pruning.
 
 use std::sync::Mutex;
