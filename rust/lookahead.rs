@@ -18,8 +18,30 @@ use rustc_hash::FxHashMap;
 /// A module with at least this many children is looked ahead over.
 pub const WIDE: ffi::Py_ssize_t = 16;
 
-/// How many children ahead of the walk each link is asked for, farthest (the first link) first.
-const DISTANCES: [usize; 5] = [40, 32, 24, 16, 8];
+/// The links from a child to its `_modules` entries, in the order they are followed.
+#[derive(Clone, Copy)]
+enum Link {
+    /// The child module itself (and its name).
+    Module,
+    /// The module's instance dict.
+    InstanceDict,
+    /// The slot of the dict's values array that holds `_modules`.
+    ModulesSlot,
+    /// The `_modules` dict.
+    ModulesDict,
+    /// The `_modules` dict's keys, indices and entries.
+    ModulesEntries,
+}
+
+/// How many children ahead of the walk each link is asked for: eight steps between links give
+/// each miss time to arrive before the next link is read from it.
+const LINKS: [(Link, usize); 5] = [
+    (Link::Module, 40),
+    (Link::InstanceDict, 32),
+    (Link::ModulesSlot, 24),
+    (Link::ModulesDict, 16),
+    (Link::ModulesEntries, 8),
+];
 
 /// `Py_TPFLAGS_MANAGED_DICT` (3.11+): the instance dict pointer sits three words before the object.
 const MANAGED_DICT: std::os::raw::c_ulong = 1 << 4;
@@ -156,7 +178,7 @@ impl Lookahead {
         self.last_class = 0;
     }
 
-    /// Asks for the links of the children `DISTANCES` ahead of `position` (the walk's
+    /// Asks for the links of the children `LINKS` ahead of `position` (the walk's
     /// `PyDict_Next` position) in `dict`, a module's `_modules`: each child's farther links
     /// were asked for on earlier steps, so each link has arrived before the next is read.
     ///
@@ -174,7 +196,7 @@ impl Lookahead {
         }
         let entries = keys.add(KEYS_INDICES + (1 << *keys.add(KEYS_LOG2_INDEX_BYTES)));
         let entry_count = word(keys, KEYS_ENTRY_COUNT) as usize;
-        for (stage, distance) in DISTANCES.into_iter().enumerate() {
+        for (link, distance) in LINKS {
             let index = position as usize + distance;
             if index >= entry_count {
                 continue;
@@ -183,42 +205,42 @@ impl Lookahead {
             let (key, child) = (word(entry, 0), word(entry, 8));
             // A deleted entry has no value.
             if !child.is_null() {
-                self.stage(stage, child as *mut ffi::PyObject, key);
+                self.fetch(link, child as *mut ffi::PyObject, key);
             }
         }
     }
 
-    /// Prefetches link `stage` of `child`'s chain (0: the child itself and its name).
+    /// Prefetches `link` of `child`'s chain.
     ///
     /// # Safety
-    /// `child` and `key` must be alive; the links before `stage` are prefetched already.
-    unsafe fn stage(&mut self, stage: usize, child: *mut ffi::PyObject, key: *const u8) {
-        match stage {
-            0 => {
+    /// `child` and `key` must be alive; the links before `link` were asked for already.
+    unsafe fn fetch(&mut self, link: Link, child: *mut ffi::PyObject, key: *const u8) {
+        match link {
+            Link::Module => {
                 let at = child as *const u8;
                 prefetch(at.wrapping_sub(8 * (MANAGED_DICT_WORDS_BEFORE + 1)));
                 prefetch(at);
                 prefetch(key);
             }
-            1 => {
+            Link::InstanceDict => {
                 if let Some(dict) = self.instance_dict(child) {
                     prefetch(dict);
                     prefetch(dict.wrapping_add(DICT_VALUES));
                 }
             }
-            2 => {
+            Link::ModulesSlot => {
                 if let Some(value) = self.modules_value(child) {
                     prefetch(value as *const u8);
                 }
             }
-            3 => {
+            Link::ModulesDict => {
                 // Not yet known to be a dict (its type is on the line being asked for).
                 if let Some(value) = self.modules_value(child) {
                     prefetch(*value);
                     prefetch((*value).wrapping_add(DICT_KEYS));
                 }
             }
-            _ => {
+            Link::ModulesEntries => {
                 if let Some(modules) = self.modules_dict(child) {
                     // The header, indices and entries of a dict of a few children.
                     let keys = word(modules, DICT_KEYS);
