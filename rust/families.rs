@@ -19,7 +19,6 @@ use crate::pattern::{glob_regex, Pattern};
 /// match, which a few members do not repay in DFA states saved.
 const MIN_MEMBERS: usize = 8;
 
-#[derive(Debug)]
 pub struct Family {
     /// Which dot-separated segment of a name tells the members apart.
     pub segment: usize,
