@@ -48,13 +48,11 @@ struct LiteralSegment<'p> {
     around: (&'p str, &'p str),
 }
 
-/// The families among `candidates` (indices of glob patterns the DFA runs), largest first; each
-/// pattern joins at most one.
-pub fn find_families(patterns: &[Pattern], candidates: &[u32]) -> Vec<Family> {
+/// The families among the glob patterns, largest first; each pattern joins at most one.
+pub fn find_families(patterns: &[Pattern]) -> Vec<Family> {
     type Key<'p> = (usize, (&'p str, &'p str));
     let mut groups: FxHashMap<Key<'_>, Vec<(u32, Range<usize>)>> = FxHashMap::default();
-    for &index in candidates {
-        let pattern = &patterns[index as usize];
+    for (index, pattern) in (0u32..).zip(patterns) {
         for found in literal_segments(&pattern.text, &pattern.glob) {
             groups
                 .entry((found.segment, found.around))
@@ -169,8 +167,7 @@ mod tests {
 
     fn families(texts: &[&str]) -> Vec<Family> {
         let patterns: Vec<Pattern> = texts.iter().map(|t| Pattern::compile(t).unwrap()).collect();
-        let candidates: Vec<u32> = (0..texts.len() as u32).collect();
-        find_families(&patterns, &candidates)
+        find_families(&patterns)
     }
 
     #[test]

@@ -95,10 +95,7 @@ impl PatternSet {
             .iter()
             .any(|p| matches!(p.strategy, Strategy::Automaton(_)));
         let families = if needs_automaton {
-            let globs: Vec<u32> = (0..patterns.len() as u32)
-                .filter(|&i| !patterns[i as usize].glob.is_empty())
-                .collect();
-            find_families(&patterns, &globs)
+            find_families(&patterns)
         } else {
             Vec::new()
         };

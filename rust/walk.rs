@@ -105,8 +105,6 @@ struct Frame<'py> {
     identity: usize,
     /// The DFA state after this module's FQN and the `.` its children's names follow.
     child_state: Option<DfaState>,
-    /// Whether the module has enough children to look ahead over them.
-    wide: bool,
     /// Whether the walk entered the last child it met here: look ahead only while it does.
     entering: bool,
 }
@@ -167,7 +165,7 @@ impl Walker<'_, '_> {
         on_path.insert(root_identity);
         let mut lookahead = Lookahead::new(py);
         while let Some(frame) = stack.last_mut() {
-            if frame.wide && frame.entering {
+            if frame.size >= WIDE && frame.entering {
                 // SAFETY: the frame owns the dict.
                 unsafe { lookahead.ahead(frame.children.as_ptr(), frame.position) };
             }
@@ -199,7 +197,8 @@ impl Walker<'_, '_> {
             if child == unsafe { ffi::Py_None() } {
                 continue;
             }
-            let (name_end, parent_state, wide) = (frame.name_end, frame.child_state, frame.wide);
+            let (name_end, parent_state) = (frame.name_end, frame.child_state);
+            let wide = frame.size >= WIDE;
             // SAFETY: borrowed from the live dict; no Python code runs before the last use of
             // `key`, and `child` is turned into an owned reference before it is entered.
             let (key, child) =
@@ -318,7 +317,6 @@ fn enter<'py>(
         children,
         position: 0,
         size,
-        wide: size >= WIDE,
         entering: true,
         name_end: fqn.len(),
         identity,
