@@ -9,6 +9,7 @@ import pytest
 
 from meshbind import bench
 from meshbind.cli import main
+from meshbind.examples.moe_tree import build_moe_tree
 
 
 def test_meshbind_bench_runs_the_quick_version_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,3 +39,13 @@ def test_the_readme_section_is_rewritten_between_its_markers(tmp_path: Path) -> 
     bench.update_readme(str(readme), rows, "python benches/plan_resolution.py --sizes 4x4", None)
     text = readme.read_text()
     assert "old" not in text and text.endswith("tail\n") and "| 4x4 |" in text and "Machine:" in text
+
+
+@pytest.mark.parametrize("plan, fused", [("moe", True), ("deep", False), ("typo", False)])
+def test_the_validation_floor_plans_what_meshbind_validate_plans(plan: str, fused: bool) -> None:
+    tree = build_moe_tree(4, 8, fused_experts=fused)
+    patterns = bench.PLANS[plan](4)
+    floor, validated = bench.validation_floor(tree, patterns), bench.meshbind_validate(tree, patterns)
+    assert floor.noticed == validated.noticed == (plan == "typo")
+    assert floor.matches == bench.meshbind_resolution(tree, patterns).matches
+    assert validated.matches == (None if plan == "typo" else floor.matches)

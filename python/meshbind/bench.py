@@ -26,7 +26,8 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -207,9 +208,8 @@ def _accept(**kwargs: Any) -> None:
     return None
 
 
-def meshbind_validate(target: Target, plan: tuple[str, ...]) -> Outcome:
-    """Resolution plus every validation: one request per pattern, one layout-provider call per
-    planned module; a pattern selecting fused experts binds them with an ``ep`` spec."""
+def _validation_requests(target: Target, plan: tuple[str, ...]) -> list[NativeParallelBindingRequest]:
+    """One request per pattern; a pattern selecting fused experts binds them with an ``ep`` spec."""
     experts = None if isinstance(target, list) else target.get_submodule("layers.0.mlp.experts")
     requests = []
     for pattern in plan:
@@ -221,12 +221,39 @@ def meshbind_validate(target: Target, plan: tuple[str, ...]) -> Outcome:
         else:
             block = pattern.rsplit(".", 1)[-1] in ("self_attn", "experts")
             requests.append(NativeParallelBindingRequest((pattern,), MODULE_SPEC, _no_parameters if block else _replicated))
+    return requests
+
+
+def meshbind_validate(target: Target, plan: tuple[str, ...]) -> Outcome:
+    """Resolution plus every validation: one layout-provider call per planned module."""
     try:
-        return Outcome(len(resolve_plan(target, requests, CONTEXT).parallel_modules), False)
+        return Outcome(len(resolve_plan(target, _validation_requests(target, plan), CONTEXT).parallel_modules), False)
     except PlanError as error:
         if not any(problem.code == "unmatched" for problem in error.problems):
             raise
         return Outcome(None, True)
+
+
+def validation_floor(target: nn.Module, plan: tuple[str, ...]) -> Outcome:
+    """The least Python work any resolution must add to meshbind's match (SPEC §3-§5): one
+    layout-provider call per planned module; for each ``ep`` module, the ``shape[0]`` of its
+    ``Shard`` parameters and its spec's ``validate``; the plan's FQN → spec / sharding / source
+    mappings. No check, no report, no class rule: ``meshbind_validate`` cannot beat it."""
+    requests = _validation_requests(target, plan)
+    index = PatternSet(plan).walk(target, prune=True, modules=True)
+    noticed = 0 in index.hit_counts(len(plan))
+    rows, request_of, _ = index.owners(list(range(len(plan))))
+    fqns, modules = index.module_fqns(rows), cast(list[nn.Module], index.modules(rows))
+    shardings = [requests[r].sharding(module, fqn, CONTEXT) for r, module, fqn in zip(request_of, modules, fqns, strict=True)]
+    specs = [requests[r].parallel for r in request_of]
+    for module, spec, sharding in zip(modules, specs, shardings, strict=True):
+        if spec.binding_kind == "ep" and spec.validate is not None:
+            parameters = module._parameters
+            [parameters[path].shape[0] for path, placements in sharding.params.items() if "ep" in placements]  # type: ignore[union-attr]
+            spec.validate(module=module, sharding=sharding, context=CONTEXT)
+    sources = [f"requests[{r}]" for r in request_of]
+    plan_mappings = [MappingProxyType(dict(zip(fqns, values, strict=True))) for values in (specs, shardings, sources)]
+    return Outcome(len(plan_mappings[0]), noticed)
 
 
 def rust_walk_floor(target: Target, plan: tuple[str, ...]) -> Outcome:
