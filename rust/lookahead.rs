@@ -43,6 +43,9 @@ const LINKS: [(Link, usize); 5] = [
     (Link::ModulesEntries, 8),
 ];
 
+/// How many children ahead the walk asks for the name of a child it will not enter.
+const NAME_DISTANCE: usize = 16;
+
 /// `Py_TPFLAGS_MANAGED_DICT` (3.11+): the instance dict pointer sits three words before the object.
 const MANAGED_DICT: std::os::raw::c_ulong = 1 << 4;
 const MANAGED_DICT_WORDS_BEFORE: usize = 3;
@@ -178,36 +181,59 @@ impl Lookahead {
         self.last_class = 0;
     }
 
-    /// Asks for the links of the children `LINKS` ahead of `position` (the walk's
-    /// `PyDict_Next` position) in `dict`, a module's `_modules`: each child's farther links
-    /// were asked for on earlier steps, so each link has arrived before the next is read.
+    /// Asks for what the walk will read of the children ahead of `position` (the walk's
+    /// `PyDict_Next` position) in `dict`, a module's `_modules`. While the walk enters them, the
+    /// links of the children `LINKS` ahead: each child's farther links were asked for on earlier
+    /// steps, so each link has arrived before the next is read. Otherwise only their names.
     ///
     /// # Safety
     /// `dict` must be a live dict.
-    pub unsafe fn ahead(&mut self, dict: *mut ffi::PyObject, position: ffi::Py_ssize_t) {
-        let dict = dict as *const u8;
-        // A split table's positions are not entry indices; module dicts are never split.
-        if !self.layout_known || !word(dict, DICT_VALUES).is_null() {
+    pub unsafe fn ahead(
+        &mut self,
+        dict: *mut ffi::PyObject,
+        position: ffi::Py_ssize_t,
+        entering: bool,
+    ) {
+        let Some((entries, entry_count)) = self.str_entries(dict as *const u8) else {
             return;
-        }
-        let keys = word(dict, DICT_KEYS);
-        if *keys.add(KEYS_KIND) == KIND_GENERAL {
-            return;
-        }
-        let entries = keys.add(KEYS_INDICES + (1 << *keys.add(KEYS_LOG2_INDEX_BYTES)));
-        let entry_count = word(keys, KEYS_ENTRY_COUNT) as usize;
-        for (link, distance) in LINKS {
+        };
+        let entry = |distance: usize| {
             let index = position as usize + distance;
-            if index >= entry_count {
-                continue;
+            (index < entry_count).then(|| entries.add(index * UNICODE_ENTRY))
+        };
+        if !entering {
+            if let Some(entry) = entry(NAME_DISTANCE) {
+                prefetch(word(entry, 0));
             }
-            let entry = entries.add(index * UNICODE_ENTRY);
+            return;
+        }
+        for (link, distance) in LINKS {
+            let Some(entry) = entry(distance) else {
+                continue;
+            };
             let (key, child) = (word(entry, 0), word(entry, 8));
             // A deleted entry has no value.
             if !child.is_null() {
                 self.fetch(link, child as *mut ffi::PyObject, key);
             }
         }
+    }
+
+    /// The entries of a combined, str-keyed dict, and how many there are.
+    ///
+    /// # Safety
+    /// `dict` must be a live dict.
+    unsafe fn str_entries(&self, dict: *const u8) -> Option<(*const u8, usize)> {
+        // A split table's positions are not entry indices; module dicts are never split.
+        if !self.layout_known || !word(dict, DICT_VALUES).is_null() {
+            return None;
+        }
+        let keys = word(dict, DICT_KEYS);
+        if *keys.add(KEYS_KIND) == KIND_GENERAL {
+            return None;
+        }
+        let entries = keys.add(KEYS_INDICES + (1 << *keys.add(KEYS_LOG2_INDEX_BYTES)));
+        Some((entries, word(keys, KEYS_ENTRY_COUNT) as usize))
     }
 
     /// Prefetches `link` of `child`'s chain.

@@ -105,7 +105,8 @@ struct Frame<'py> {
     identity: usize,
     /// The DFA state after this module's FQN and the `.` its children's names follow.
     child_state: Option<DfaState>,
-    /// Whether the walk entered the last child it met here: look ahead only while it does.
+    /// Whether the walk entered the last child it met here: while it does, the look-ahead asks
+    /// for the links to the children's own children, otherwise only for the children's names.
     entering: bool,
 }
 
@@ -165,9 +166,9 @@ impl Walker<'_, '_> {
         on_path.insert(root_identity);
         let mut lookahead = Lookahead::new(py);
         while let Some(frame) = stack.last_mut() {
-            if frame.size >= WIDE && frame.entering {
+            if frame.size >= WIDE {
                 // SAFETY: the frame owns the dict.
-                unsafe { lookahead.ahead(frame.children.as_ptr(), frame.position) };
+                unsafe { lookahead.ahead(frame.children.as_ptr(), frame.position, frame.entering) };
             }
             let (mut key, mut child) = (std::ptr::null_mut(), std::ptr::null_mut());
             // SAFETY: the frame owns a reference to the dict; key and child are borrowed from it
