@@ -9,6 +9,7 @@ pub mod names;
 pub mod pattern;
 mod python;
 pub mod sequence;
+mod step_memo;
 pub mod suggest;
 pub mod walk;
 

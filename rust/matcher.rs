@@ -73,7 +73,7 @@ pub struct PatternSet {
 }
 
 /// Where the DFA stands after a prefix of a name (`None` when the set has no automaton).
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DfaState {
     id: LazyStateID,
     clear_count: usize,

@@ -15,6 +15,7 @@ use rustc_hash::FxHashMap;
 use crate::lookahead::{Lookahead, WIDE};
 use crate::matcher::{DfaState, MatchError, Matcher};
 use crate::names::NameTable;
+use crate::step_memo::StepMemo;
 
 /// Every FQN a walk visited (or every name given offline), what each one is, and what matched.
 #[derive(Default)]
@@ -165,6 +166,7 @@ impl Walker<'_, '_> {
         let mut on_path = rustc_hash::FxHashSet::default();
         on_path.insert(root_identity);
         let mut lookahead = Lookahead::new(py);
+        let mut memo = StepMemo::default();
         while let Some(frame) = stack.last_mut() {
             if frame.size >= WIDE {
                 // SAFETY: the frame owns the dict.
@@ -222,9 +224,16 @@ impl Walker<'_, '_> {
                 state = self.matcher.advance(restart, fqn.as_bytes())?;
             }
             fqn.push_str(key);
-            state = self.matcher.advance(state, key.as_bytes())?;
+            // A wide module's children have names of their own (`0` … `1023`); a narrow one's
+            // recur under its cousins (`gate_proj`), so their steps are remembered.
+            let below;
+            (state, below) = if wide {
+                let after = self.matcher.advance(state, key.as_bytes())?;
+                (after, self.matcher.advance(after, b".")?)
+            } else {
+                memo.step(self.matcher, state, key)?
+            };
             let identity = child.as_ptr() as usize;
-            let below = self.matcher.advance(state, b".")?;
             let descend = self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, below, true);
             if let Some(frame) = stack.last_mut() {
                 frame.entering = descend;
