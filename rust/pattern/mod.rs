@@ -172,7 +172,8 @@ pub fn glob_regex(nodes: &[Node]) -> String {
 
 fn push_node(out: &mut String, node: &Node) {
     match node {
-        Node::Literal(c) => out.push_str(&regex_syntax::escape(c.encode_utf8(&mut [0; 4]))),
+        Node::Literal(c) if c.is_ascii_alphanumeric() || *c == '_' => out.push(*c),
+        Node::Literal(c) => regex_syntax::escape_into(c.encode_utf8(&mut [0; 4]), out),
         Node::Star => out.push_str("[^.]*"),
         Node::AnyChar => out.push_str("[^.]"),
         Node::Dot { .. } => out.push_str(r"\."),
