@@ -5,7 +5,8 @@
 //! walking one child after another waits for each link in turn. At each step of the walk, the
 //! link chains of the children a few positions ahead are followed one link further than the
 //! step before did, asking for each link's cache line: the misses of many children then
-//! overlap instead of adding up.
+//! overlap instead of adding up. Children the walk does not enter are read for their names
+//! alone, so then only the names ahead are asked for.
 //!
 //! Everything here is a hint. A prefetch never faults and no answer depends on one; the reads
 //! that find the next link follow CPython's object layout, so they run only on the versions
