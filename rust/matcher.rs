@@ -9,6 +9,7 @@
 //! and no exact FQN lies below". `re:` patterns with Unicode word boundaries, which the DFA cannot run, are asked of
 //! one meta regex per name and disable pruning.
 
+use std::borrow::Cow;
 use std::sync::Mutex;
 
 use regex_automata::hybrid::dfa::{Cache, DFA};
@@ -93,7 +94,7 @@ impl PatternSet {
         let (mut fallback_regexes, mut fallback_ids) = (Vec::new(), Vec::new());
         let needs_automaton = patterns
             .iter()
-            .any(|p| matches!(p.strategy, Strategy::Automaton(_)));
+            .any(|p| matches!(p.strategy, Strategy::Glob | Strategy::Regex(_)));
         let families = if needs_automaton {
             find_families(&patterns)
         } else {
@@ -105,16 +106,6 @@ impl PatternSet {
                 in_family[index as usize] = true;
             }
         }
-        let escaped: Vec<String> = patterns
-            .iter()
-            .zip(&in_family)
-            .map(|(p, &in_family)| match &p.strategy {
-                Strategy::Exact(name) if needs_automaton && !in_family => {
-                    format!("^{}$", regex_syntax::escape(name))
-                }
-                _ => String::new(),
-            })
-            .collect();
         for (index, pattern) in patterns.iter().enumerate() {
             let index32 = index as u32;
             if pattern.matches_root {
@@ -123,8 +114,8 @@ impl PatternSet {
             match &pattern.strategy {
                 Strategy::Root => {}
                 _ if in_family[index] => {}
-                Strategy::Exact(_) if needs_automaton => {
-                    dfa_regexes.push(escaped[index].as_str());
+                Strategy::Exact(name) if needs_automaton => {
+                    dfa_regexes.push(Cow::Owned(format!("^{}$", regex_syntax::escape(name))));
                     dfa_answers.push(Answer::Pattern(index32));
                 }
                 Strategy::Exact(name) => {
@@ -133,8 +124,8 @@ impl PatternSet {
                         exact_prefixes.insert(name[..dot].to_owned());
                     }
                 }
-                Strategy::Automaton(regex) => {
-                    dfa_regexes.push(regex.as_str());
+                Strategy::Glob | Strategy::Regex(_) => {
+                    dfa_regexes.extend(pattern.regex());
                     dfa_answers.push(Answer::Pattern(index32));
                 }
                 Strategy::Fallback(regex) => {
@@ -143,7 +134,11 @@ impl PatternSet {
                 }
             }
         }
-        dfa_regexes.extend(families.iter().map(|family| family.regex.as_str()));
+        dfa_regexes.extend(
+            families
+                .iter()
+                .map(|family| Cow::Borrowed(family.regex.as_str())),
+        );
         let automaton = if dfa_regexes.is_empty() {
             None
         } else {

@@ -79,11 +79,17 @@ fn segment(text: String) -> PatternSegment {
     if text == "**" {
         return PatternSegment::Globstar;
     }
-    let matcher = match Pattern::compile(&text).map(|p| p.strategy) {
-        Ok(Strategy::Exact(exact)) => {
-            Regex::new(&format!("^{}$", regex_syntax::escape(&exact))).ok()
-        }
-        Ok(Strategy::Automaton(regex)) => Regex::new(&regex).ok(),
+    let matcher = match Pattern::compile(&text) {
+        Ok(Pattern {
+            strategy: Strategy::Exact(exact),
+            ..
+        }) => Regex::new(&format!("^{}$", regex_syntax::escape(&exact))).ok(),
+        Ok(
+            pattern @ Pattern {
+                strategy: Strategy::Glob | Strategy::Regex(_),
+                ..
+            },
+        ) => pattern.regex().and_then(|regex| Regex::new(&regex).ok()),
         _ => None,
     };
     PatternSegment::Glob { text, matcher }

@@ -96,7 +96,12 @@ impl Parser {
 
     /// Parses until the end, or (inside braces) until a `,` or `}` that ends the alternative.
     fn sequence(&mut self, depth: usize) -> Result<Vec<Node>, PatternSyntaxError> {
-        let mut nodes = Vec::new();
+        // At the top level, at most one node per character: one allocation.
+        let mut nodes = if depth == 0 {
+            Vec::with_capacity(self.chars.len())
+        } else {
+            Vec::new()
+        };
         while let Some(c) = self.peek() {
             let start = self.pos;
             match c {

@@ -4,6 +4,8 @@ pub mod ast;
 pub mod range;
 pub mod segments;
 
+use std::borrow::Cow;
+
 use ast::{ClassItem, Node, PatternSyntaxError};
 use regex_automata::meta::Regex;
 use regex_syntax::hir::Hir;
@@ -16,8 +18,11 @@ pub enum Strategy {
     Root,
     /// A pattern without metacharacters: one hash lookup.
     Exact(String),
-    /// A full-match regular expression the set's lazy DFA runs (every glob, most `re:` patterns).
-    Automaton(String),
+    /// A glob with metacharacters, which the set's lazy DFA runs as `Pattern::regex` (built only
+    /// when the pattern is not one of a family).
+    Glob,
+    /// A `re:` regex the set's lazy DFA runs, anchored.
+    Regex(String),
     /// A `re:` regex the DFA cannot run (Unicode word boundaries): a backtracking-free meta regex,
     /// asked for every name.
     Fallback(String),
@@ -85,7 +90,7 @@ impl Pattern {
             .all(|n| matches!(n, Node::Globstar { .. } | Node::Dot { .. }));
         let strategy = match literal_text(&nodes) {
             Some(exact) => Strategy::Exact(exact),
-            None => Strategy::Automaton(glob_regex(&nodes)),
+            None => Strategy::Glob,
         };
         Ok(Pattern {
             text: text.to_owned(),
@@ -93,6 +98,18 @@ impl Pattern {
             matches_root,
             glob: nodes,
         })
+    }
+}
+
+impl Pattern {
+    /// The anchored regular expression that answers the pattern (`None` for the root and exact
+    /// names).
+    pub fn regex(&self) -> Option<Cow<'_, str>> {
+        match &self.strategy {
+            Strategy::Glob => Some(Cow::Owned(glob_regex(&self.glob))),
+            Strategy::Regex(regex) | Strategy::Fallback(regex) => Some(Cow::Borrowed(regex)),
+            Strategy::Root | Strategy::Exact(_) => None,
+        }
     }
 }
 
@@ -116,7 +133,7 @@ fn compile_regex(text: &str, regex: &str) -> Result<Pattern, PatternSyntaxError>
     let strategy = if hir.properties().look_set().contains_word_unicode() {
         Strategy::Fallback(anchored)
     } else {
-        Strategy::Automaton(anchored)
+        Strategy::Regex(anchored)
     };
     Ok(Pattern {
         text: text.to_owned(),
@@ -232,12 +249,12 @@ mod tests {
     use super::*;
 
     fn full_match(pattern: &str, name: &str) -> bool {
-        match Pattern::compile(pattern).unwrap().strategy {
-            Strategy::Root => name.is_empty(),
-            Strategy::Exact(exact) => exact == name,
-            Strategy::Automaton(re) | Strategy::Fallback(re) => {
-                Regex::new(&re).unwrap().is_match(name)
-            }
+        let compiled = Pattern::compile(pattern).unwrap();
+        match (&compiled.strategy, compiled.regex()) {
+            (Strategy::Root, _) => name.is_empty(),
+            (Strategy::Exact(exact), _) => exact == name,
+            (_, Some(re)) => Regex::new(&re).unwrap().is_match(name),
+            (_, None) => unreachable!("every other strategy has a regex"),
         }
     }
 
@@ -252,7 +269,7 @@ mod tests {
         );
         assert!(matches!(
             Pattern::compile("a.*").unwrap().strategy,
-            Strategy::Automaton(_)
+            Strategy::Glob
         ));
         assert!(matches!(
             Pattern::compile(r"re:\bx").unwrap().strategy,
@@ -260,7 +277,7 @@ mod tests {
         ));
         assert!(matches!(
             Pattern::compile(r"re:(?-u:\b)x").unwrap().strategy,
-            Strategy::Automaton(_)
+            Strategy::Regex(_)
         ));
     }
 
