@@ -99,9 +99,7 @@ impl Pattern {
             glob: nodes,
         })
     }
-}
 
-impl Pattern {
     /// The anchored regular expression that answers the pattern (`None` for the root and exact
     /// names).
     pub fn regex(&self) -> Option<Cow<'_, str>> {
