@@ -143,14 +143,18 @@ fn compile_regex(text: &str, regex: &str) -> Result<Pattern, PatternSyntaxError>
 
 /// The exact FQN a glob denotes when it has no metacharacters.
 fn literal_text(nodes: &[Node]) -> Option<String> {
-    nodes
-        .iter()
-        .map(|node| match node {
-            Node::Literal(c) => Some(*c),
-            Node::Dot { .. } => Some('.'),
-            _ => None,
-        })
-        .collect()
+    // Checked before collecting: most globs have a metacharacter, and a string half built for
+    // nothing is an allocation per pattern.
+    let is_literal = |node: &Node| matches!(node, Node::Literal(_) | Node::Dot { .. });
+    nodes.iter().all(is_literal).then(|| {
+        nodes
+            .iter()
+            .map(|node| match node {
+                Node::Literal(c) => *c,
+                _ => '.',
+            })
+            .collect()
+    })
 }
 
 /// A glob as an anchored regular expression over the whole FQN.

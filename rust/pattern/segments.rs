@@ -71,7 +71,7 @@ fn expansion_count(nodes: &[Node]) -> usize {
 }
 
 fn expand(nodes: &[Node]) -> Vec<Vec<Token>> {
-    let mut expansions: Vec<Vec<Token>> = vec![Vec::new()];
+    let mut expansions: Vec<Vec<Token>> = vec![Vec::with_capacity(nodes.len())];
     for node in nodes {
         let token = match node {
             Node::Dot { position } => Token::Dot(*position),
