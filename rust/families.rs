@@ -25,14 +25,13 @@ pub struct Family {
     /// The DFA pattern: the members' shared glob, its varying segment an alternation.
     pub regex: String,
     /// Each member's literal segment and its pattern indices (a repeated pattern has several).
-    pub members: FxHashMap<Box<[u8]>, Vec<u32>>,
+    pub members: FxHashMap<String, Vec<u32>>,
 }
 
 impl Family {
     /// The members matching `name`, a name the family's regex matched.
     pub fn members_of(&self, name: &str) -> &[u32] {
-        name.as_bytes()
-            .split(|&byte| byte == b'.')
+        name.split('.')
             .nth(self.segment)
             .and_then(|segment| self.members.get(segment))
             .map_or(&[], Vec::as_slice)
@@ -78,8 +77,7 @@ pub fn find_families(patterns: &[Pattern]) -> Vec<Family> {
         if free.len() < MIN_MEMBERS {
             continue;
         }
-        let mut by_literal: FxHashMap<Box<[u8]>, Vec<u32>> = FxHashMap::default();
-        let mut literals = Vec::with_capacity(free.len());
+        let mut by_literal: FxHashMap<String, Vec<u32>> = FxHashMap::default();
         for (index, nodes) in &free {
             joined[*index as usize] = true;
             let literal: String = patterns[*index as usize].glob[nodes.clone()]
@@ -89,14 +87,10 @@ pub fn find_families(patterns: &[Pattern]) -> Vec<Family> {
                     _ => None,
                 })
                 .collect();
-            by_literal
-                .entry(literal.as_bytes().into())
-                .or_default()
-                .push(*index);
-            literals.push(literal);
+            by_literal.entry(literal).or_default().push(*index);
         }
+        let mut literals: Vec<&String> = by_literal.keys().collect();
         literals.sort_unstable();
-        literals.dedup();
         let alternation = Node::Alternation {
             position: 0,
             alternatives: literals

@@ -6,8 +6,8 @@
 //! lookup would hash the whole name again. Patterns that differ in one literal segment only (a
 //! generated plan's one pattern per layer) join it as one family pattern (see `families`). The
 //! DFA is also stepped segment by segment by the tree walk, whose pruning is "the DFA is dead
-//! and no exact FQN lies below". `re:` patterns with Unicode word boundaries, which the DFA cannot run, are asked of
-//! one meta regex per name and disable pruning.
+//! and no exact FQN lies below". `re:` patterns with Unicode word boundaries, which the DFA
+//! cannot run, are asked of one meta regex per name and disable pruning.
 
 use std::borrow::Cow;
 use std::sync::Mutex;
@@ -114,8 +114,8 @@ impl PatternSet {
             match &pattern.strategy {
                 Strategy::Root => {}
                 _ if in_family[index] => {}
-                Strategy::Exact(name) if needs_automaton => {
-                    dfa_regexes.push(Cow::Owned(format!("^{}$", regex_syntax::escape(name))));
+                Strategy::Exact(_) if needs_automaton => {
+                    dfa_regexes.extend(pattern.regex());
                     dfa_answers.push(Answer::Pattern(index32));
                 }
                 Strategy::Exact(name) => {
@@ -259,6 +259,17 @@ impl Matcher<'_> {
         bytes: &[u8],
     ) -> Result<Option<DfaState>, MatchError> {
         self.advance_segments(state, bytes, |_, _| {})
+    }
+
+    /// The states after a child's `name` (from its parent's `state`) and after it and a `.`,
+    /// where the child's own children would start.
+    pub fn advance_name(
+        &mut self,
+        state: Option<DfaState>,
+        name: &[u8],
+    ) -> Result<(Option<DfaState>, Option<DfaState>), MatchError> {
+        let after = self.advance(state, name)?;
+        Ok((after, self.advance(after, b".")?))
     }
 
     /// Feeds `bytes` after `state`, telling `after_dot` the offset just after each `.` and the

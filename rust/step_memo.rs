@@ -52,8 +52,7 @@ impl StepMemo {
     ) -> Result<(Option<DfaState>, Option<DfaState>), MatchError> {
         let bytes = name.as_bytes();
         if bytes.len() > MAX_NAME {
-            let after = matcher.advance(parent, bytes)?;
-            return Ok((after, matcher.advance(after, b".")?));
+            return matcher.advance_name(parent, bytes);
         }
         let mut hasher = FxHasher::default();
         parent.hash(&mut hasher);
@@ -64,8 +63,7 @@ impl StepMemo {
                 return Ok((found.after, found.below));
             }
         }
-        let after = matcher.advance(parent, bytes)?;
-        let below = matcher.advance(after, b".")?;
+        let (after, below) = matcher.advance_name(parent, bytes)?;
         let mut name = [0; MAX_NAME];
         name[..bytes.len()].copy_from_slice(bytes);
         *slot = Some(Slot {

@@ -79,19 +79,10 @@ fn segment(text: String) -> PatternSegment {
     if text == "**" {
         return PatternSegment::Globstar;
     }
-    let matcher = match Pattern::compile(&text) {
-        Ok(Pattern {
-            strategy: Strategy::Exact(exact),
-            ..
-        }) => Regex::new(&format!("^{}$", regex_syntax::escape(&exact))).ok(),
-        Ok(
-            pattern @ Pattern {
-                strategy: Strategy::Glob | Strategy::Regex(_),
-                ..
-            },
-        ) => pattern.regex().and_then(|regex| Regex::new(&regex).ok()),
-        _ => None,
-    };
+    let matcher = Pattern::compile(&text)
+        .ok()
+        .filter(|pattern| !matches!(pattern.strategy, Strategy::Fallback(_)))
+        .and_then(|pattern| Regex::new(&pattern.regex()?).ok());
     PatternSegment::Glob { text, matcher }
 }
 

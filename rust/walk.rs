@@ -168,7 +168,8 @@ impl Walker<'_, '_> {
         let mut lookahead = Lookahead::new(py);
         let mut memo = StepMemo::default();
         while let Some(frame) = stack.last_mut() {
-            if frame.size >= WIDE {
+            let wide = frame.size >= WIDE;
+            if wide {
                 // SAFETY: the frame owns the dict.
                 unsafe { lookahead.ahead(frame.children.as_ptr(), frame.position, frame.entering) };
             }
@@ -201,7 +202,6 @@ impl Walker<'_, '_> {
                 continue;
             }
             let (name_end, parent_state) = (frame.name_end, frame.child_state);
-            let wide = frame.size >= WIDE;
             // SAFETY: borrowed from the live dict; no Python code runs before the last use of
             // `key`, and `child` is turned into an owned reference before it is entered.
             let (key, child) =
@@ -228,8 +228,7 @@ impl Walker<'_, '_> {
             // recur under its cousins (`gate_proj`), so their steps are remembered.
             let below;
             (state, below) = if wide {
-                let after = self.matcher.advance(state, key.as_bytes())?;
-                (after, self.matcher.advance(after, b".")?)
+                self.matcher.advance_name(state, key.as_bytes())?
             } else {
                 memo.step(self.matcher, state, key)?
             };

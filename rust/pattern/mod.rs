@@ -100,13 +100,14 @@ impl Pattern {
         })
     }
 
-    /// The anchored regular expression that answers the pattern (`None` for the root and exact
-    /// names).
+    /// The anchored regular expression that answers the pattern (`None` for the root, which no
+    /// regex is asked about).
     pub fn regex(&self) -> Option<Cow<'_, str>> {
         match &self.strategy {
+            Strategy::Exact(name) => Some(Cow::Owned(format!("^{}$", regex_syntax::escape(name)))),
             Strategy::Glob => Some(Cow::Owned(glob_regex(&self.glob))),
             Strategy::Regex(regex) | Strategy::Fallback(regex) => Some(Cow::Borrowed(regex)),
-            Strategy::Root | Strategy::Exact(_) => None,
+            Strategy::Root => None,
         }
     }
 }
@@ -253,10 +254,9 @@ mod tests {
     fn full_match(pattern: &str, name: &str) -> bool {
         let compiled = Pattern::compile(pattern).unwrap();
         match (&compiled.strategy, compiled.regex()) {
-            (Strategy::Root, _) => name.is_empty(),
             (Strategy::Exact(exact), _) => exact == name,
             (_, Some(re)) => Regex::new(&re).unwrap().is_match(name),
-            (_, None) => unreachable!("every other strategy has a regex"),
+            (_, None) => name.is_empty(),
         }
     }
 
