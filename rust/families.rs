@@ -31,10 +31,63 @@ pub struct Family {
 impl Family {
     /// The members matching `name`, a name the family's regex matched.
     pub fn members_of(&self, name: &str) -> &[u32] {
-        name.split('.')
-            .nth(self.segment)
-            .and_then(|segment| self.members.get(segment))
-            .map_or(&[], Vec::as_slice)
+        self.member(self.segment_of(name))
+            .map_or(&[], |(_, members)| members)
+    }
+
+    /// The segment of `name` that tells the members apart.
+    pub fn segment_of<'n>(&self, name: &'n str) -> &'n str {
+        let bytes = name.as_bytes();
+        let mut start = 0;
+        for _ in 0..self.segment {
+            match bytes[start..].iter().position(|&b| b == b'.') {
+                Some(dot) => start += dot + 1,
+                None => return "",
+            }
+        }
+        let end = bytes[start..]
+            .iter()
+            .position(|&b| b == b'.')
+            .map_or(bytes.len(), |dot| start + dot);
+        &name[start..end]
+    }
+
+    /// The member literal equal to `segment`, and its patterns.
+    pub fn member(&self, segment: &str) -> Option<(&str, &[u32])> {
+        self.members
+            .get_key_value(segment)
+            .map(|(literal, members)| (literal.as_str(), members.as_slice()))
+    }
+}
+
+/// Per family, the member last asked for. A walk visits a layer's whole subtree in a row, and a
+/// generated plan's families vary in the layer, so one entry per family answers nearly every
+/// match without hashing the segment again.
+pub struct RecentMembers<'a> {
+    recent: Vec<Option<(&'a str, &'a [u32])>>,
+}
+
+impl<'a> RecentMembers<'a> {
+    pub fn new(families: usize) -> Self {
+        RecentMembers {
+            recent: vec![None; families],
+        }
+    }
+
+    /// The members of `families[which]` matching `name`, a name the family's regex matched.
+    pub fn members_of(&mut self, families: &'a [Family], which: usize, name: &str) -> &'a [u32] {
+        let family = &families[which];
+        let segment = family.segment_of(name);
+        if let Some((literal, members)) = self.recent[which] {
+            if literal == segment {
+                return members;
+            }
+        }
+        let found = family.member(segment);
+        if found.is_some() {
+            self.recent[which] = found;
+        }
+        found.map_or(&[], |(_, members)| members)
     }
 }
 
@@ -206,6 +259,37 @@ mod tests {
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].members_of("a.a.b"), &[0, 8]);
         assert_eq!(found[0].members_of("a.c.b"), &[2]);
+    }
+
+    #[test]
+    fn recent_members_follow_the_segment_of_each_name() {
+        let mut texts = each("a.#.b", &EIGHT);
+        texts.extend(each("#.c", &EIGHT));
+        let found = families_of(&texts);
+        let mut recent = RecentMembers::new(found.len());
+        let which = |segment: usize| found.iter().position(|f| f.segment == segment).unwrap();
+        let (middle, first) = (which(1), which(0));
+        for (family, name, expected) in [
+            (middle, "a.c.b", &[2][..]),
+            (middle, "a.c.b", &[2]),
+            (middle, "a.d.b", &[3]),
+            (first, "d.c", &[11]),
+            (middle, "a.c.b", &[2]),
+            (first, "h.c", &[15]),
+            (middle, "a.x.b", &[]),
+            (middle, "a.c.b", &[2]),
+        ] {
+            assert_eq!(recent.members_of(&found, family, name), expected, "{name}");
+        }
+    }
+
+    #[test]
+    fn the_varying_segment_is_found_at_its_position() {
+        let found = families_of(&each("a.b.#.c", &EIGHT));
+        assert_eq!(found[0].segment_of("a.b.xyz.c"), "xyz");
+        assert_eq!(found[0].segment_of("a.b.xyz"), "xyz");
+        assert_eq!(found[0].segment_of("a.b"), "");
+        assert_eq!(found[0].segment_of("a..."), "");
     }
 
     #[test]

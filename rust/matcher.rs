@@ -19,7 +19,7 @@ use regex_automata::util::start;
 use regex_automata::{Anchored, Input, MatchKind, PatternSet as MatchSet};
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::families::{find_families, Family};
+use crate::families::{find_families, Family, RecentMembers};
 use crate::pattern::{Pattern, PatternError, Strategy};
 
 /// The lazy DFA's cache budget: large enough that big generated plans rarely clear it.
@@ -48,13 +48,15 @@ pub enum BuildError {
 struct Automaton {
     dfa: DFA,
     answers: Vec<Answer>,
+    families: Vec<Family>,
 }
 
 enum Answer {
     /// One pattern of the set (its index).
     Pattern(u32),
-    /// Patterns the same but for one literal segment, which tells them apart.
-    Family(Family),
+    /// Patterns the same but for one literal segment, which tells them apart (the family's
+    /// position in `Automaton::families`).
+    Family(usize),
 }
 
 struct Fallback {
@@ -153,10 +155,11 @@ impl PatternSet {
                 .thompson(regex_automata::nfa::thompson::Config::new().nfa_size_limit(None))
                 .build_many(&dfa_regexes)
                 .map_err(|e| BuildError::Matcher(automaton_error(e)))?;
-            dfa_answers.extend(families.into_iter().map(Answer::Family));
+            dfa_answers.extend((0..families.len()).map(Answer::Family));
             Some(Automaton {
                 dfa,
                 answers: dfa_answers,
+                families,
             })
         };
         let fallback = if fallback_regexes.is_empty() {
@@ -209,10 +212,13 @@ impl PatternSet {
         let dfa = self.automaton.as_ref().zip(guard.as_mut());
         let fallback_hits =
             MatchSet::new(self.fallback.as_ref().map_or(0, |f| f.regex.pattern_len()));
+        let recent_members =
+            RecentMembers::new(self.automaton.as_ref().map_or(0, |a| a.families.len()));
         f(&mut Matcher {
             set: self,
             dfa,
             fallback_hits,
+            recent_members,
         })
     }
 }
@@ -222,6 +228,7 @@ pub struct Matcher<'a> {
     set: &'a PatternSet,
     dfa: Option<(&'a Automaton, &'a mut Cache)>,
     fallback_hits: MatchSet,
+    recent_members: RecentMembers<'a>,
 }
 
 fn automaton_error(e: impl std::fmt::Display) -> MatchError {
@@ -373,9 +380,10 @@ impl Matcher<'_> {
                         let matched = automaton.dfa.match_pattern(cache, end, k).as_usize();
                         match &automaton.answers[matched] {
                             Answer::Pattern(index) => out.push(*index),
-                            Answer::Family(family) => {
-                                out.extend_from_slice(family.members_of(name))
-                            }
+                            Answer::Family(which) => out.extend_from_slice(
+                                self.recent_members
+                                    .members_of(&automaton.families, *which, name),
+                            ),
                         }
                     }
                 }
