@@ -13,7 +13,9 @@ use std::ops::Range;
 use rustc_hash::FxHashMap;
 
 use crate::pattern::ast::Node;
-use crate::pattern::{glob_regex, Pattern};
+use regex_syntax::hir::Hir;
+
+use crate::pattern::{glob_hir, Pattern};
 
 /// Fewer members than this stay separate patterns: telling members apart costs a lookup per
 /// match, which a few members do not repay in DFA states saved.
@@ -23,7 +25,7 @@ pub struct Family {
     /// Which dot-separated segment of a name tells the members apart.
     pub segment: usize,
     /// The DFA pattern: the members' shared glob, its varying segment an alternation.
-    pub regex: String,
+    pub hir: Hir,
     /// Each member's literal segment and its pattern indices (a repeated pattern has several).
     pub members: FxHashMap<String, Vec<u32>>,
 }
@@ -92,37 +94,59 @@ impl<'a> RecentMembers<'a> {
 }
 
 /// A literal segment of one pattern, and the rest of the pattern around it.
-struct LiteralSegment<'p> {
-    segment: usize,
+pub struct LiteralSegment<'p> {
+    pub segment: usize,
     /// The top-level glob nodes the segment spans (literals only).
-    nodes: Range<usize>,
+    pub nodes: Range<usize>,
     /// The pattern text before and after the segment.
-    around: (&'p str, &'p str),
+    pub around: (&'p str, &'p str),
 }
 
 /// The families among the glob patterns, largest first; each pattern joins at most one.
 pub fn find_families(patterns: &[Pattern]) -> Vec<Family> {
     type Key<'p> = (usize, (&'p str, &'p str));
-    let mut groups: FxHashMap<Key<'_>, Vec<(u32, Range<usize>)>> = FxHashMap::default();
+    // Most literal segments are shared by no other pattern, so groups are only counted at first
+    // (no member list per segment), and members are gathered for the large groups alone.
+    let mut group_of: FxHashMap<Key<'_>, usize> =
+        FxHashMap::with_capacity_and_hasher(patterns.len() * 4, Default::default());
+    let mut sizes: Vec<usize> = Vec::with_capacity(patterns.len() * 4);
+    let mut candidates: Vec<(usize, u32, Range<usize>)> = Vec::with_capacity(patterns.len() * 4);
+    let mut found = Vec::new();
     for (index, pattern) in (0u32..).zip(patterns) {
-        for found in literal_segments(&pattern.text, &pattern.glob) {
-            groups
-                .entry((found.segment, found.around))
-                .or_default()
-                .push((index, found.nodes));
+        literal_segments(&pattern.text, &pattern.glob, &mut found);
+        for segment in found.drain(..) {
+            let next = sizes.len();
+            let group = *group_of
+                .entry((segment.segment, segment.around))
+                .or_insert(next);
+            if group == next {
+                sizes.push(0);
+            }
+            sizes[group] += 1;
+            candidates.push((group, index, segment.nodes));
         }
     }
-    let mut groups: Vec<(Key<'_>, Vec<_>)> = groups
+    let mut large: Vec<(Key<'_>, usize)> = group_of
         .into_iter()
-        .filter(|(_, members)| members.len() >= MIN_MEMBERS)
+        .filter(|&(_, group)| sizes[group] >= MIN_MEMBERS)
         .collect();
     // A fixed order, so a set always compiles the same way.
-    groups.sort_unstable_by(|(a_key, a), (b_key, b)| {
-        b.len().cmp(&a.len()).then_with(|| a_key.cmp(b_key))
+    large.sort_unstable_by(|(a_key, a), (b_key, b)| {
+        sizes[*b].cmp(&sizes[*a]).then_with(|| a_key.cmp(b_key))
     });
+    let mut rank = vec![usize::MAX; sizes.len()];
+    for (position, &(_, group)) in large.iter().enumerate() {
+        rank[group] = position;
+    }
+    let mut members: Vec<Vec<(u32, Range<usize>)>> = vec![Vec::new(); large.len()];
+    for (group, index, nodes) in candidates {
+        if let Some(list) = members.get_mut(rank[group]) {
+            list.push((index, nodes));
+        }
+    }
     let mut joined = vec![false; patterns.len()];
     let mut families = Vec::new();
-    for ((segment, _), members) in groups {
+    for (((segment, _), _), members) in large.into_iter().zip(members) {
         let free: Vec<_> = members
             .into_iter()
             .filter(|(index, _)| !joined[*index as usize])
@@ -158,7 +182,7 @@ pub fn find_families(patterns: &[Pattern]) -> Vec<Family> {
         family_glob.extend_from_slice(&glob[nodes.end..]);
         families.push(Family {
             segment,
-            regex: glob_regex(&family_glob),
+            hir: glob_hir(&family_glob),
             members: by_literal,
         });
     }
@@ -167,7 +191,7 @@ pub fn find_families(patterns: &[Pattern]) -> Vec<Family> {
 
 /// The segments of a glob that are plain literals and sit at a fixed position in every name the
 /// glob matches (nothing before them spans a varying number of segments).
-fn literal_segments<'p>(text: &'p str, glob: &[Node]) -> Vec<LiteralSegment<'p>> {
+pub fn literal_segments<'p>(text: &'p str, glob: &[Node], found: &mut Vec<LiteralSegment<'p>>) {
     // Dot positions count characters; they ascend, so one pass over the text finds their bytes.
     let mut chars = text.char_indices().enumerate();
     let mut byte_at = |position: usize| {
@@ -175,7 +199,6 @@ fn literal_segments<'p>(text: &'p str, glob: &[Node]) -> Vec<LiteralSegment<'p>>
             .find(|&(count, _)| count == position)
             .map_or(text.len(), |(_, (byte, _))| byte)
     };
-    let mut found = Vec::new();
     let (mut segment, mut first_node, mut start_byte) = (0, 0, 0);
     for index in 0..=glob.len() {
         let end_byte = match glob.get(index) {
@@ -205,12 +228,19 @@ fn literal_segments<'p>(text: &'p str, glob: &[Node]) -> Vec<LiteralSegment<'p>>
         first_node = index + 1;
         start_byte = end_byte + 1;
     }
-    found
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether the family's DFA pattern matches `name`.
+    fn accepts(family: &Family, name: &str) -> bool {
+        regex_automata::meta::Regex::builder()
+            .build_from_hir(&family.hir)
+            .unwrap()
+            .is_match(name)
+    }
 
     fn families(texts: &[&str]) -> Vec<Family> {
         let patterns: Vec<Pattern> = texts.iter().map(|t| Pattern::compile(t).unwrap()).collect();
@@ -234,8 +264,9 @@ mod tests {
         }
         let gate = found
             .iter()
-            .find(|f| f.regex.ends_with(r"\.gate$"))
+            .find(|f| accepts(f, "layers.7.mlp.gate"))
             .unwrap();
+        assert!(!accepts(gate, "layers.7.mlp.experts.0.gate_proj"));
         assert_eq!(gate.members_of("layers.7.mlp.gate"), &[15]);
         assert_eq!(gate.members_of("layers.70.mlp.gate"), &[] as &[u32]);
     }
@@ -312,10 +343,10 @@ mod tests {
         let found = families_of(&each(r"a.#\*.b", &EIGHT));
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].members_of("a.c*.b"), &[2]);
-        assert_eq!(
-            found[0].regex,
-            r"^a\.(?:a\*|b\*|c\*|d\*|e\*|f\*|g\*|h\*)\.b$"
-        );
+        assert!(accepts(&found[0], "a.c*.b"));
+        for name in ["a.cx.b", "a.c.b", "a.x*.b", "a.c*.bb"] {
+            assert!(!accepts(&found[0], name), "{name}");
+        }
     }
 
     #[test]

@@ -9,12 +9,12 @@
 //! and no exact FQN lies below". `re:` patterns with Unicode word boundaries, which the DFA
 //! cannot run, are asked of one meta regex per name and disable pruning.
 
-use std::borrow::Cow;
 use std::sync::Mutex;
 
 use regex_automata::hybrid::dfa::{Cache, DFA};
 use regex_automata::hybrid::LazyStateID;
 use regex_automata::meta;
+use regex_automata::nfa::thompson;
 use regex_automata::util::start;
 use regex_automata::{Anchored, Input, MatchKind, PatternSet as MatchSet};
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -117,7 +117,7 @@ impl PatternSet {
                 Strategy::Root => {}
                 _ if in_family[index] => {}
                 Strategy::Exact(_) if needs_automaton => {
-                    dfa_regexes.extend(pattern.regex());
+                    dfa_regexes.extend(pattern.hir());
                     dfa_answers.push(Answer::Pattern(index32));
                 }
                 Strategy::Exact(name) => {
@@ -127,23 +127,28 @@ impl PatternSet {
                     }
                 }
                 Strategy::Glob | Strategy::Regex(_) => {
-                    dfa_regexes.extend(pattern.regex());
+                    dfa_regexes.extend(pattern.hir());
                     dfa_answers.push(Answer::Pattern(index32));
                 }
-                Strategy::Fallback(regex) => {
-                    fallback_regexes.push(regex.as_str());
+                Strategy::Fallback(hir) => {
+                    fallback_regexes.push(hir);
                     fallback_ids.push(index32);
                 }
             }
         }
-        dfa_regexes.extend(
-            families
-                .iter()
-                .map(|family| Cow::Borrowed(family.regex.as_str())),
-        );
+        dfa_regexes.extend(families.iter().map(|family| family.hir.clone()));
         let automaton = if dfa_regexes.is_empty() {
             None
         } else {
+            let nfa = thompson::Compiler::new()
+                .configure(
+                    thompson::Config::new()
+                        .nfa_size_limit(None)
+                        // A DFA reports no captures.
+                        .which_captures(thompson::WhichCaptures::None),
+                )
+                .build_many_from_hir(&dfa_regexes)
+                .map_err(|e| BuildError::Matcher(automaton_error(e)))?;
             let dfa = DFA::builder()
                 .configure(
                     DFA::config()
@@ -152,8 +157,7 @@ impl PatternSet {
                         .skip_cache_capacity_check(true)
                         .minimum_cache_clear_count(None),
                 )
-                .thompson(regex_automata::nfa::thompson::Config::new().nfa_size_limit(None))
-                .build_many(&dfa_regexes)
+                .build_from_nfa(nfa)
                 .map_err(|e| BuildError::Matcher(automaton_error(e)))?;
             dfa_answers.extend((0..families.len()).map(Answer::Family));
             Some(Automaton {
@@ -171,7 +175,7 @@ impl PatternSet {
                         .match_kind(MatchKind::All)
                         .nfa_size_limit(None),
                 )
-                .build_many(&fallback_regexes)
+                .build_many_from_hir(&fallback_regexes)
                 .map_err(|e| BuildError::Matcher(automaton_error(e)))?;
             Some(Fallback {
                 regex,

@@ -82,7 +82,7 @@ fn segment(text: String) -> PatternSegment {
     let matcher = Pattern::compile(&text)
         .ok()
         .filter(|pattern| !matches!(pattern.strategy, Strategy::Fallback(_)))
-        .and_then(|pattern| Regex::new(&pattern.regex()?).ok());
+        .and_then(|pattern| Regex::builder().build_from_hir(&pattern.hir()?).ok());
     PatternSegment::Glob { text, matcher }
 }
 

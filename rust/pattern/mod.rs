@@ -4,11 +4,9 @@ pub mod ast;
 pub mod range;
 pub mod segments;
 
-use std::borrow::Cow;
-
 use ast::{ClassItem, Node, PatternSyntaxError};
 use regex_automata::meta::Regex;
-use regex_syntax::hir::Hir;
+use regex_syntax::hir::{Class, ClassUnicode, ClassUnicodeRange, Dot, Hir, Look, Repetition};
 
 /// How a pattern is answered. The root FQN `""` is never given to a strategy: whether a pattern
 /// selects the root is decided once, at compile time (`Pattern::matches_root`).
@@ -18,14 +16,14 @@ pub enum Strategy {
     Root,
     /// A pattern without metacharacters: one hash lookup.
     Exact(String),
-    /// A glob with metacharacters, which the set's lazy DFA runs as `Pattern::regex` (built only
+    /// A glob with metacharacters, which the set's lazy DFA runs as `Pattern::hir` (built only
     /// when the pattern is not one of a family).
     Glob,
     /// A `re:` regex the set's lazy DFA runs, anchored.
-    Regex(String),
+    Regex(Hir),
     /// A `re:` regex the DFA cannot run (Unicode word boundaries): a backtracking-free meta regex,
     /// asked for every name.
-    Fallback(String),
+    Fallback(Hir),
 }
 
 #[derive(Debug, Clone)]
@@ -100,13 +98,14 @@ impl Pattern {
         })
     }
 
-    /// The anchored regular expression that answers the pattern (`None` for the root, which no
-    /// regex is asked about).
-    pub fn regex(&self) -> Option<Cow<'_, str>> {
+    /// The anchored regular expression that answers the pattern, as the syntax tree the
+    /// automata compile from (`None` for the root, which no regex is asked about). Globs are
+    /// translated straight into it: no regex text is written only to be parsed again.
+    pub fn hir(&self) -> Option<Hir> {
         match &self.strategy {
-            Strategy::Exact(name) => Some(Cow::Owned(format!("^{}$", regex_syntax::escape(name)))),
-            Strategy::Glob => Some(Cow::Owned(glob_regex(&self.glob))),
-            Strategy::Regex(regex) | Strategy::Fallback(regex) => Some(Cow::Borrowed(regex)),
+            Strategy::Exact(name) => Some(anchored(Hir::literal(name.as_bytes()))),
+            Strategy::Glob => Some(glob_hir(&self.glob)),
+            Strategy::Regex(hir) | Strategy::Fallback(hir) => Some(hir.clone()),
             Strategy::Root => None,
         }
     }
@@ -125,14 +124,16 @@ fn compile_regex(text: &str, regex: &str) -> Result<Pattern, PatternSyntaxError>
             format!("invalid regex: {reason}"),
         )
     })?;
-    let anchored = format!("^(?:{regex})$");
-    let whole = Regex::new(&anchored)
-        .map_err(|e| PatternSyntaxError::new(offset, format!("invalid regex: {e}")))?;
-    let matches_root = whole.is_match("");
-    let strategy = if hir.properties().look_set().contains_word_unicode() {
-        Strategy::Fallback(anchored)
+    let word_unicode = hir.properties().look_set().contains_word_unicode();
+    let whole = anchored(hir);
+    let matches_root = Regex::builder()
+        .build_from_hir(&whole)
+        .map_err(|e| PatternSyntaxError::new(offset, format!("invalid regex: {e}")))?
+        .is_match("");
+    let strategy = if word_unicode {
+        Strategy::Fallback(whole)
     } else {
-        Strategy::Regex(anchored)
+        Strategy::Regex(whole)
     };
     Ok(Pattern {
         text: text.to_owned(),
@@ -158,9 +159,15 @@ fn literal_text(nodes: &[Node]) -> Option<String> {
     })
 }
 
+/// `hir` matching whole FQNs only.
+fn anchored(hir: Hir) -> Hir {
+    Hir::concat(vec![Hir::look(Look::Start), hir, Hir::look(Look::End)])
+}
+
 /// A glob as an anchored regular expression over the whole FQN.
-pub fn glob_regex(nodes: &[Node]) -> String {
-    let mut out = String::from("^");
+pub fn glob_hir(nodes: &[Node]) -> Hir {
+    let mut out = Concat::default();
+    out.push(Hir::look(Look::Start));
     let mut i = 0;
     // True where the text so far ends at a segment boundary reached through `**.`.
     let mut at_segment_start = true;
@@ -168,83 +175,117 @@ pub fn glob_regex(nodes: &[Node]) -> String {
         match (&nodes[i], nodes.get(i + 1)) {
             // `**.` at the start (or after another `**.`): zero or more leading segments.
             (Node::Globstar { .. }, Some(Node::Dot { .. })) if at_segment_start => {
-                out.push_str(r"(?:[^.]*\.)*");
+                out.push(any_number(Hir::concat(vec![segment_text(), dot()])));
                 i += 2;
                 continue;
             }
             // `**` standing alone: any name at all.
-            (Node::Globstar { .. }, None) if at_segment_start => out.push_str("(?s:.*)"),
+            (Node::Globstar { .. }, None) if at_segment_start => {
+                out.push(any_number(Hir::dot(Dot::AnyChar)));
+            }
             // `.**`: zero or more trailing or inner segments, each with its dot.
             (Node::Dot { .. }, Some(Node::Globstar { .. })) => {
-                out.push_str(r"(?:\.[^.]*)*");
+                out.push(any_number(Hir::concat(vec![dot(), segment_text()])));
                 i += 2;
                 at_segment_start = false;
                 continue;
             }
-            (node, _) => push_node(&mut out, node),
+            (node, _) => out.push_node(node),
         }
         at_segment_start = false;
         i += 1;
     }
-    out.push('$');
-    out
+    out.push(Hir::look(Look::End));
+    out.finish()
 }
 
-fn push_node(out: &mut String, node: &Node) {
-    match node {
-        Node::Literal(c) if c.is_ascii_alphanumeric() || *c == '_' => out.push(*c),
-        Node::Literal(c) => regex_syntax::escape_into(c.encode_utf8(&mut [0; 4]), out),
-        Node::Star => out.push_str("[^.]*"),
-        Node::AnyChar => out.push_str("[^.]"),
-        Node::Dot { .. } => out.push_str(r"\."),
-        Node::Class { negated, items } => {
-            out.push('[');
-            if *negated {
-                out.push_str("^.");
+/// A concatenation built node by node, each run of literal characters one literal.
+#[derive(Default)]
+struct Concat {
+    parts: Vec<Hir>,
+    literal: String,
+}
+
+impl Concat {
+    fn push(&mut self, hir: Hir) {
+        self.flush_literal();
+        self.parts.push(hir);
+    }
+
+    fn flush_literal(&mut self) {
+        if !self.literal.is_empty() {
+            self.parts
+                .push(Hir::literal(std::mem::take(&mut self.literal).into_bytes()));
+        }
+    }
+
+    fn push_node(&mut self, node: &Node) {
+        match node {
+            Node::Literal(c) => self.literal.push(*c),
+            Node::Dot { .. } => self.literal.push('.'),
+            // Braces never hold `**` (the parser rejects it) and top-level ones are handled above.
+            Node::Star | Node::Globstar { .. } => self.push(segment_text()),
+            Node::AnyChar => self.push(Hir::class(Class::Unicode(non_dot()))),
+            Node::Class { negated, items } => {
+                let mut class = ClassUnicode::new(items.iter().map(|item| match *item {
+                    ClassItem::Char(c) => ClassUnicodeRange::new(c, c),
+                    ClassItem::Range(lo, hi) => ClassUnicodeRange::new(lo, hi),
+                }));
+                // A class never matches '.', whatever it lists.
+                if *negated {
+                    class.push(ClassUnicodeRange::new('.', '.'));
+                    class.negate();
+                } else {
+                    class.intersect(&non_dot());
+                }
+                self.push(Hir::class(Class::Unicode(class)));
             }
-            for item in items {
-                match item {
-                    ClassItem::Char(c) => push_class_char(out, *c),
-                    ClassItem::Range(lo, hi) => {
-                        push_class_char(out, *lo);
-                        out.push('-');
-                        push_class_char(out, *hi);
+            Node::Range { lo, hi } => self.push(range::range_hir(*lo, *hi)),
+            Node::Alternation { alternatives, .. } => {
+                let alternatives = alternatives.iter().map(|alternative| {
+                    let mut inner = Concat::default();
+                    for node in alternative {
+                        inner.push_node(node);
                     }
-                }
+                    inner.finish()
+                });
+                self.push(Hir::alternation(alternatives.collect()));
             }
-            // A class never matches '.', whatever it lists.
-            if !*negated {
-                out.push_str(r"&&[^.]");
-            }
-            out.push(']');
         }
-        Node::Range { lo, hi } => out.push_str(&range::range_regex(*lo, *hi)),
-        Node::Alternation { alternatives, .. } => {
-            out.push_str("(?:");
-            for (k, alternative) in alternatives.iter().enumerate() {
-                if k > 0 {
-                    out.push('|');
-                }
-                for inner in alternative {
-                    push_node(out, inner);
-                }
-            }
-            out.push(')');
+    }
+
+    fn finish(mut self) -> Hir {
+        if self.parts.is_empty() {
+            return Hir::literal(self.literal.into_bytes());
         }
-        // Braces never hold `**` (the parser rejects it) and top-level ones are handled above.
-        Node::Globstar { .. } => out.push_str(r"[^.]*"),
+        self.flush_literal();
+        Hir::concat(self.parts)
     }
 }
 
-fn push_class_char(out: &mut String, c: char) {
-    if c.is_ascii_punctuation() || c.is_whitespace() {
-        out.push('\\');
-        if c.is_whitespace() {
-            out.push_str(&format!("x{{{:x}}}", c as u32));
-            return;
-        }
-    }
-    out.push(c);
+fn dot() -> Hir {
+    Hir::literal(*b".")
+}
+
+/// Any character but `.`.
+fn non_dot() -> ClassUnicode {
+    let mut class = ClassUnicode::new([ClassUnicodeRange::new('.', '.')]);
+    class.negate();
+    class
+}
+
+/// Any run of characters but `.`: the text of (part of) one segment.
+fn segment_text() -> Hir {
+    any_number(Hir::class(Class::Unicode(non_dot())))
+}
+
+fn any_number(hir: Hir) -> Hir {
+    Hir::repetition(Repetition {
+        min: 0,
+        max: None,
+        greedy: true,
+        sub: Box::new(hir),
+    })
 }
 
 #[cfg(test)]
@@ -253,9 +294,12 @@ mod tests {
 
     fn full_match(pattern: &str, name: &str) -> bool {
         let compiled = Pattern::compile(pattern).unwrap();
-        match (&compiled.strategy, compiled.regex()) {
+        match (&compiled.strategy, compiled.hir()) {
             (Strategy::Exact(exact), _) => exact == name,
-            (_, Some(re)) => Regex::new(&re).unwrap().is_match(name),
+            (_, Some(hir)) => Regex::builder()
+                .build_from_hir(&hir)
+                .unwrap()
+                .is_match(name),
             (_, None) => name.is_empty(),
         }
     }

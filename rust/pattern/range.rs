@@ -1,8 +1,10 @@
 //! A numeric range `<lo-hi>` as a regular expression over canonical decimal numerals
 //! (no sign, no leading zeros, "0" itself allowed), so ranges run inside the one automaton.
 
-/// A regex (a non-capturing group) matching exactly the canonical numerals in `[lo, hi]`.
-pub fn range_regex(lo: u64, hi: u64) -> String {
+use regex_syntax::hir::{Class, ClassUnicode, ClassUnicodeRange, Hir, Repetition};
+
+/// A regex matching exactly the canonical numerals in `[lo, hi]`.
+pub fn range_hir(lo: u64, hi: u64) -> Hir {
     debug_assert!(lo <= hi);
     let mut alternatives = Vec::new();
     let (lo_digits, hi_digits) = (digit_count(lo), digit_count(hi));
@@ -17,7 +19,7 @@ pub fn range_regex(lo: u64, hi: u64) -> String {
         let to = hi.min(largest).to_string();
         alternatives.extend(same_length(from.as_bytes(), to.as_bytes()));
     }
-    format!("(?:{})", alternatives.join("|"))
+    Hir::alternation(alternatives)
 }
 
 fn digit_count(value: u64) -> u32 {
@@ -25,29 +27,21 @@ fn digit_count(value: u64) -> u32 {
 }
 
 /// Alternatives matching every numeral of `from.len()` digits between `from` and `to`.
-fn same_length(from: &[u8], to: &[u8]) -> Vec<String> {
+fn same_length(from: &[u8], to: &[u8]) -> Vec<Hir> {
     let (first_lo, first_hi) = (from[0], to[0]);
     if from.len() == 1 {
         return vec![digit_class(first_lo, first_hi)];
     }
     let (rest_lo, rest_hi) = (&from[1..], &to[1..]);
     if first_lo == first_hi {
-        return vec![format!(
-            "{}{}",
-            first_lo as char,
-            group(same_length(rest_lo, rest_hi))
-        )];
+        return vec![then(first_lo, same_length(rest_lo, rest_hi))];
     }
     let all_nines = vec![b'9'; rest_lo.len()];
     let all_zeros = vec![b'0'; rest_lo.len()];
     let mut alternatives = Vec::new();
     let mut middle_lo = first_lo;
     if rest_lo != all_zeros.as_slice() {
-        alternatives.push(format!(
-            "{}{}",
-            first_lo as char,
-            group(same_length(rest_lo, &all_nines))
-        ));
+        alternatives.push(then(first_lo, same_length(rest_lo, &all_nines)));
         middle_lo += 1;
     }
     let mut middle_hi = first_hi;
@@ -56,35 +50,35 @@ fn same_length(from: &[u8], to: &[u8]) -> Vec<String> {
         middle_hi -= 1;
     }
     if middle_lo <= middle_hi {
-        alternatives.push(format!(
-            "{}[0-9]{{{}}}",
+        let count = rest_lo.len() as u32;
+        let any_digits = Hir::repetition(Repetition {
+            min: count,
+            max: Some(count),
+            greedy: true,
+            sub: Box::new(digit_class(b'0', b'9')),
+        });
+        alternatives.push(Hir::concat(vec![
             digit_class(middle_lo, middle_hi),
-            rest_lo.len()
-        ));
+            any_digits,
+        ]));
     }
     if upper_edge {
-        alternatives.push(format!(
-            "{}{}",
-            first_hi as char,
-            group(same_length(&all_zeros, rest_hi))
-        ));
+        alternatives.push(then(first_hi, same_length(&all_zeros, rest_hi)));
     }
     alternatives
 }
 
-fn digit_class(lo: u8, hi: u8) -> String {
-    if lo == hi {
-        (lo as char).to_string()
-    } else {
-        format!("[{}-{}]", lo as char, hi as char)
-    }
+/// The digit `first`, then one of `rest`.
+fn then(first: u8, rest: Vec<Hir>) -> Hir {
+    Hir::concat(vec![Hir::literal([first]), Hir::alternation(rest)])
 }
 
-fn group(alternatives: Vec<String>) -> String {
-    if alternatives.len() == 1 {
-        alternatives.into_iter().next().unwrap_or_default()
+fn digit_class(lo: u8, hi: u8) -> Hir {
+    if lo == hi {
+        Hir::literal([lo])
     } else {
-        format!("(?:{})", alternatives.join("|"))
+        let range = ClassUnicodeRange::new(lo as char, hi as char);
+        Hir::class(Class::Unicode(ClassUnicode::new([range])))
     }
 }
 
@@ -94,7 +88,12 @@ mod tests {
     use regex_automata::meta::Regex;
 
     fn accepts(lo: u64, hi: u64) -> Regex {
-        Regex::new(&format!("^{}$", range_regex(lo, hi))).unwrap()
+        let whole = Hir::concat(vec![
+            Hir::look(regex_syntax::hir::Look::Start),
+            range_hir(lo, hi),
+            Hir::look(regex_syntax::hir::Look::End),
+        ]);
+        Regex::builder().build_from_hir(&whole).unwrap()
     }
 
     #[test]
