@@ -10,6 +10,7 @@ pub mod pattern;
 mod python;
 pub mod sequence;
 mod step_memo;
+mod str_layout;
 pub mod suggest;
 pub mod walk;
 

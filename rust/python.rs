@@ -9,6 +9,7 @@ use pyo3::{ffi, intern, Borrowed};
 use crate::checks::{check_placements, AxisTable, PlacementKind, PlacementRow};
 use crate::matcher::{BuildError, MatchError, PatternSet};
 use crate::sequence::{IndexHits, NameIndexer};
+use crate::str_layout::StrLayout;
 use crate::suggest::nearest_names;
 use crate::walk::{walk_tree, TreeIndex, WalkError, WalkMode};
 
@@ -50,14 +51,26 @@ fn borrowed_strs<'a>(
     list: &'a Bound<'_, PyList>,
     what: &'a str,
 ) -> impl Iterator<Item = PyResult<&'a str>> + 'a {
+    let layout = StrLayout::new(list.py());
+    // SAFETY: the list is alive and, as no Python code runs, keeps its length and items.
+    let items = unsafe { layout.items(list.as_ptr()) };
     (0..list.len()).map(move |i| {
-        // SAFETY: PyList_GetItem checks the index and returns a reference borrowed from the list.
-        let item = unsafe {
-            Borrowed::from_ptr_or_err(
-                list.py(),
-                ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t),
-            )
-        }?;
+        let item = match items {
+            // SAFETY: `i` is below the list's length.
+            Some(items) => unsafe { Borrowed::from_ptr(list.py(), *items.add(i)) },
+            // SAFETY: PyList_GetItem checks the index and returns a reference borrowed from the
+            // list.
+            None => unsafe {
+                Borrowed::from_ptr_or_err(
+                    list.py(),
+                    ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t),
+                )
+            }?,
+        };
+        // SAFETY: the item is alive while the list is borrowed.
+        if let Some(text) = unsafe { layout.ascii(item.as_ptr()) } {
+            return Ok(text);
+        }
         let mut size: ffi::Py_ssize_t = 0;
         // SAFETY: `item` is alive; for a str, the UTF-8 buffer CPython returns (and caches in the
         // object) lives as long as the object, which the list holds while it is borrowed.
