@@ -213,17 +213,27 @@ impl PatternSet {
             .cache
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let dfa = self.automaton.as_ref().zip(guard.as_mut());
+        f(&mut self.matcher(guard.as_mut()))
+    }
+
+    /// Runs `f` with a matcher on a DFA cache of its own: for another thread, while the set's
+    /// own cache serves this one.
+    pub fn with_new_matcher<R>(&self, f: impl FnOnce(&mut Matcher<'_>) -> R) -> R {
+        let mut cache = self.automaton.as_ref().map(|a| a.dfa.create_cache());
+        f(&mut self.matcher(cache.as_mut()))
+    }
+
+    fn matcher<'a>(&'a self, cache: Option<&'a mut Cache>) -> Matcher<'a> {
         let fallback_hits =
             MatchSet::new(self.fallback.as_ref().map_or(0, |f| f.regex.pattern_len()));
         let recent_members =
             RecentMembers::new(self.automaton.as_ref().map_or(0, |a| a.families.len()));
-        f(&mut Matcher {
+        Matcher {
             set: self,
-            dfa,
+            dfa: self.automaton.as_ref().zip(cache),
             fallback_hits,
             recent_members,
-        })
+        }
     }
 }
 

@@ -216,21 +216,47 @@ impl PyPatternSet {
     }
 
     /// The compact form of `match_many`, for names by the million: one `(name position, pattern)`
-    /// pair per match, as flat arrays, and how many names each pattern matched.
+    /// pair per match, as flat arrays, and how many names each pattern matched. A list of more
+    /// than 2^17 names is cut into runs matched on the machine's cores (at most eight) at once.
     fn match_indices(&self, names: &Bound<'_, PyAny>) -> PyResult<IndexMatches> {
         let list = as_list(names, "names")?;
-        let found = self.inner.with_matcher(|m| -> PyResult<IndexHits<'_>> {
-            let mut found = IndexHits::new(self.inner.len());
-            for name in borrowed_strs(&list, "names") {
-                found.push(name?, m).map_err(match_error)?;
+        let layout = StrLayout::new(list.py());
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // SAFETY: the list is alive and, as no Python code runs while the GIL stays held here,
+        // keeps its length and items; the threads read the items' text and touch nothing else.
+        let fast = unsafe { layout.items(list.as_ptr()) }.map(|items| {
+            let items = SharedItems(items);
+            let name_at = |i: usize| unsafe { layout.ascii(items.item(i)) };
+            IndexHits::of(&self.inner, list.len(), name_at, threads)
+        });
+        let found = match fast.transpose().map_err(match_error)?.flatten() {
+            Some(found) => found,
+            // A layout not known here, or a name that is not an ASCII `str`: through the API.
+            None => {
+                let texts = borrowed_strs(&list, "names").collect::<PyResult<Vec<&str>>>()?;
+                IndexHits::of(&self.inner, texts.len(), |i| Some(texts[i]), 1)
+                    .map_err(match_error)?
+                    .unwrap_or_default()
             }
-            Ok(found)
-        })?;
+        };
         Ok(IndexMatches {
             names: found.names,
             patterns: found.patterns,
             counts: found.counts,
         })
+    }
+}
+
+/// A list's item array, read by the matching threads while the GIL holder waits for them.
+struct SharedItems(*const *mut ffi::PyObject);
+// SAFETY: the items are only read, and only while the list is kept unchanged (see its use).
+unsafe impl Sync for SharedItems {}
+
+impl SharedItems {
+    /// # Safety
+    /// `i` must be below the list's length.
+    unsafe fn item(&self, i: usize) -> *mut ffi::PyObject {
+        *self.0.add(i)
     }
 }
 

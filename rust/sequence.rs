@@ -5,46 +5,93 @@
 //! the state after the longest segment prefix a name shares with the previous one, as the tree
 //! walk does from a parent, instead of reading every name from its first byte.
 
-use crate::matcher::{DfaState, MatchError, Matcher};
+use crate::matcher::{DfaState, MatchError, Matcher, PatternSet};
 use crate::walk::TreeIndex;
+
+/// Lists shorter than this are matched on one thread: a run must repay starting a thread.
+const MIN_RUN: usize = 1 << 16;
+/// At most this many runs at once: past it, merging and memory bandwidth take over.
+const MAX_RUNS: usize = 8;
 
 /// Every match of a list of names as flat arrays (for names by the million, where a list per name
 /// would cost more than the matching).
-pub struct IndexHits<'n> {
+#[derive(Default)]
+pub struct IndexHits {
     /// The position of the name of every match, ascending.
     pub names: Vec<u32>,
     /// The pattern of every match, ascending within each name.
     pub patterns: Vec<u32>,
     /// How many names each pattern matched.
     pub counts: Vec<u32>,
-    next_position: u32,
-    sequence: SequenceMatcher<'n>,
 }
 
-impl<'n> IndexHits<'n> {
-    pub fn new(pattern_count: usize) -> IndexHits<'n> {
-        IndexHits {
-            names: Vec::new(),
-            patterns: Vec::new(),
-            counts: vec![0; pattern_count],
-            next_position: 0,
-            sequence: SequenceMatcher::default(),
-        }
+impl IndexHits {
+    /// Matches the `count` names that `name_at` reads, cut into at most `threads` runs matched
+    /// side by side (each run on a matcher of its own), and joins the runs' hits in order.
+    /// `None` when `name_at` could not read some name.
+    pub fn of<'n>(
+        set: &PatternSet,
+        count: usize,
+        name_at: impl Fn(usize) -> Option<&'n str> + Sync,
+        threads: usize,
+    ) -> Result<Option<IndexHits>, MatchError> {
+        let runs = threads.clamp(1, MAX_RUNS).min(count / MIN_RUN).max(1);
+        let run_length = count.div_ceil(runs);
+        let name_at = &name_at;
+        std::thread::scope(|scope| {
+            let others: Vec<_> = (1..runs)
+                .map(|k| {
+                    let run = k * run_length..count.min((k + 1) * run_length);
+                    scope.spawn(move || set.with_new_matcher(|m| run_hits(set, run, name_at, m)))
+                })
+                .collect();
+            let first = set.with_matcher(|m| run_hits(set, 0..run_length.min(count), name_at, m));
+            let mut hits = first?;
+            for other in others {
+                let other = other
+                    .join()
+                    .map_err(|_| MatchError::Automaton("a matching thread stopped".to_owned()))??;
+                if let (Some(hits), Some(other)) = (&mut hits, other) {
+                    hits.names.extend_from_slice(&other.names);
+                    hits.patterns.extend_from_slice(&other.patterns);
+                    for (count, more) in hits.counts.iter_mut().zip(&other.counts) {
+                        *count += more;
+                    }
+                } else {
+                    hits = None;
+                }
+            }
+            Ok(hits)
+        })
     }
+}
 
-    /// Matches the next name of the list.
-    pub fn push(&mut self, name: &'n str, matcher: &mut Matcher<'_>) -> Result<(), MatchError> {
-        let before = self.patterns.len();
-        self.sequence.matches(name, matcher, &mut self.patterns)?;
-        for &pattern in &self.patterns[before..] {
-            self.counts[pattern as usize] += 1;
+/// The hits of the names at `positions` (`None` when one cannot be read).
+fn run_hits<'n>(
+    set: &PatternSet,
+    positions: std::ops::Range<usize>,
+    name_at: &impl Fn(usize) -> Option<&'n str>,
+    matcher: &mut Matcher<'_>,
+) -> Result<Option<IndexHits>, MatchError> {
+    let mut hits = IndexHits {
+        counts: vec![0; set.len()],
+        ..IndexHits::default()
+    };
+    let mut sequence = SequenceMatcher::default();
+    for position in positions {
+        let Some(name) = name_at(position) else {
+            return Ok(None);
+        };
+        let before = hits.patterns.len();
+        sequence.matches(name, matcher, &mut hits.patterns)?;
+        for &pattern in &hits.patterns[before..] {
+            hits.counts[pattern as usize] += 1;
         }
-        let matched = self.patterns.len() - before;
-        self.names
-            .extend(std::iter::repeat(self.next_position).take(matched));
-        self.next_position += 1;
-        Ok(())
+        let matched = hits.patterns.len() - before;
+        hits.names
+            .extend(std::iter::repeat(position as u32).take(matched));
     }
+    Ok(Some(hits))
 }
 
 /// Answers names in sequence, remembering where the DFA stood after each segment of the last one.
@@ -214,6 +261,50 @@ mod tests {
                 "a.b",
             ],
         );
+    }
+
+    #[test]
+    fn runs_side_by_side_join_into_the_hits_of_one_run() {
+        let Ok(set) = PatternSet::new(&["layers.*.mlp.experts.*.up_proj", "**.7", "never"]) else {
+            panic!("the patterns compile")
+        };
+        let names: Vec<String> = (0..3 * MIN_RUN + 5)
+            .map(|i| match i % 3 {
+                0 => format!("layers.{}.mlp.experts.{i}.up_proj", i / 1000),
+                1 => format!("layers.{}.mlp.experts.{i}", i / 1000),
+                _ => format!("a.{}", i % 10),
+            })
+            .collect();
+        let name_at = |i: usize| Some(names[i].as_str());
+        let one = IndexHits::of(&set, names.len(), name_at, 1)
+            .unwrap()
+            .unwrap();
+        for threads in [2, 3, 64] {
+            let many = IndexHits::of(&set, names.len(), name_at, threads)
+                .unwrap()
+                .unwrap();
+            assert_eq!(many.names, one.names, "{threads} threads");
+            assert_eq!(many.patterns, one.patterns, "{threads} threads");
+            assert_eq!(many.counts, one.counts, "{threads} threads");
+        }
+        assert_eq!(one.counts[2], 0);
+        assert_eq!(one.names.len(), one.patterns.len());
+        assert!(one.names.windows(2).all(|w| w[0] <= w[1]));
+    }
+
+    #[test]
+    fn a_name_that_cannot_be_read_leaves_no_hits() {
+        let Ok(set) = PatternSet::new(&["a.*"]) else {
+            panic!("the pattern compiles")
+        };
+        let unreadable = 2 * MIN_RUN + 1;
+        let name_at = |i: usize| (i != unreadable).then_some("a.b");
+        for threads in [1, 2] {
+            let found = IndexHits::of(&set, 3 * MIN_RUN, name_at, threads).unwrap();
+            assert!(found.is_none(), "{threads} threads");
+        }
+        let empty = IndexHits::of(&set, 0, name_at, 2).unwrap().unwrap();
+        assert_eq!((empty.names.len(), empty.counts), (0, vec![0]));
     }
 
     #[test]

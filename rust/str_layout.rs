@@ -39,7 +39,11 @@ impl StrLayout {
     /// `list` must be a live list, not resized while the array is read.
     pub unsafe fn items(&self, list: *mut ffi::PyObject) -> Option<*const *mut ffi::PyObject> {
         self.text_offset?;
-        Some(*(list as *const u8).add(LIST_ITEMS).cast::<*const *mut ffi::PyObject>())
+        Some(
+            *(list as *const u8)
+                .add(LIST_ITEMS)
+                .cast::<*const *mut ffi::PyObject>(),
+        )
     }
 
     /// The text of `item` when it is exactly a `str` stored compact and ASCII.

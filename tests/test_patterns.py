@@ -243,6 +243,25 @@ def test_many_patterns_and_names() -> None:
     assert found.counts == [sum(1 for r in result if 0 in r), sum(1 for r in result if 1 in r)]
 
 
+class Name(str):
+    """A str subclass: read through the API, as every item is once one is."""
+
+
+def test_long_lists_are_matched_in_runs_whatever_their_items() -> None:
+    ps = PatternSet(["layers.*.mlp.experts.*.up_proj", "**.ü", "**.7"])
+    names = [f"layers.{i // 1000}.mlp.experts.{i}" + (".up_proj" if i % 2 else "") for i in range(300_000)]
+    expected = [(n, p) for n, patterns in enumerate(ps.match_many(names)) for p in patterns]
+    # ASCII str items (read in place, in runs side by side), then the same names with a
+    # non-ASCII one and a str subclass late in the list (read through the API).
+    for items in (names, [*names[:-2], "x.ü", Name(names[-1])]):
+        found = ps.match_indices(items)
+        wanted = expected if items is names else [(n, p) for n, m in enumerate(ps.match_many(items)) for p in m]
+        assert list(zip(found.names.tolist(), found.patterns.tolist(), strict=True)) == wanted
+        assert found.counts == [sum(p == q for _, q in wanted) for p in range(3)]
+    with pytest.raises(TypeError, match=r"names\[299999\] must be a str, got bytes"):
+        ps.match_indices([*names[:-1], b"x"])
+
+
 def test_non_ascii_names_and_patterns() -> None:
     ps = PatternSet(["blöck.?", "[ü]*", "re:ñ+"])
     assert ps.match("blöck.ü") == [0]

@@ -30,7 +30,9 @@ class PatternSet:
 
         With ``prune`` only matching FQNs are recorded; without it, every one is."""
     def match_indices(self, names: Sequence[str]) -> IndexMatches:
-        """The compact form of ``match_many``, for names by the million: flat index arrays."""
+        """The compact form of ``match_many``, for names by the million: flat index arrays.
+
+        A list of at least 2**17 ASCII names is matched in runs, one per core (at most eight)."""
 
 class IndexMatches:
     """What ``PatternSet.match_indices`` found: one ``(name, pattern)`` pair per match."""
