@@ -104,6 +104,19 @@ impl Parser {
         };
         while let Some(c) = self.peek() {
             let start = self.pos;
+            // Most characters are literal: a run of them is added in one loop, which writes each
+            // node in place (pushed one by one, a node is built aside and copied, slowly).
+            let is_special =
+                |c: &char| matches!(c, '}' | ',' | '\\' | '*' | '?' | '.' | '[' | '<' | '{');
+            if !is_special(&c) {
+                let end = self.chars[start..]
+                    .iter()
+                    .position(is_special)
+                    .map_or(self.chars.len(), |length| start + length);
+                nodes.extend(self.chars[start..end].iter().map(|&c| Node::Literal(c)));
+                self.pos = end;
+                continue;
+            }
             match c {
                 '}' => {
                     if depth == 0 {
