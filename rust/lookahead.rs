@@ -8,12 +8,19 @@
 //! overlap instead of adding up. Children the walk does not enter are read for their names
 //! alone, so then only the names ahead are asked for.
 //!
-//! Everything here is a hint. A prefetch never faults and no answer depends on one; the reads
-//! that find the next link follow CPython's object layout, so they run only on the versions
-//! whose layout is known (3.11 to 3.13), only on live objects borrowed from the dict being
-//! walked, and only within the bounds that layout guarantees.
+//! The same chain gives the walk each module's `_modules` without a `getattr` call
+//! (`modules_in_place`), where reading it gives what `getattr` gives: the class does not
+//! override `__getattribute__` or define `_modules`, a `getattr` on an earlier instance found the
+//! dict at that slot of its instance dict, and this instance's dict is split with `"_modules"`
+//! as that slot's key. Anywhere else the walk asks `getattr`.
+//!
+//! The prefetches are hints: a prefetch never faults and no answer depends on one. The reads
+//! that find the links follow CPython's object layout, so they run only on the versions whose
+//! layout is known (3.11 to 3.13), only on live objects borrowed from the dict being walked, and
+//! only within the bounds that layout guarantees.
 
-use pyo3::{ffi, Python};
+use pyo3::prelude::*;
+use pyo3::{ffi, intern, Python};
 use rustc_hash::FxHashMap;
 
 /// A module with at least this many children is looked ahead over.
@@ -166,22 +173,52 @@ impl Lookahead {
             .then_some(modules)
     }
 
-    /// Learns, from a child just entered, which values slot holds its class's `_modules`.
+    /// Learns, from a module just entered, which values slot holds its class's `_modules`: only
+    /// for a class whose `_modules` a `getattr` takes from the instance dict (no class attribute
+    /// of that name, `object.__getattribute__`), so that reading the slot gives what `getattr`
+    /// gives.
     ///
     /// # Safety
     /// `object` must be alive and `modules` its `_modules` dict.
-    pub unsafe fn learn(&mut self, object: *mut ffi::PyObject, modules: *mut ffi::PyObject) {
-        let class = ffi::Py_TYPE(object) as usize;
+    pub unsafe fn learn(&mut self, object: &Bound<'_, PyAny>, modules: *mut ffi::PyObject) {
+        let class = ffi::Py_TYPE(object.as_ptr()) as usize;
         if self.modules_slot.contains_key(&class) {
             return;
         }
-        let slot = self.instance_dict(object).and_then(|dict| {
+        let slot = plain_getattr(object).then(|| {
+            let dict = self.instance_dict(object.as_ptr())?;
             let values = self.values_of(dict)?;
             let used = word(dict, DICT_USED) as usize;
             (0..used).find(|&slot| *values.add(slot) == modules as *const u8)
         });
-        self.modules_slot.insert(class, slot);
+        self.modules_slot.insert(class, slot.flatten());
         self.last_class = 0;
+    }
+
+    /// The `_modules` dict of `object` read in place, as `getattr(object, "_modules")` would
+    /// give it (`None`: ask `getattr`): its class was learned, and this instance's dict is split
+    /// with `name` (the interned `"_modules"`) as the key of the class's slot.
+    ///
+    /// # Safety
+    /// `object` must be alive, and `name` the interned `"_modules"`.
+    pub unsafe fn modules_in_place(
+        &mut self,
+        object: *mut ffi::PyObject,
+        name: *mut ffi::PyObject,
+    ) -> Option<*mut ffi::PyObject> {
+        let slot = self.slot_of(ffi::Py_TYPE(object) as usize)?;
+        let dict = self.instance_dict(object)?;
+        let values = self.values_of(dict)?;
+        let keys = word(dict, DICT_KEYS);
+        let holds_name = *keys.add(KEYS_KIND) != KIND_GENERAL
+            && slot < word(keys, KEYS_ENTRY_COUNT) as usize
+            && slot < word(dict, DICT_USED) as usize
+            && word(
+                keys.add(KEYS_INDICES + (1 << *keys.add(KEYS_LOG2_INDEX_BYTES))),
+                slot * UNICODE_ENTRY,
+            ) == name as *const u8;
+        let modules = *values.add(slot) as *mut ffi::PyObject;
+        (holds_name && !modules.is_null() && ffi::PyDict_Check(modules) != 0).then_some(modules)
     }
 
     /// Asks for what the walk will read of the children ahead of `position` (the walk's
@@ -280,4 +317,17 @@ impl Lookahead {
             }
         }
     }
+}
+
+/// Whether `getattr(object, "_modules")` reads the instance dict: the class has no attribute of
+/// that name (no descriptor to prefer) and does not override `__getattribute__`.
+fn plain_getattr(object: &Bound<'_, PyAny>) -> bool {
+    let py = object.py();
+    let class = object.get_type();
+    let default = py
+        .get_type::<pyo3::types::PyAny>()
+        .getattr(intern!(py, "__getattribute__"));
+    let own = class.getattr(intern!(py, "__getattribute__"));
+    let inherited = matches!((own, default), (Ok(own), Ok(default)) if own.is(&default));
+    inherited && !class.hasattr(intern!(py, "_modules")).unwrap_or(true)
 }

@@ -162,10 +162,17 @@ impl Walker<'_, '_> {
         let root_identity = root.as_ptr() as usize;
         self.record(root_identity, root, &fqn, start)?;
         // The root's children follow no separator: their names start the FQN.
-        let mut stack = vec![enter(root, modules_attr, &fqn, root_identity, start)?];
+        let mut lookahead = Lookahead::new(py);
+        let mut stack = vec![enter(
+            root,
+            modules_attr,
+            &mut lookahead,
+            &fqn,
+            root_identity,
+            start,
+        )?];
         let mut on_path = rustc_hash::FxHashSet::default();
         on_path.insert(root_identity);
-        let mut lookahead = Lookahead::new(py);
         let mut memo = StepMemo::default();
         while let Some(frame) = stack.last_mut() {
             let wide = frame.size >= WIDE;
@@ -252,11 +259,7 @@ impl Walker<'_, '_> {
             }
             if descend {
                 let child = child.to_owned();
-                let frame = enter(&child, modules_attr, &fqn, identity, below)?;
-                if wide {
-                    // SAFETY: both are alive, and the dict is the child's `_modules`.
-                    unsafe { lookahead.learn(child.as_ptr(), frame.children.as_ptr()) };
-                }
+                let frame = enter(&child, modules_attr, &mut lookahead, &fqn, identity, below)?;
                 stack.push(frame);
                 on_path.insert(identity);
             } else {
@@ -307,20 +310,34 @@ impl Walker<'_, '_> {
     }
 }
 
-/// A frame over the children of `module`.
+/// A frame over the children of `module`. Its `_modules` is read in place where the look-ahead
+/// knows where it lies (a `getattr` per module is a sixth of a walk), else with `getattr`.
 fn enter<'py>(
     module: &Bound<'py, PyAny>,
     modules_attr: &Bound<'py, PyString>,
+    lookahead: &mut Lookahead,
     fqn: &str,
     identity: usize,
     child_state: Option<DfaState>,
 ) -> PyResult<Frame<'py>> {
-    let children = module
-        .getattr(modules_attr)
-        .map_err(|_| not_a_module(module, fqn))?;
-    let children = children
-        .cast_into::<PyDict>()
-        .map_err(|e| not_a_module(&e.into_inner(), fqn))?;
+    // SAFETY: the module is alive and `modules_attr` is the interned "_modules".
+    let in_place = unsafe { lookahead.modules_in_place(module.as_ptr(), modules_attr.as_ptr()) };
+    let children = match in_place {
+        // SAFETY: a live dict held by the module's instance dict.
+        Some(dict) => unsafe { Bound::from_borrowed_ptr(module.py(), dict) }.cast_into::<PyDict>(),
+        None => {
+            let children = module
+                .getattr(modules_attr)
+                .map_err(|_| not_a_module(module, fqn))?;
+            let children = children.cast_into::<PyDict>();
+            if let Ok(dict) = &children {
+                // SAFETY: both are alive, and the dict is the module's `_modules`.
+                unsafe { lookahead.learn(module, dict.as_ptr()) };
+            }
+            children
+        }
+    }
+    .map_err(|e| not_a_module(&e.into_inner(), fqn))?;
     let size = children.len() as ffi::Py_ssize_t;
     Ok(Frame {
         children,

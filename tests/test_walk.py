@@ -101,6 +101,51 @@ def test_wide_modules_walk_like_named_modules_whatever_their_layout() -> None:
     assert PatternSet(patterns).walk(model).matches() == [(n, h) for n, h in hits if h]
 
 
+def _without_hidden(children: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """``children`` itself, or a copy without the child named ``hidden`` where there is one."""
+    if "hidden" not in children:
+        return children
+    return {key: child for key, child in children.items() if key != "hidden"}
+
+
+class _ViewedModules(nn.Module):
+    """``_modules`` as ``__getattribute__`` shows it: without the child named ``hidden``."""
+
+    def __getattribute__(self, name: str) -> object:
+        found = super().__getattribute__(name)
+        return _without_hidden(found) if name == "_modules" else found  # type: ignore[arg-type]
+
+
+class _DescribedModules(nn.Module):
+    """``_modules`` behind a class property, which shows every child but ``hidden``."""
+
+    @property  # type: ignore[override]
+    def _modules(self) -> dict[str, nn.Module]:
+        return _without_hidden(self.__dict__["_modules"])
+
+    @_modules.setter
+    def _modules(self, value: dict[str, nn.Module]) -> None:
+        self.__dict__["_modules"] = value
+
+
+def test_the_walk_reads_modules_as_getattr_does() -> None:
+    """Where ``getattr(module, "_modules")`` is not always the instance dict's entry, the walk
+    (which reads the entry in place for plain classes) follows ``getattr``, as ``named_modules``
+    does — also after an instance of the class whose ``getattr`` gave the entry itself."""
+    model = nn.ModuleList()
+    for hide in (False, True, True):
+        for kind in (nn.Sequential, _ViewedModules, _DescribedModules):
+            module = kind()
+            module.add_module("shown", nn.ReLU())
+            if hide:
+                module.__dict__["_modules"]["hidden"] = nn.ReLU()
+            model.append(module)
+    expected = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    assert sum(name.endswith("hidden") for name in expected) == 2
+    assert PatternSet([]).walk(model, prune=False).names() == expected
+    assert PatternSet(["*.hidden"]).walk(model).names() == [n for n in expected if n.endswith("hidden")]
+
+
 def test_none_children_are_skipped_like_named_modules() -> None:
     model = nn.Module()
     model.register_module("empty", None)
