@@ -10,11 +10,10 @@
 
 use std::ops::Range;
 
+use regex_syntax::hir::Hir;
 use rustc_hash::FxHashMap;
 
 use crate::pattern::ast::Node;
-use regex_syntax::hir::Hir;
-
 use crate::pattern::{glob_hir, Pattern};
 
 /// Fewer members than this stay separate patterns: telling members apart costs a lookup per
@@ -31,12 +30,6 @@ pub struct Family {
 }
 
 impl Family {
-    /// The members matching `name`, a name the family's regex matched.
-    pub fn members_of(&self, name: &str) -> &[u32] {
-        self.member(self.segment_of(name))
-            .map_or(&[], |(_, members)| members)
-    }
-
     /// The segment of `name` that tells the members apart.
     pub fn segment_of<'n>(&self, name: &'n str) -> &'n str {
         let bytes = name.as_bytes();
@@ -94,12 +87,12 @@ impl<'a> RecentMembers<'a> {
 }
 
 /// A literal segment of one pattern, and the rest of the pattern around it.
-pub struct LiteralSegment<'p> {
-    pub segment: usize,
+struct LiteralSegment<'p> {
+    segment: usize,
     /// The top-level glob nodes the segment spans (literals only).
-    pub nodes: Range<usize>,
+    nodes: Range<usize>,
     /// The pattern text before and after the segment.
-    pub around: (&'p str, &'p str),
+    around: (&'p str, &'p str),
 }
 
 /// The families among the glob patterns, largest first; each pattern joins at most one.
@@ -191,7 +184,7 @@ pub fn find_families(patterns: &[Pattern]) -> Vec<Family> {
 
 /// The segments of a glob that are plain literals and sit at a fixed position in every name the
 /// glob matches (nothing before them spans a varying number of segments).
-pub fn literal_segments<'p>(text: &'p str, glob: &[Node], found: &mut Vec<LiteralSegment<'p>>) {
+fn literal_segments<'p>(text: &'p str, glob: &[Node], found: &mut Vec<LiteralSegment<'p>>) {
     // Dot positions count characters; they ascend, so one pass over the text finds their bytes.
     let mut chars = text.char_indices().enumerate();
     let mut byte_at = |position: usize| {
@@ -234,6 +227,13 @@ pub fn literal_segments<'p>(text: &'p str, glob: &[Node], found: &mut Vec<Litera
 mod tests {
     use super::*;
 
+    /// The members matching `name`, a name the family's regex matched.
+    fn members_of<'f>(family: &'f Family, name: &str) -> &'f [u32] {
+        family
+            .member(family.segment_of(name))
+            .map_or(&[], |(_, members)| members)
+    }
+
     /// Whether the family's DFA pattern matches `name`.
     fn accepts(family: &Family, name: &str) -> bool {
         regex_automata::meta::Regex::builder()
@@ -267,8 +267,8 @@ mod tests {
             .find(|f| accepts(f, "layers.7.mlp.gate"))
             .unwrap();
         assert!(!accepts(gate, "layers.7.mlp.experts.0.gate_proj"));
-        assert_eq!(gate.members_of("layers.7.mlp.gate"), &[15]);
-        assert_eq!(gate.members_of("layers.70.mlp.gate"), &[] as &[u32]);
+        assert_eq!(members_of(gate, "layers.7.mlp.gate"), &[15]);
+        assert_eq!(members_of(gate, "layers.70.mlp.gate"), &[] as &[u32]);
     }
 
     /// `template` with `#` replaced by each of `literals`.
@@ -288,8 +288,8 @@ mod tests {
         texts.push("a.a.b".to_owned());
         let found = families_of(&texts);
         assert_eq!(found.len(), 1);
-        assert_eq!(found[0].members_of("a.a.b"), &[0, 8]);
-        assert_eq!(found[0].members_of("a.c.b"), &[2]);
+        assert_eq!(members_of(&found[0], "a.a.b"), &[0, 8]);
+        assert_eq!(members_of(&found[0], "a.c.b"), &[2]);
     }
 
     #[test]
@@ -342,7 +342,7 @@ mod tests {
     fn escaped_literals_are_compared_unescaped() {
         let found = families_of(&each(r"a.#\*.b", &EIGHT));
         assert_eq!(found.len(), 1);
-        assert_eq!(found[0].members_of("a.c*.b"), &[2]);
+        assert_eq!(members_of(&found[0], "a.c*.b"), &[2]);
         assert!(accepts(&found[0], "a.c*.b"));
         for name in ["a.cx.b", "a.c.b", "a.x*.b", "a.c*.bb"] {
             assert!(!accepts(&found[0], name), "{name}");

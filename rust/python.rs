@@ -216,8 +216,8 @@ impl PyPatternSet {
     }
 
     /// The compact form of `match_many`, for names by the million: one `(name position, pattern)`
-    /// pair per match, as flat arrays, and how many names each pattern matched. A list of more
-    /// than 2^17 names is cut into runs matched on the machine's cores (at most eight) at once.
+    /// pair per match, as flat arrays, and how many names each pattern matched. A list of at
+    /// least 2^17 names is cut into runs matched on the machine's cores (at most eight) at once.
     fn match_indices(&self, names: &Bound<'_, PyAny>) -> PyResult<IndexMatches> {
         let list = as_list(names, "names")?;
         let layout = StrLayout::new(list.py());
@@ -236,7 +236,7 @@ impl PyPatternSet {
                 let texts = borrowed_strs(&list, "names").collect::<PyResult<Vec<&str>>>()?;
                 IndexHits::of(&self.inner, texts.len(), |i| Some(texts[i]), 1)
                     .map_err(match_error)?
-                    .unwrap_or_default()
+                    .ok_or_else(|| PyRuntimeError::new_err("a name could not be read"))?
             }
         };
         Ok(IndexMatches {
