@@ -74,7 +74,7 @@ const UNICODE_ENTRY: usize = 16;
 
 /// Asks for the cache line holding `address`.
 #[inline(always)]
-fn prefetch(address: *const u8) {
+pub fn prefetch(address: *const u8) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch is a hint; it never faults, whatever the address.
     unsafe {

@@ -7,6 +7,7 @@ use pyo3::types::{PyBytes, PyList, PyString, PyType};
 use pyo3::{ffi, intern, Borrowed};
 
 use crate::checks::{check_placements, AxisTable, PlacementKind, PlacementRow};
+use crate::lookahead::prefetch;
 use crate::matcher::{BuildError, MatchError, PatternSet};
 use crate::sequence::{IndexHits, NameIndexer};
 use crate::str_layout::StrLayout;
@@ -226,7 +227,17 @@ impl PyPatternSet {
         // keeps its length and items; the threads read the items' text and touch nothing else.
         let fast = unsafe { layout.items(list.as_ptr()) }.map(|items| {
             let items = SharedItems(items);
-            let name_at = |i: usize| unsafe { layout.ascii(items.item(i)) };
+            let count = list.len();
+            let name_at = |i: usize| unsafe {
+                // A list's strings may lie anywhere in memory (allocated among a model's objects,
+                // say): the ones a few names ahead are asked for while this one is matched.
+                if i + NAME_DISTANCE < count {
+                    let ahead = items.item(i + NAME_DISTANCE) as *const u8;
+                    prefetch(ahead);
+                    prefetch(ahead.wrapping_add(64));
+                }
+                layout.ascii(items.item(i))
+            };
             IndexHits::of(&self.inner, list.len(), name_at, threads)
         });
         let found = match fast.transpose().map_err(match_error)?.flatten() {
@@ -246,6 +257,9 @@ impl PyPatternSet {
         })
     }
 }
+
+/// How many names ahead of the one being matched `match_indices` asks for a string.
+const NAME_DISTANCE: usize = 16;
 
 /// A list's item array, read by the matching threads while the GIL holder waits for them.
 struct SharedItems(*const *mut ffi::PyObject);
