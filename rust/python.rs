@@ -7,10 +7,9 @@ use pyo3::types::{PyBytes, PyList, PyString, PyType};
 use pyo3::{ffi, intern, Borrowed};
 
 use crate::checks::{check_placements, AxisTable, PlacementKind, PlacementRow};
-use crate::lookahead::prefetch;
 use crate::matcher::{BuildError, MatchError, PatternSet};
 use crate::sequence::{IndexHits, NameIndexer};
-use crate::str_layout::StrLayout;
+use crate::str_layout::ListTexts;
 use crate::suggest::nearest_names;
 use crate::walk::{walk_tree, TreeIndex, WalkError, WalkMode};
 
@@ -52,26 +51,19 @@ fn borrowed_strs<'a>(
     list: &'a Bound<'_, PyList>,
     what: &'a str,
 ) -> impl Iterator<Item = PyResult<&'a str>> + 'a {
-    let layout = StrLayout::new(list.py());
-    // SAFETY: the list is alive and, as no Python code runs, keeps its length and items.
-    let items = unsafe { layout.items(list.as_ptr()) };
+    // SAFETY: no Python code runs while the items are borrowed (see above).
+    let texts = unsafe { ListTexts::new(list) };
     (0..list.len()).map(move |i| {
-        let item = match items {
-            // SAFETY: `i` is below the list's length.
-            Some(items) => unsafe { Borrowed::from_ptr(list.py(), *items.add(i)) },
-            // SAFETY: PyList_GetItem checks the index and returns a reference borrowed from the
-            // list.
-            None => unsafe {
-                Borrowed::from_ptr_or_err(
-                    list.py(),
-                    ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t),
-                )
-            }?,
-        };
-        // SAFETY: the item is alive while the list is borrowed.
-        if let Some(text) = unsafe { layout.ascii(item.as_ptr()) } {
+        if let Some(text) = texts.as_ref().and_then(|texts| texts.ascii(i)) {
             return Ok(text);
         }
+        // SAFETY: PyList_GetItem checks the index and returns a reference borrowed from the list.
+        let item = unsafe {
+            Borrowed::from_ptr_or_err(
+                list.py(),
+                ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t),
+            )
+        }?;
         let mut size: ffi::Py_ssize_t = 0;
         // SAFETY: `item` is alive; for a str, the UTF-8 buffer CPython returns (and caches in the
         // object) lives as long as the object, which the list holds while it is borrowed.
@@ -221,25 +213,11 @@ impl PyPatternSet {
     /// least 2^17 names is cut into runs matched on the machine's cores (at most eight) at once.
     fn match_indices(&self, names: &Bound<'_, PyAny>) -> PyResult<IndexMatches> {
         let list = as_list(names, "names")?;
-        let layout = StrLayout::new(list.py());
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // SAFETY: the list is alive and, as no Python code runs while the GIL stays held here,
-        // keeps its length and items; the threads read the items' text and touch nothing else.
-        let fast = unsafe { layout.items(list.as_ptr()) }.map(|items| {
-            let items = SharedItems(items);
-            let count = list.len();
-            let name_at = |i: usize| unsafe {
-                // A list's strings may lie anywhere in memory (allocated among a model's objects,
-                // say): the ones a few names ahead are asked for while this one is matched.
-                if i + NAME_DISTANCE < count {
-                    let ahead = items.item(i + NAME_DISTANCE) as *const u8;
-                    prefetch(ahead);
-                    prefetch(ahead.wrapping_add(64));
-                }
-                layout.ascii(items.item(i))
-            };
-            IndexHits::of(&self.inner, list.len(), name_at, threads)
-        });
+        // SAFETY: the GIL stays held and no Python code runs until the matching ends, so the
+        // list keeps its length and items; the threads only read the items' text.
+        let fast = unsafe { ListTexts::new(&list) }
+            .map(|texts| IndexHits::of(&self.inner, list.len(), |i| texts.ascii(i), threads));
         let found = match fast.transpose().map_err(match_error)?.flatten() {
             Some(found) => found,
             // A layout not known here, or a name that is not an ASCII `str`: through the API.
@@ -255,22 +233,6 @@ impl PyPatternSet {
             patterns: found.patterns,
             counts: found.counts,
         })
-    }
-}
-
-/// How many names ahead of the one being matched `match_indices` asks for a string.
-const NAME_DISTANCE: usize = 16;
-
-/// A list's item array, read by the matching threads while the GIL holder waits for them.
-struct SharedItems(*const *mut ffi::PyObject);
-// SAFETY: the items are only read, and only while the list is kept unchanged (see its use).
-unsafe impl Sync for SharedItems {}
-
-impl SharedItems {
-    /// # Safety
-    /// `i` must be below the list's length.
-    unsafe fn item(&self, i: usize) -> *mut ffi::PyObject {
-        *self.0.add(i)
     }
 }
 

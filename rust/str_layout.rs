@@ -5,7 +5,13 @@
 //! layouts are known (3.10 to 3.13, as `lookahead` reads them), a list's item array and an ASCII
 //! `str`'s text are read where they lie; any other item goes through the API as before.
 
-use pyo3::{ffi, Python};
+use std::marker::PhantomData;
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::lookahead::prefetch;
 
 /// `PyListObject.ob_item`, and `PyASCIIObject`'s `length` and `state` fields.
 const LIST_ITEMS: usize = 24;
@@ -13,57 +19,76 @@ const STR_LENGTH: usize = 16;
 const STR_STATE: usize = 32;
 /// `state.compact` and `state.ascii`: the text follows the header, one byte per character.
 const COMPACT_ASCII: u32 = 1 << 5 | 1 << 6;
+/// How many items ahead of the one read a string is asked for: a list's strings may lie anywhere
+/// in memory (allocated among a model's objects, say).
+const READ_AHEAD: usize = 16;
 
-pub struct StrLayout {
-    /// Where a compact ASCII `str`'s text starts (`None`: a layout not known here).
-    text_offset: Option<usize>,
+/// The items of a list, read in place; shared by the threads matching runs of it.
+pub struct ListTexts<'l> {
+    items: *const *mut ffi::PyObject,
+    len: usize,
+    /// Where a compact ASCII `str`'s text starts.
+    text_offset: usize,
+    list: PhantomData<&'l PyList>,
 }
 
-impl StrLayout {
-    pub fn new(py: Python<'_>) -> Self {
-        let version = py.version_info();
+// SAFETY: the items are only read, while the list stays as it is (see `ListTexts::new`).
+unsafe impl Sync for ListTexts<'_> {}
+
+impl<'l> ListTexts<'l> {
+    /// The items of `list`, when the running CPython's layout is known.
+    ///
+    /// # Safety
+    /// No Python code may run, and the list may not change, while the texts are read.
+    pub unsafe fn new(list: &'l Bound<'_, PyList>) -> Option<Self> {
+        let version = list.py().version_info();
         let text_offset = match (version.major, version.minor) {
             // `PyASCIIObject` lost its `wstr` pointer in 3.12.
-            (3, 10 | 11) => Some(48),
-            (3, 12 | 13) => Some(40),
-            _ => None,
+            (3, 10 | 11) => 48,
+            (3, 12 | 13) => 40,
+            _ => return None,
         };
-        StrLayout {
-            text_offset: text_offset.filter(|_| cfg!(target_pointer_width = "64")),
+        if !cfg!(target_pointer_width = "64") {
+            return None;
         }
-    }
-
-    /// The item array of `list`, when the layout is known.
-    ///
-    /// # Safety
-    /// `list` must be a live list, not resized while the array is read.
-    pub unsafe fn items(&self, list: *mut ffi::PyObject) -> Option<*const *mut ffi::PyObject> {
-        self.text_offset?;
-        Some(
-            *(list as *const u8)
+        Some(ListTexts {
+            items: *(list.as_ptr() as *const u8)
                 .add(LIST_ITEMS)
                 .cast::<*const *mut ffi::PyObject>(),
-        )
+            len: list.len(),
+            text_offset,
+            list: PhantomData,
+        })
     }
 
-    /// The text of `item` when it is exactly a `str` stored compact and ASCII.
-    ///
-    /// # Safety
-    /// `item` must be alive for `'a`, and not change.
-    pub unsafe fn ascii<'a>(&self, item: *mut ffi::PyObject) -> Option<&'a str> {
-        let text_offset = self.text_offset?;
-        if ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(ffi::PyUnicode_Type) {
+    /// The text of item `i` when it is exactly a `str` stored compact and ASCII (`None`: read
+    /// it through the API). Asks for the string `READ_AHEAD` items on.
+    pub fn ascii(&self, i: usize) -> Option<&'l str> {
+        if i >= self.len {
             return None;
         }
-        let base = item as *const u8;
-        if *base.add(STR_STATE).cast::<u32>() & COMPACT_ASCII != COMPACT_ASCII {
-            return None;
+        // SAFETY: both indices are below the list's length, and its items are alive.
+        let item = unsafe {
+            let ahead = *self.items.add((i + READ_AHEAD).min(self.len - 1)) as *const u8;
+            prefetch(ahead);
+            prefetch(ahead.wrapping_add(64));
+            *self.items.add(i)
+        };
+        // SAFETY: the item is alive and unchanged while the list is (see `new`).
+        unsafe {
+            if ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(ffi::PyUnicode_Type) {
+                return None;
+            }
+            let base = item as *const u8;
+            if *base.add(STR_STATE).cast::<u32>() & COMPACT_ASCII != COMPACT_ASCII {
+                return None;
+            }
+            let length = *base.add(STR_LENGTH).cast::<ffi::Py_ssize_t>() as usize;
+            // ASCII is valid UTF-8.
+            Some(std::str::from_utf8_unchecked(std::slice::from_raw_parts(
+                base.add(self.text_offset),
+                length,
+            )))
         }
-        let length = *base.add(STR_LENGTH).cast::<ffi::Py_ssize_t>() as usize;
-        // ASCII is valid UTF-8.
-        Some(std::str::from_utf8_unchecked(std::slice::from_raw_parts(
-            base.add(text_offset),
-            length,
-        )))
     }
 }
