@@ -3,6 +3,8 @@
 //!
 //! Python flattens each module's named placements into rows; this checks them all in one pass
 //! and returns the problems. Nothing here knows about torch: a placement is a kind and a dim.
+//! A row's "module" may stand for many modules whose rows are the same (Python checks such a
+//! unit once and gives its problems to each of them).
 
 /// What a placement row is.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

@@ -301,6 +301,17 @@ def test_class_checks_run_once_per_class_and_spec(monkeypatch: pytest.MonkeyPatc
     assert len(calls) == 5
 
 
+def test_modules_sharing_one_sharding_are_each_checked_against_their_own_parameters() -> None:
+    shared = ModuleShardingSpec(params={"w1": {"ep": Shard(0)}})
+    model = Model(3)
+    model.layers[1].mlp = Experts(num_experts=6)
+    del model.layers[2].mlp._parameters["w1"]
+    problems = problems_of(model, [NativeParallelBindingRequest(("layers.*.mlp",), EP_SPEC, lambda m, f, c: shared)])
+    assert [(p.code, p.fqn) for p in problems] == [("expert", "layers.1.mlp"), ("layout", "layers.2.mlp")]
+    assert "shape[0] is 6, not num_experts 4" in problems[0].message
+    assert "names a parameter the module (Experts) lacks" in problems[1].message
+
+
 def test_placement_arithmetic_runs_in_one_rust_call(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = meshbind._core.check_placements
@@ -311,7 +322,8 @@ def test_placement_arithmetic_runs_in_one_rust_call(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(meshbind.validation._core, "check_placements", counting)
     resolve_plan(Model(4), [HEAD_REQUEST, EXPERTS_REQUEST], CONTEXT)
-    assert calls == [4 + 4 + 1]  # one row per placement: 4 attention, 4 experts, the head
+    # One row per placement of each distinct sharding: these providers build one per module.
+    assert calls == [4 + 4 + 1]
 
 
 def test_overrides_merge_field_by_field() -> None:

@@ -361,7 +361,8 @@ class _Resolution:
 
     def _report_nested(self, fqns: list[str], specs: list[ParallelModuleSpec]) -> None:
         """Tree order is preorder, so each kind's open ancestors form a stack."""
-        if all(spec.binding_kind == "none" for spec in dict(zip(map(id, specs), specs, strict=True)).values()):
+        possible = [request.parallel for request in self.requests] + list(self.family_specs.values())
+        if all(spec.binding_kind == "none" for spec in possible):
             return
         open_by_kind: dict[str, list[str]] = {}
         for fqn, spec in zip(fqns, specs, strict=True):

@@ -2,7 +2,10 @@
 
 ``ValidationBatch`` checks many modules together: class-level rules once per (class, spec), the
 sharding rules once per sharding object, the placement arithmetic for all modules in one Rust call,
-and each spec's own ``validate`` last. ``validate_parallel_module`` is a batch of one.
+and each spec's own ``validate`` last. ``validate_parallel_module`` is a batch of one. Modules
+whose placement checks must give the same answer (one sharding object, one ``num_experts``, the
+same rank and ``shape[0]`` of every ``Shard`` parameter) are checked as one unit, and its problems
+are each module's: a plan of 188k modules sharing a few layouts hands Rust a few rows.
 
 Per module the §5 rules run in order and the first failure is the module's problem; ``layout``
 problems (an axis the context lacks, ``Shard(d)`` beyond a parameter's rank, a parameter the module
@@ -14,7 +17,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import groupby, repeat
 from operator import attrgetter, is_
 from typing import Any
 
@@ -118,7 +121,20 @@ class _ShardingTemplate:
     failure: Failure | None
     rows: tuple[tuple[int, int, int, int, str | None], ...]
     """``(label, axis, kind, dim, parameter path or None)``."""
+    parameters: tuple[tuple[str, bool], ...]
+    """Each parameter path it places, and whether some placement of it is ``Shard`` (needs its shape)."""
     problems: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Modules whose placement checks have the same answer: one sharding, one ``num_experts`` and
+    the same rank and ``shape[0]`` for every ``Shard`` parameter. Rust checks each unit once."""
+
+    template: _ShardingTemplate
+    num_experts: int | None
+    shapes: Mapping[str, tuple[int | None, int | None]]
+    rows: list[int]
 
 
 class ValidationBatch:
@@ -152,14 +168,14 @@ class ValidationBatch:
         distinct_specs = dict(zip(spec_ids, specs, strict=True))
         if modules and modules[0] is not None:
             self._class_failures(list(map(type, modules)) if classes is None else classes, spec_ids, distinct_specs, failures)
-        num_experts = self._expert_counts(specs, distinct_specs, failures)
-        columns: _Rows = ([], [], [], [], [], [], [])
-        for template, rows in self._group_by_sharding(shardings):
+        num_experts = self._expert_counts(spec_ids, distinct_specs, failures)
+        units: list[_Unit] = []
+        for template, experts, rows in self._groups(shardings, spec_ids, num_experts):
             if template.failure or template.problems:
                 for row in rows:
                     failures[row] = failures[row] or template.failure
                     layout.setdefault(row, []).extend(template.problems)
-            self._add_rows(template, rows, modules, fqns, columns, layout)
+            units += self._units(template, experts, rows, modules, fqns, layout)
         # Every axis of the context too, so messages can list them and rule 5 finds 'ep'.
         axis_names = list(self._axis_ids) + [axis for axis in self.context.axis_sizes if axis not in self._axis_ids]
         checked = _core.check_placements(
@@ -167,30 +183,92 @@ class ValidationBatch:
             [self.context.axis_sizes.get(name) for name in axis_names],
             list(self._label_ids),
             self._label_is_param,
-            *columns,
-            num_experts,
+            *self._unit_rows(units),
+            [unit.num_experts for unit in units],
         )
-        for row, code, message in checked:
-            if code == "layout":
-                layout.setdefault(row, []).append(message)
-            elif failures[row] is None:
-                failures[row] = (code, message)
+        for unit, code, message in checked:
+            for row in units[unit].rows:
+                if code == "layout":
+                    layout.setdefault(row, []).append(message)
+                elif failures[row] is None:
+                    failures[row] = (code, message)
         if any(spec.validate is not None for spec in distinct_specs.values()):
             self._run_validators(modules, specs, shardings, failures, layout)
         problems = [(row, "layout", message) for row, messages in sorted(layout.items()) for message in messages]
         problems += [(row, failure[0], failure[1]) for row, failure in enumerate(failures) if failure is not None]
         return problems
 
-    def _group_by_sharding(self, shardings: Sequence[ModuleShardingSpec]) -> list[tuple[_ShardingTemplate, list[int]]]:
-        """The distinct sharding objects (providers often return shared ones), each flattened once."""
+    def _groups(
+        self, shardings: Sequence[ModuleShardingSpec], spec_ids: list[int], num_experts: dict[int, int]
+    ) -> list[tuple[_ShardingTemplate, int | None, list[int]]]:
+        """The modules of each distinct sharding object (providers often return shared ones) and
+        ``num_experts``, ascending, each sharding flattened once."""
         identities = list(map(id, shardings))
+        count = len(identities)
+        if not count:
+            return []
+        experts_of_row: list[int | None] = list(map(num_experts.get, spec_ids)) if num_experts else [None] * count
+        if identities.count(identities[0]) == count and experts_of_row.count(experts_of_row[0]) == count:
+            return [(self._flatten(shardings[0]), experts_of_row[0], list(range(count)))]
         distinct = dict(zip(identities, shardings, strict=True))
-        if len(distinct) == 1:
-            return [(self._flatten(shardings[0]), list(range(len(shardings))))]
-        groups: dict[int, list[int]] = {identity: [] for identity in distinct}
-        for row, identity in enumerate(identities):
-            groups[identity].append(row)
-        return [(self._flatten(distinct[identity]), rows) for identity, rows in groups.items()]
+        keys = list(zip(identities, experts_of_row, strict=True))
+        order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: rows stay ascending
+        templates: dict[int, _ShardingTemplate] = {}
+        groups = []
+        for (identity, experts), rows in groupby(order, key=keys.__getitem__):
+            template = templates.get(identity)
+            if template is None:
+                template = templates[identity] = self._flatten(distinct[identity])
+            groups.append((template, experts, list(rows)))
+        return groups
+
+    def _units(
+        self,
+        template: _ShardingTemplate,
+        num_experts: int | None,
+        rows: list[int],
+        modules: Sequence[nn.Module | None],
+        fqns: Sequence[str],
+        layout: dict[int, list[str]],
+    ) -> list[_Unit]:
+        """Split the modules of one group by the shapes of their ``Shard`` parameters, reporting
+        every parameter a module lacks."""
+        sharded: list[tuple[str, list[tuple[int | None, int | None]]]] = []
+        for path, need_shape in template.parameters:
+            ranks, first_dims = self._parameter_shapes(rows, modules, fqns, path, need_shape=need_shape)
+            if any(map(is_, ranks, repeat(None))) and (modules[rows[0]] is not None or self.param_shapes is not None):
+                for row, rank in zip(rows, ranks, strict=True):
+                    if rank is None:
+                        layout.setdefault(row, []).append(self._missing(modules[row], fqns[row], path))
+            if need_shape:
+                sharded.append((path, list(zip(ranks, first_dims, strict=True))))
+        if not sharded:
+            return [_Unit(template, num_experts, {}, rows)]
+        paths = [path for path, _ in sharded]
+        by_shapes: dict[tuple[tuple[int | None, int | None], ...], list[int]] = {}
+        for row, shapes in zip(rows, zip(*(shapes for _, shapes in sharded), strict=True), strict=True):
+            by_shapes.setdefault(shapes, []).append(row)
+        return [
+            _Unit(template, num_experts, dict(zip(paths, shapes, strict=True)), members) for shapes, members in by_shapes.items()
+        ]
+
+    @staticmethod
+    def _unit_rows(units: list[_Unit]) -> _Rows:
+        """The rows handed to Rust, one per placement of each unit's sharding."""
+        columns: _Rows = ([], [], [], [], [], [], [])
+        unit_of, labels, axes, kinds, dims, ranks, first_dims = columns
+        no_shape = (None, None)
+        for index, unit in enumerate(units):
+            for label, axis, kind, dim, path in unit.template.rows:
+                rank, first_dim = unit.shapes.get(path, no_shape) if kind == _SHARD and path is not None else no_shape
+                unit_of.append(index)
+                labels.append(label)
+                axes.append(axis)
+                kinds.append(kind)
+                dims.append(dim)
+                ranks.append(rank)
+                first_dims.append(first_dim)
+        return columns
 
     @staticmethod
     def _class_failures(
@@ -208,62 +286,31 @@ class ValidationBatch:
 
     @staticmethod
     def _expert_counts(
-        specs: Sequence[ParallelModuleSpec], distinct_specs: dict[int, ParallelModuleSpec], failures: list[Failure | None]
-    ) -> list[int | None]:
-        """``num_experts`` of every ``ep`` module for rule 5 (its type is checked here)."""
-        counts: list[int | None] = [None] * len(specs)
-        expert_specs = {identity: spec for identity, spec in distinct_specs.items() if spec.binding_kind == "ep"}
-        if not expert_specs:
-            return counts
-        for row, spec in enumerate(specs):
-            if id(spec) not in expert_specs:
+        spec_ids: list[int], distinct_specs: dict[int, ParallelModuleSpec], failures: list[Failure | None]
+    ) -> dict[int, int]:
+        """``num_experts`` of every ``ep`` spec for rule 5, by spec identity; a spec whose count is
+        not an int fails each of its modules here."""
+        counts: dict[int, int] = {}
+        failing: dict[int, Failure] = {}
+        for identity, spec in distinct_specs.items():
+            if spec.binding_kind != "ep":
                 continue
             value = spec.options["num_experts"]
             if isinstance(value, int) and not isinstance(value, bool):
-                counts[row] = value
+                counts[identity] = value
             else:
-                failures[row] = failures[row] or (
-                    "expert",
-                    f"options['num_experts'] must be an int, got {type(value).__name__} {value!r}",
-                )
+                failing[identity] = ("expert", f"options['num_experts'] must be an int, got {type(value).__name__} {value!r}")
+        if failing:
+            for row, identity in enumerate(spec_ids):
+                failures[row] = failures[row] or failing.get(identity)
         return counts
-
-    def _add_rows(
-        self,
-        template: _ShardingTemplate,
-        rows: list[int],
-        modules: Sequence[nn.Module | None],
-        fqns: Sequence[str],
-        columns: _Rows,
-        layout: dict[int, list[str]],
-    ) -> None:
-        """Append the template's rows for every module using it, with each module's shapes."""
-        row_modules, labels, axes, kinds, dims, ranks, first_dims = columns
-        count = len(rows)
-        for label, axis, kind, dim, path in template.rows:
-            row_modules.extend(rows)
-            labels.extend([label] * count)
-            axes.extend([axis] * count)
-            kinds.extend([kind] * count)
-            dims.extend([dim] * count)
-            if path is None:
-                ranks.extend([None] * count)
-                first_dims.extend([None] * count)
-                continue
-            found_ranks, found_first = self._parameter_shapes(rows, modules, fqns, path, need_shape=kind == _SHARD)
-            ranks.extend(found_ranks)
-            first_dims.extend(found_first)
-            if any(map(is_, found_ranks, repeat(None))) and (modules[rows[0]] is not None or self.param_shapes is not None):
-                for row, rank in zip(rows, found_ranks, strict=True):
-                    if rank is None:
-                        layout.setdefault(row, []).append(self._missing(modules[row], fqns[row], path))
 
     def _parameter_shapes(
         self, rows: list[int], modules: Sequence[nn.Module | None], fqns: Sequence[str], path: str, *, need_shape: bool
     ) -> tuple[list[int | None], list[int | None]]:
         """The rank and ``shape[0]`` of parameter ``path`` of each module (rank ``None``: not found).
 
-        Without ``need_shape`` (a row that is not ``Shard``) only presence matters: rank 0 then
+        Without ``need_shape`` (no placement of it is ``Shard``) only presence matters: rank 0 then
         stands for "present", so no parameter is touched for nothing."""
         if modules[rows[0]] is None:
             if self.param_shapes is None:
@@ -326,7 +373,11 @@ class ValidationBatch:
                     problems.append(f"{label_text} on axis '{axis}' is an unsupported placement {placement}")
                     continue
                 rows.append((label, self._axis_ids.setdefault(axis, len(self._axis_ids)), kind[0], kind[1], path))
-        return _ShardingTemplate(sharding_failure(sharding), tuple(rows), tuple(problems))
+        parameters: dict[str, bool] = {}
+        for _, _, placement_kind, _, path in rows:
+            if path is not None:
+                parameters[path] = parameters.get(path, False) or placement_kind == _SHARD
+        return _ShardingTemplate(sharding_failure(sharding), tuple(rows), tuple(parameters.items()), tuple(problems))
 
     def _label(self, text: str, *, is_param: bool) -> int:
         label = self._label_ids.get(text)
@@ -337,7 +388,7 @@ class ValidationBatch:
 
 
 _Rows = tuple[list[int], list[int], list[int], list[int], list[int], list[int | None], list[int | None]]
-"""The row columns handed to Rust: module, label, axis, kind, dim, parameter rank, shape[0]."""
+"""The row columns handed to Rust: unit, label, axis, kind, dim, parameter rank, shape[0]."""
 
 
 def _get_parameter(module: nn.Module | None, path: str) -> Any:
