@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -169,6 +171,43 @@ def test_a_conflict_names_both_requests() -> None:
 def test_two_requests_with_equal_specs_do_not_conflict() -> None:
     twin = NativeParallelBindingRequest(("layers.{0,1}.mlp",), EP_SPEC, experts_sharding)
     assert len(resolve_plan(Model(), [EXPERTS_REQUEST, twin], CONTEXT).parallel_modules) == 4
+
+
+MIXIN_FAMILY_SCRIPT = """
+from torch import nn
+from meshbind import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, resolve_plan
+from meshbind.family import any_family_class
+
+assert not any_family_class()  # so resolution may prune: the case under test
+
+
+class OwnsProtocol:  # a mixin, no module
+    parallel_spec = ParallelModuleSpec("mixed", stages={"forward": ("x",)})
+
+    def parallel_sharding(self, fqn, context):
+        return ModuleShardingSpec()
+
+
+class Mixed(OwnsProtocol, nn.Module):
+    def forward(self, x):
+        return x
+
+
+model = nn.Module()
+model.head = nn.Linear(2, 2)
+model.block = nn.Module()
+model.block.mixed = Mixed()
+linear = ParallelModuleSpec("linear", stages={"forward": ("input",)})
+request = NativeParallelBindingRequest(("head",), linear, lambda module, fqn, context: ModuleShardingSpec())
+print(list(resolve_plan(model, [request], LayoutContext({"dp": 1})).parallel_modules))
+"""
+
+
+def test_a_family_member_no_request_reaches_joins_when_its_spec_comes_from_a_mixin() -> None:
+    # A fresh interpreter: here the test modules' family classes exist, so no walk is pruned.
+    result = subprocess.run([sys.executable, "-c", MIXIN_FAMILY_SCRIPT], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "['head', 'block.mixed']"
 
 
 def test_a_request_giving_a_family_member_another_spec_conflicts() -> None:

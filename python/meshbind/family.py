@@ -48,18 +48,20 @@ def family_spec(cls: type) -> object:
 
 
 def any_family_class() -> bool:
-    """Whether any ``nn.Module`` subclass now defined declares ``parallel_spec``.
+    """Whether ``nn.Module`` or any subclass now defined has a ``parallel_spec`` (its own or
+    inherited, also from a base that is no module, as a mixin).
 
-    Every module's class is a live subclass of ``nn.Module``, so when none declares one no module
-    of any tree can be a family member, and resolution need not visit modules no pattern reaches.
+    Every module's class is one of them, so when none has one no module of any tree can be a
+    family member, and resolution need not visit modules no pattern reaches.
     """
-    pending, seen = [nn.Module], set()
-    while pending:
-        for subclass in pending.pop().__subclasses__():
+    classes = [nn.Module]
+    seen = set(classes)
+    for cls in classes:  # grows while it is read: every subclass, breadth first
+        for subclass in type.__subclasses__(cls):
             if subclass not in seen:
                 seen.add(subclass)
-                pending.append(subclass)
-    return any("parallel_spec" in cls.__dict__ for cls in seen)
+                classes.append(subclass)
+    return any(getattr(cls, "parallel_spec", None) is not None for cls in classes)
 
 
 def get_family_build_info(module: nn.Module) -> FamilyBuildInfo:
