@@ -7,6 +7,7 @@ mod lookahead;
 pub mod matcher;
 pub mod names;
 pub mod pattern;
+mod presence;
 mod python;
 pub mod sequence;
 mod step_memo;

@@ -58,11 +58,11 @@ const NAME_DISTANCE: usize = 16;
 
 /// `Py_TPFLAGS_MANAGED_DICT` (3.11+): the instance dict pointer sits three words before the object.
 const MANAGED_DICT: std::os::raw::c_ulong = 1 << 4;
-const MANAGED_DICT_WORDS_BEFORE: usize = 3;
+pub(crate) const MANAGED_DICT_WORDS_BEFORE: usize = 3;
 /// Field offsets in `PyDictObject` and its keys object, the same from 3.11 to 3.13.
-const DICT_USED: usize = 16;
-const DICT_KEYS: usize = 32;
-const DICT_VALUES: usize = 40;
+pub(crate) const DICT_USED: usize = 16;
+pub(crate) const DICT_KEYS: usize = 32;
+pub(crate) const DICT_VALUES: usize = 40;
 const KEYS_LOG2_INDEX_BYTES: usize = 9;
 const KEYS_KIND: usize = 10;
 const KEYS_ENTRY_COUNT: usize = 24;
@@ -90,7 +90,7 @@ pub fn prefetch(address: *const u8) {
 /// # Safety
 /// `base + offset` must lie inside a live object.
 #[inline(always)]
-unsafe fn word(base: *const u8, offset: usize) -> *const u8 {
+pub(crate) unsafe fn word(base: *const u8, offset: usize) -> *const u8 {
     *(base.add(offset) as *const *const u8)
 }
 
@@ -125,7 +125,7 @@ impl Lookahead {
     ///
     /// # Safety
     /// `object` must be alive.
-    unsafe fn instance_dict(&self, object: *mut ffi::PyObject) -> Option<*const u8> {
+    pub(crate) unsafe fn instance_dict(&self, object: *mut ffi::PyObject) -> Option<*const u8> {
         if !self.layout_known || ffi::PyType_GetFlags(ffi::Py_TYPE(object)) & MANAGED_DICT == 0 {
             return None;
         }
@@ -138,7 +138,7 @@ impl Lookahead {
     ///
     /// # Safety
     /// `dict` must be a live dict.
-    unsafe fn values_of(&self, dict: *const u8) -> Option<*const *const u8> {
+    pub(crate) unsafe fn values_of(&self, dict: *const u8) -> Option<*const *const u8> {
         let values = word(dict, DICT_VALUES);
         (!values.is_null()).then(|| values.add(self.values_start) as *const *const u8)
     }
@@ -185,14 +185,24 @@ impl Lookahead {
         if self.modules_slot.contains_key(&class) {
             return;
         }
-        let slot = plain_getattr(object).then(|| {
-            let dict = self.instance_dict(object.as_ptr())?;
-            let values = self.values_of(dict)?;
-            let used = word(dict, DICT_USED) as usize;
-            (0..used).find(|&slot| *values.add(slot) == modules as *const u8)
-        });
+        let slot = plain_getattr(object).then(|| self.slot_holding(object.as_ptr(), modules));
         self.modules_slot.insert(class, slot.flatten());
         self.last_class = 0;
+    }
+
+    /// Which slot of `object`'s split instance dict holds `value` (`None`: none, or no such dict).
+    ///
+    /// # Safety
+    /// `object` must be alive.
+    pub(crate) unsafe fn slot_holding(
+        &self,
+        object: *mut ffi::PyObject,
+        value: *mut ffi::PyObject,
+    ) -> Option<usize> {
+        let dict = self.instance_dict(object)?;
+        let values = self.values_of(dict)?;
+        let used = word(dict, DICT_USED) as usize;
+        (0..used).find(|&slot| *values.add(slot) == value as *const u8)
     }
 
     /// The `_modules` dict of `object` read in place, as `getattr(object, "_modules")` would

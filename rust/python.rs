@@ -558,6 +558,12 @@ fn py_check_placements(
         .collect())
 }
 
+/// The indices of the modules (a list) whose `_parameters` has no key `path`.
+#[pyfunction]
+fn modules_lacking(modules: &Bound<'_, PyAny>, path: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
+    crate::presence::modules_lacking(&as_list(modules, "modules")?, path)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PatternError", m.py().get_type::<PatternError>())?;
@@ -566,5 +572,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<IndexMatches>()?;
     m.add_function(wrap_pyfunction!(py_check_placements, m)?)?;
     m.add_function(wrap_pyfunction!(check_patterns, m)?)?;
+    m.add_function(wrap_pyfunction!(modules_lacking, m)?)?;
     Ok(())
 }

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from meshbind import LayoutContext, ModuleShardingSpec, ParallelModuleSpec, validate_parallel_module
+from meshbind import LayoutContext, ModuleShardingSpec, ParallelModuleSpec, _core, validate_parallel_module
 
 CONTEXT = LayoutContext({"dp": 1, "ep": 2, "tp": 1})
 
@@ -231,3 +231,18 @@ def test_layout_problems_fail_single_module_validation() -> None:
 def test_wrong_argument_types_are_named() -> None:
     with pytest.raises(TypeError, match="sharding must be a ModuleShardingSpec"):
         validate_parallel_module(Experts(), ep_spec(), {"w1": {}}, CONTEXT)  # type: ignore[arg-type]
+
+
+def test_the_modules_lacking_a_parameter_are_found_across_a_long_list() -> None:
+    # Longer than the look-ahead, several classes (each learned once), some instances changed.
+    modules: list[nn.Module] = [nn.Linear(2, 2, device="meta") if i % 7 else nn.ReLU() for i in range(300)]
+    modules[40] = Experts()
+    del modules[101]._parameters["weight"]
+    modules[150]._parameters = {"weight": None}  # a plain dict standing in: getattr sees it
+    modules[151].__dict__["_parameters"] = {}
+    expected = [i for i, module in enumerate(modules) if "weight" not in module._parameters]
+    assert 101 in expected and 151 in expected and 150 not in expected
+    assert _core.modules_lacking(modules, "weight") == expected
+    modules[200]._parameters = ["weight"]  # type: ignore[assignment]
+    with pytest.raises(TypeError, match=r"modules\[200\]._parameters is a list, not a dict"):
+        _core.modules_lacking(modules, "weight")

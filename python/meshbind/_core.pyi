@@ -92,3 +92,6 @@ def check_placements(
 
 def check_patterns(patterns: Sequence[str]) -> None:
     """Parse every pattern without building a set; raises ``PatternError`` for the first malformed one."""
+
+def modules_lacking(modules: Sequence[object], path: str) -> list[int]:
+    """The indices of the modules whose ``_parameters`` has no key ``path``."""

@@ -322,8 +322,10 @@ class ValidationBatch:
         if "." in path:
             parameters = [_get_parameter(module, path) for module in selected]
         elif not need_shape:
-            present = list(map(dict.__contains__, map(_PARAMETERS, selected), repeat(path)))
-            return [0 if found else None for found in present] if not all(present) else [0] * len(rows), [None] * len(rows)
+            ranks: list[int | None] = [0] * len(rows)
+            for index in _core.modules_lacking(selected, path):
+                ranks[index] = None
+            return ranks, [None] * len(rows)
         else:
             parameters = list(map(dict.get, map(_PARAMETERS, selected), repeat(path)))
         if any(map(is_, parameters, repeat(None))):  # not `None in`: that calls Tensor.__eq__
