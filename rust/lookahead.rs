@@ -6,7 +6,9 @@
 //! link chains of the children a few positions ahead are followed one link further than the
 //! step before did, asking for each link's cache line: the misses of many children then
 //! overlap instead of adding up. Children the walk does not enter are read for their names
-//! alone, so then only the names ahead are asked for.
+//! alone, so then only the names ahead are asked for. A walk that keeps the modules it matches
+//! (plan resolution) also asks for each child's own children: matched leaves are not entered,
+//! and keeping one reads its object (a walk over 188k matched projections: -10%).
 //!
 //! The same chain gives the walk each module's `_modules` without a `getattr` call
 //! (`modules_in_place`), where reading it gives what `getattr` gives: the class does not
@@ -39,19 +41,26 @@ enum Link {
     ModulesDict,
     /// The `_modules` dict's keys, indices and entries.
     ModulesEntries,
+    /// The child's own children, when the walk records the modules it matches: a matched leaf
+    /// (a projection) is not entered, so nothing else asks for it.
+    Grandchildren,
 }
 
 /// How many children ahead of the walk each link is asked for. A step takes a few hundred
 /// nanoseconds, so four steps between links give each miss time to arrive before the next link
 /// is read from it; longer distances keep more lines in flight for nothing (interleaved A/B runs
 /// on 61x1024 and 61x256 trees: 8 apart was 1-12% slower, 2, 3 and 5 apart 3-5% slower).
-const LINKS: [(Link, usize); 5] = [
+const LINKS: [(Link, usize); 6] = [
     (Link::Module, 20),
     (Link::InstanceDict, 16),
     (Link::ModulesSlot, 12),
     (Link::ModulesDict, 8),
     (Link::ModulesEntries, 4),
+    (Link::Grandchildren, 2),
 ];
+
+/// How many of a child's own children are asked for (a layer's expert has three projections).
+const GRANDCHILDREN: usize = 8;
 
 /// How many children ahead the walk asks for the name of a child it will not enter.
 const NAME_DISTANCE: usize = 16;
@@ -104,6 +113,8 @@ pub struct Lookahead {
     modules_slot: FxHashMap<usize, Option<usize>>,
     last_class: usize,
     last_slot: Option<usize>,
+    /// Whether the walk reads the modules it matches (then their objects are asked for too).
+    reads_matches: bool,
 }
 
 impl Lookahead {
@@ -118,7 +129,14 @@ impl Lookahead {
             modules_slot: FxHashMap::default(),
             last_class: 0,
             last_slot: None,
+            reads_matches: false,
         }
+    }
+
+    /// Also asks for the objects of the children's children (see `Link::Grandchildren`).
+    pub fn reading_matches(mut self) -> Self {
+        self.reads_matches = true;
+        self
     }
 
     /// The instance dict of `object`, when its class keeps one where the layout says.
@@ -322,6 +340,19 @@ impl Lookahead {
                     let keys = word(modules, DICT_KEYS);
                     for line in 0..3 {
                         prefetch(keys.wrapping_add(64 * line));
+                    }
+                }
+            }
+            Link::Grandchildren => {
+                if !self.reads_matches {
+                    return;
+                }
+                let Some(modules) = self.modules_dict(child) else {
+                    return;
+                };
+                if let Some((entries, count)) = self.str_entries(modules) {
+                    for index in 0..count.min(GRANDCHILDREN) {
+                        prefetch(word(entries.add(index * UNICODE_ENTRY), 8));
                     }
                 }
             }

@@ -162,7 +162,10 @@ impl Walker<'_, '_> {
         let root_identity = root.as_ptr() as usize;
         self.record(root_identity, root, &fqn, start)?;
         // The root's children follow no separator: their names start the FQN.
-        let mut lookahead = Lookahead::new(py);
+        let mut lookahead = match self.mode {
+            WalkMode::Pruned => Lookahead::new(py),
+            WalkMode::Full | WalkMode::PrunedModules => Lookahead::new(py).reading_matches(),
+        };
         let mut stack = vec![enter(
             root,
             modules_attr,
