@@ -7,7 +7,9 @@ Every method runs on the same tree (or flat FQN list) in one process, each timed
 ``--repeat`` runs with the garbage collector paused (a method whose first run takes over
 ``SLOW_SECONDS`` is timed once), and every method that can express a plan must select exactly
 what meshbind selects (the run fails otherwise); ``n/a`` marks a plan a method cannot state.
-Ratios are to ``meshbind``.
+Ratios are to ``meshbind``. Each size runs in a fresh worker process, all its methods side by
+side there, so no size's numbers depend on which sizes ran before it (objects built after a freed
+61x1024 tree lie scattered through its memory).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import fnmatch
 import functools
 import gc
 import json
+import multiprocessing
 import os
 import platform
 import re
@@ -25,6 +28,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any, cast
@@ -368,6 +372,15 @@ def run(sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Seque
     return rows
 
 
+def run_each_size_apart(sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Sequence[str]) -> list[Row]:
+    """``run`` for each size in a fresh worker process, one after another."""
+    rows: list[Row] = []
+    for size in sizes:
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as worker:
+            rows += worker.submit(run, [size], plans, repeat, methods).result()
+    return rows
+
+
 def _reference(rows: Sequence[Row], row: Row, method: str = "meshbind") -> float | None:
     return next((r.median_s for r in rows if (r.tree, r.plan, r.method) == (row.tree, row.plan, method)), None)
 
@@ -515,7 +528,7 @@ def main(argv: Sequence[str] | None = None, *, quick: bool = False) -> int:
         parser.error(f"unknown plans or methods {unknown}; plans: {sorted(PLANS)}, methods: {list(METHODS)}")
     if args.repeat < 5:
         parser.error("--repeat must be at least 5 (medians of fewer runs are noise)")
-    rows = run(args.sizes, plans, args.repeat, methods)
+    rows = run_each_size_apart(args.sizes, plans, args.repeat, methods)
     print(f"machine: {machine()}")
     print("\n".join(table(rows)))
     print("\n".join(summary(rows)))
