@@ -28,19 +28,35 @@ use rustc_hash::FxHashMap;
 /// A module with at least this many children is looked ahead over.
 pub const WIDE: ffi::Py_ssize_t = 16;
 
-/// The links from a child to its `_modules` entries, in the order they are followed.
+/// The links from an object to the entries of a dict one of its attributes holds (a module's
+/// `_modules` here, its `_parameters` in `presence.rs`), in the order they are followed.
+#[derive(Clone, Copy)]
+pub(crate) enum DictChain {
+    /// The object itself and the word before it that points to its instance dict.
+    Object,
+    /// The object's instance dict.
+    InstanceDict,
+    /// The slot of the dict's values array that holds the attribute.
+    Slot,
+    /// The attribute's dict.
+    Dict,
+    /// That dict's keys, indices and entries.
+    Entries,
+}
+
+impl DictChain {
+    /// Whether following this link needs the attribute's slot, read through the object's class:
+    /// the first two links must not read the object, whose line they are still asking for.
+    pub(crate) fn needs_slot(self) -> bool {
+        matches!(self, DictChain::Slot | DictChain::Dict | DictChain::Entries)
+    }
+}
+
+/// What the walk asks for of a child ahead.
 #[derive(Clone, Copy)]
 enum Link {
-    /// The child module itself (and its name).
-    Module,
-    /// The module's instance dict.
-    InstanceDict,
-    /// The slot of the dict's values array that holds `_modules`.
-    ModulesSlot,
-    /// The `_modules` dict.
-    ModulesDict,
-    /// The `_modules` dict's keys, indices and entries.
-    ModulesEntries,
+    /// A link of the chain to the child's `_modules` entries (with the child's name).
+    Modules(DictChain),
     /// The child's own children, when the walk records the modules it matches: a matched leaf
     /// (a projection) is not entered, so nothing else asks for it.
     Grandchildren,
@@ -51,11 +67,11 @@ enum Link {
 /// is read from it; longer distances keep more lines in flight for nothing (interleaved A/B runs
 /// on 61x1024 and 61x256 trees: 8 apart was 1-12% slower, 2, 3 and 5 apart 3-5% slower).
 const LINKS: [(Link, usize); 6] = [
-    (Link::Module, 20),
-    (Link::InstanceDict, 16),
-    (Link::ModulesSlot, 12),
-    (Link::ModulesDict, 8),
-    (Link::ModulesEntries, 4),
+    (Link::Modules(DictChain::Object), 20),
+    (Link::Modules(DictChain::InstanceDict), 16),
+    (Link::Modules(DictChain::Slot), 12),
+    (Link::Modules(DictChain::Dict), 8),
+    (Link::Modules(DictChain::Entries), 4),
     (Link::Grandchildren, 2),
 ];
 
@@ -67,11 +83,11 @@ const NAME_DISTANCE: usize = 16;
 
 /// `Py_TPFLAGS_MANAGED_DICT` (3.11+): the instance dict pointer sits three words before the object.
 const MANAGED_DICT: std::os::raw::c_ulong = 1 << 4;
-pub(crate) const MANAGED_DICT_WORDS_BEFORE: usize = 3;
+const MANAGED_DICT_WORDS_BEFORE: usize = 3;
 /// Field offsets in `PyDictObject` and its keys object, the same from 3.11 to 3.13.
-pub(crate) const DICT_USED: usize = 16;
-pub(crate) const DICT_KEYS: usize = 32;
-pub(crate) const DICT_VALUES: usize = 40;
+const DICT_USED: usize = 16;
+const DICT_KEYS: usize = 32;
+const DICT_VALUES: usize = 40;
 const KEYS_LOG2_INDEX_BYTES: usize = 9;
 const KEYS_KIND: usize = 10;
 const KEYS_ENTRY_COUNT: usize = 24;
@@ -99,7 +115,7 @@ pub fn prefetch(address: *const u8) {
 /// # Safety
 /// `base + offset` must lie inside a live object.
 #[inline(always)]
-pub(crate) unsafe fn word(base: *const u8, offset: usize) -> *const u8 {
+unsafe fn word(base: *const u8, offset: usize) -> *const u8 {
     *(base.add(offset) as *const *const u8)
 }
 
@@ -143,7 +159,7 @@ impl Lookahead {
     ///
     /// # Safety
     /// `object` must be alive.
-    pub(crate) unsafe fn instance_dict(&self, object: *mut ffi::PyObject) -> Option<*const u8> {
+    unsafe fn instance_dict(&self, object: *mut ffi::PyObject) -> Option<*const u8> {
         if !self.layout_known || ffi::PyType_GetFlags(ffi::Py_TYPE(object)) & MANAGED_DICT == 0 {
             return None;
         }
@@ -156,7 +172,7 @@ impl Lookahead {
     ///
     /// # Safety
     /// `dict` must be a live dict.
-    pub(crate) unsafe fn values_of(&self, dict: *const u8) -> Option<*const *const u8> {
+    unsafe fn values_of(&self, dict: *const u8) -> Option<*const *const u8> {
         let values = word(dict, DICT_VALUES);
         (!values.is_null()).then(|| values.add(self.values_start) as *const *const u8)
     }
@@ -169,13 +185,17 @@ impl Lookahead {
         self.last_slot
     }
 
-    /// Where `object`'s `_modules` value sits in its dict's values array, the slot checked
-    /// against the dict's item count (a split dict's values array holds at least that many).
+    /// Where `object`'s value at `slot` of its split instance dict sits, the slot checked against
+    /// the dict's item count (a split dict's values array holds at least that many).
     ///
     /// # Safety
     /// `object` must be alive.
-    unsafe fn modules_value(&mut self, object: *mut ffi::PyObject) -> Option<*const *const u8> {
-        let slot = self.slot_of(ffi::Py_TYPE(object) as usize)?;
+    #[inline(always)]
+    unsafe fn slot_value(
+        &self,
+        object: *mut ffi::PyObject,
+        slot: usize,
+    ) -> Option<*const *const u8> {
         let dict = self.instance_dict(object)?;
         let values = self.values_of(dict)?;
         (slot < word(dict, DICT_USED) as usize).then(|| values.add(slot))
@@ -186,7 +206,8 @@ impl Lookahead {
     /// # Safety
     /// `object` must be alive.
     unsafe fn modules_dict(&mut self, object: *mut ffi::PyObject) -> Option<*const u8> {
-        let modules = *self.modules_value(object)?;
+        let slot = self.slot_of(ffi::Py_TYPE(object) as usize)?;
+        let modules = *self.slot_value(object, slot)?;
         (!modules.is_null() && ffi::PyDict_Check(modules as *mut ffi::PyObject) != 0)
             .then_some(modules)
     }
@@ -308,40 +329,20 @@ impl Lookahead {
     ///
     /// # Safety
     /// `child` and `key` must be alive; the links before `link` were asked for already.
+    #[inline(always)]
     unsafe fn fetch(&mut self, link: Link, child: *mut ffi::PyObject, key: *const u8) {
         match link {
-            Link::Module => {
-                let at = child as *const u8;
-                prefetch(at.wrapping_sub(8 * (MANAGED_DICT_WORDS_BEFORE + 1)));
-                prefetch(at);
-                prefetch(key);
-            }
-            Link::InstanceDict => {
-                if let Some(dict) = self.instance_dict(child) {
-                    prefetch(dict);
-                    prefetch(dict.wrapping_add(DICT_VALUES));
+            Link::Modules(chain) => {
+                if let DictChain::Object = chain {
+                    prefetch(key);
                 }
-            }
-            Link::ModulesSlot => {
-                if let Some(value) = self.modules_value(child) {
-                    prefetch(value as *const u8);
-                }
-            }
-            Link::ModulesDict => {
-                // Not yet known to be a dict (its type is on the line being asked for).
-                if let Some(value) = self.modules_value(child) {
-                    prefetch(*value);
-                    prefetch((*value).wrapping_add(DICT_KEYS));
-                }
-            }
-            Link::ModulesEntries => {
-                if let Some(modules) = self.modules_dict(child) {
-                    // The header, indices and entries of a dict of a few children.
-                    let keys = word(modules, DICT_KEYS);
-                    for line in 0..3 {
-                        prefetch(keys.wrapping_add(64 * line));
-                    }
-                }
+                let slot = if chain.needs_slot() {
+                    self.slot_of(ffi::Py_TYPE(child) as usize)
+                } else {
+                    None
+                };
+                // The header, indices and entries of a dict of a few children.
+                self.follow(chain, child, slot, 3);
             }
             Link::Grandchildren => {
                 if !self.reads_matches {
@@ -353,6 +354,59 @@ impl Lookahead {
                 if let Some((entries, count)) = self.str_entries(modules) {
                     for index in 0..count.min(GRANDCHILDREN) {
                         prefetch(word(entries.add(index * UNICODE_ENTRY), 8));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Asks for `link` of the chain from `object` to the dict held at `slot` of its instance dict
+    /// (`None`: not known, or not needed by the link: see `DictChain::needs_slot`), reading the
+    /// links before it, which earlier steps asked for; of the dict's keys, `entry_lines` lines.
+    ///
+    /// # Safety
+    /// `object` must be alive.
+    #[inline(always)]
+    pub(crate) unsafe fn follow(
+        &self,
+        link: DictChain,
+        object: *mut ffi::PyObject,
+        slot: Option<usize>,
+        entry_lines: usize,
+    ) {
+        let value = || slot.and_then(|slot| self.slot_value(object, slot));
+        match link {
+            DictChain::Object => {
+                let at = object as *const u8;
+                prefetch(at.wrapping_sub(8 * (MANAGED_DICT_WORDS_BEFORE + 1)));
+                prefetch(at);
+            }
+            DictChain::InstanceDict => {
+                if let Some(dict) = self.instance_dict(object) {
+                    prefetch(dict);
+                    prefetch(dict.wrapping_add(DICT_VALUES));
+                }
+            }
+            DictChain::Slot => {
+                if let Some(value) = value() {
+                    prefetch(value as *const u8);
+                }
+            }
+            DictChain::Dict => {
+                // Not yet known to be a dict (its type is on the line being asked for).
+                if let Some(value) = value() {
+                    prefetch(*value);
+                    prefetch((*value).wrapping_add(DICT_KEYS));
+                }
+            }
+            DictChain::Entries => {
+                if let Some(value) = value() {
+                    let dict = *value as *mut ffi::PyObject;
+                    if !dict.is_null() && ffi::PyDict_Check(dict) != 0 {
+                        let keys = word(dict as *const u8, DICT_KEYS);
+                        for line in 0..entry_lines {
+                            prefetch(keys.wrapping_add(64 * line));
+                        }
                     }
                 }
             }

@@ -15,28 +15,16 @@ use pyo3::types::{PyDict, PyList, PyString};
 use pyo3::{ffi, intern};
 use rustc_hash::FxHashMap;
 
-use crate::lookahead::{
-    prefetch, word, Lookahead, DICT_KEYS, DICT_USED, DICT_VALUES, MANAGED_DICT_WORDS_BEFORE,
-};
-
-/// The links from a module to its `_parameters` keys, in the order they are followed.
-#[derive(Clone, Copy)]
-enum Link {
-    Module,
-    InstanceDict,
-    ParametersSlot,
-    ParametersDict,
-    ParametersKeys,
-}
+use crate::lookahead::{DictChain, Lookahead};
 
 /// How many modules ahead each link is asked for (one lookup takes about as long as a step of
 /// the walk, so the walk's spacing serves here too).
-const LINKS: [(Link, usize); 5] = [
-    (Link::Module, 20),
-    (Link::InstanceDict, 16),
-    (Link::ParametersSlot, 12),
-    (Link::ParametersDict, 8),
-    (Link::ParametersKeys, 4),
+const LINKS: [(DictChain, usize); 5] = [
+    (DictChain::Object, 20),
+    (DictChain::InstanceDict, 16),
+    (DictChain::Slot, 12),
+    (DictChain::Dict, 8),
+    (DictChain::Entries, 4),
 ];
 
 /// The indices of the modules in `modules` whose `_parameters` dict has no key `path`.
@@ -109,57 +97,20 @@ impl ParameterChains {
         }
     }
 
-    /// Where `module`'s `_parameters` value sits, the slot checked against the dict's item count.
+    /// Asks for `link` of `module`'s chain to its `_parameters` keys.
     ///
     /// # Safety
     /// `module` must be alive.
-    unsafe fn parameters_value(&self, module: *mut ffi::PyObject) -> Option<*const *const u8> {
-        let slot = (*self.slots.get(&(ffi::Py_TYPE(module) as usize))?)?;
-        let dict = self.layout.instance_dict(module)?;
-        let values = self.layout.values_of(dict)?;
-        (slot < word(dict, DICT_USED) as usize).then(|| values.add(slot))
-    }
-
-    /// Asks for `link` of `module`'s chain; the links before it were asked for on earlier steps.
-    ///
-    /// # Safety
-    /// `module` must be alive.
-    unsafe fn follow(&self, link: Link, module: *mut ffi::PyObject) {
-        match link {
-            Link::Module => {
-                let at = module as *const u8;
-                prefetch(at.wrapping_sub(8 * (MANAGED_DICT_WORDS_BEFORE + 1)));
-                prefetch(at);
-            }
-            Link::InstanceDict => {
-                if let Some(dict) = self.layout.instance_dict(module) {
-                    prefetch(dict);
-                    prefetch(dict.wrapping_add(DICT_VALUES));
-                }
-            }
-            Link::ParametersSlot => {
-                if let Some(value) = self.parameters_value(module) {
-                    prefetch(value as *const u8);
-                }
-            }
-            Link::ParametersDict => {
-                // Not yet known to be a dict (its type is on the line being asked for).
-                if let Some(value) = self.parameters_value(module) {
-                    prefetch(*value);
-                    prefetch((*value).wrapping_add(DICT_KEYS));
-                }
-            }
-            Link::ParametersKeys => {
-                if let Some(value) = self.parameters_value(module) {
-                    let parameters = *value as *mut ffi::PyObject;
-                    if !parameters.is_null() && ffi::PyDict_Check(parameters) != 0 {
-                        // The header, indices and entries of a dict of a few parameters.
-                        let keys = word(parameters as *const u8, DICT_KEYS);
-                        prefetch(keys);
-                        prefetch(keys.wrapping_add(64));
-                    }
-                }
-            }
-        }
+    unsafe fn follow(&self, link: DictChain, module: *mut ffi::PyObject) {
+        let slot = if link.needs_slot() {
+            self.slots
+                .get(&(ffi::Py_TYPE(module) as usize))
+                .copied()
+                .flatten()
+        } else {
+            None
+        };
+        // The header, indices and entries of a dict of a few parameters.
+        self.layout.follow(link, module, slot, 2);
     }
 }
