@@ -558,10 +558,10 @@ fn py_check_placements(
         .collect())
 }
 
-/// The indices of the modules (a list) whose `_parameters` has no key `path`.
+/// The indices of the modules in a list whose `_parameters` has no key `path`.
 #[pyfunction]
-fn modules_lacking(modules: &Bound<'_, PyAny>, path: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
-    crate::presence::modules_lacking(&as_list(modules, "modules")?, path)
+fn modules_lacking(modules: &Bound<'_, PyList>, path: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
+    crate::presence::modules_lacking(modules, path)
 }
 
 #[pymodule]

@@ -1,6 +1,7 @@
 """Type stubs of the Rust extension (rust/python.rs)."""
 
 from collections.abc import Sequence
+from typing import Any
 
 class PatternError(ValueError):
     """A malformed FQN pattern, quoted with a caret under the offending character."""
@@ -93,5 +94,5 @@ def check_placements(
 def check_patterns(patterns: Sequence[str]) -> None:
     """Parse every pattern without building a set; raises ``PatternError`` for the first malformed one."""
 
-def modules_lacking(modules: Sequence[object], path: str) -> list[int]:
-    """The indices of the modules whose ``_parameters`` has no key ``path``."""
+def modules_lacking(modules: list[Any], path: str) -> list[int]:
+    """The indices of the modules in the list whose ``_parameters`` has no key ``path``."""

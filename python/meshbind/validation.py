@@ -318,7 +318,9 @@ class ValidationBatch:
             given = self.param_shapes
             shapes = [given.get(f"{fqns[row]}.{path}" if fqns[row] else path) for row in rows]
             return [None if s is None else len(s) for s in shapes], [s[0] if s else None for s in shapes]
-        selected = modules if len(rows) == len(modules) else [modules[row] for row in rows]
+        selected: list[Any] = (
+            modules if isinstance(modules, list) and len(rows) == len(modules) else [modules[row] for row in rows]
+        )
         if "." in path:
             parameters = [_get_parameter(module, path) for module in selected]
         elif not need_shape:
