@@ -119,16 +119,43 @@ unsafe fn word(base: *const u8, offset: usize) -> *const u8 {
     *(base.add(offset) as *const *const u8)
 }
 
-/// Follows the links from a child module to its `_modules` dict, ahead of the walk.
+/// Per class: which slot of an instance dict's values array holds one attribute (`None`: not
+/// found), remembering the class asked for last (a walk meets one class many times in a row).
+#[derive(Default)]
+pub(crate) struct SlotTable {
+    slots: FxHashMap<usize, Option<usize>>,
+    last_class: usize,
+    last_slot: Option<usize>,
+}
+
+impl SlotTable {
+    pub(crate) fn get(&mut self, class: usize) -> Option<usize> {
+        if class != self.last_class {
+            self.last_class = class;
+            self.last_slot = self.slots.get(&class).copied().flatten();
+        }
+        self.last_slot
+    }
+
+    pub(crate) fn knows(&self, class: usize) -> bool {
+        self.slots.contains_key(&class)
+    }
+
+    pub(crate) fn insert(&mut self, class: usize, slot: Option<usize>) {
+        self.slots.insert(class, slot);
+        self.last_class = 0;
+    }
+}
+
+/// Follows the links from a child module to its `_modules` dict, ahead of the walk (and, through
+/// `follow`, any object's chain to a dict attribute: see `presence.rs`).
 pub struct Lookahead {
     /// Whether the running CPython's layout is one whose links can be followed.
     layout_known: bool,
     /// Where a dict's values array starts after its `ma_values` pointer (3.13 puts a header first).
     values_start: usize,
-    /// Per class: which slot of an instance dict's values holds `_modules` (`None`: not found).
-    modules_slot: FxHashMap<usize, Option<usize>>,
-    last_class: usize,
-    last_slot: Option<usize>,
+    /// Which slot holds `_modules`, per class.
+    modules_slot: SlotTable,
     /// Whether the walk reads the modules it matches (then their objects are asked for too).
     reads_matches: bool,
 }
@@ -142,9 +169,7 @@ impl Lookahead {
                 && version.major == 3
                 && (11..=13).contains(&version.minor),
             values_start: if version.minor >= 13 { 8 } else { 0 },
-            modules_slot: FxHashMap::default(),
-            last_class: 0,
-            last_slot: None,
+            modules_slot: SlotTable::default(),
             reads_matches: false,
         }
     }
@@ -177,14 +202,6 @@ impl Lookahead {
         (!values.is_null()).then(|| values.add(self.values_start) as *const *const u8)
     }
 
-    fn slot_of(&mut self, class: usize) -> Option<usize> {
-        if class != self.last_class {
-            self.last_class = class;
-            self.last_slot = self.modules_slot.get(&class).copied().flatten();
-        }
-        self.last_slot
-    }
-
     /// Where `object`'s value at `slot` of its split instance dict sits, the slot checked against
     /// the dict's item count (a split dict's values array holds at least that many).
     ///
@@ -206,7 +223,7 @@ impl Lookahead {
     /// # Safety
     /// `object` must be alive.
     unsafe fn modules_dict(&mut self, object: *mut ffi::PyObject) -> Option<*const u8> {
-        let slot = self.slot_of(ffi::Py_TYPE(object) as usize)?;
+        let slot = self.modules_slot.get(ffi::Py_TYPE(object) as usize)?;
         let modules = *self.slot_value(object, slot)?;
         (!modules.is_null() && ffi::PyDict_Check(modules as *mut ffi::PyObject) != 0)
             .then_some(modules)
@@ -221,12 +238,11 @@ impl Lookahead {
     /// `object` must be alive and `modules` its `_modules` dict.
     pub unsafe fn learn(&mut self, object: &Bound<'_, PyAny>, modules: *mut ffi::PyObject) {
         let class = ffi::Py_TYPE(object.as_ptr()) as usize;
-        if self.modules_slot.contains_key(&class) {
+        if self.modules_slot.knows(class) {
             return;
         }
         let slot = plain_getattr(object).then(|| self.slot_holding(object.as_ptr(), modules));
         self.modules_slot.insert(class, slot.flatten());
-        self.last_class = 0;
     }
 
     /// Which slot of `object`'s split instance dict holds `value` (`None`: none, or no such dict).
@@ -255,7 +271,7 @@ impl Lookahead {
         object: *mut ffi::PyObject,
         name: *mut ffi::PyObject,
     ) -> Option<*mut ffi::PyObject> {
-        let slot = self.slot_of(ffi::Py_TYPE(object) as usize)?;
+        let slot = self.modules_slot.get(ffi::Py_TYPE(object) as usize)?;
         let dict = self.instance_dict(object)?;
         let values = self.values_of(dict)?;
         let keys = word(dict, DICT_KEYS);
@@ -337,7 +353,7 @@ impl Lookahead {
                     prefetch(key);
                 }
                 let slot = if chain.needs_slot() {
-                    self.slot_of(ffi::Py_TYPE(child) as usize)
+                    self.modules_slot.get(ffi::Py_TYPE(child) as usize)
                 } else {
                     None
                 };

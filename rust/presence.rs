@@ -13,9 +13,8 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 use pyo3::{ffi, intern};
-use rustc_hash::FxHashMap;
 
-use crate::lookahead::{DictChain, Lookahead};
+use crate::lookahead::{DictChain, Lookahead, SlotTable};
 
 /// How many modules ahead each link is asked for (one lookup takes about as long as a step of
 /// the walk, so the walk's spacing serves here too).
@@ -37,7 +36,7 @@ pub fn modules_lacking(
     let name = intern!(py, "_parameters");
     let mut chains = ParameterChains {
         layout: Lookahead::new(py),
-        slots: FxHashMap::default(),
+        slots: SlotTable::default(),
     };
     let mut lacking = Vec::new();
     let mut index = 0;
@@ -80,14 +79,14 @@ pub fn modules_lacking(
 /// Follows modules' chains to their `_parameters` keys, ahead of the lookups.
 struct ParameterChains {
     layout: Lookahead,
-    /// Per class: which slot of an instance dict's values held `_parameters` (`None`: not found).
-    slots: FxHashMap<usize, Option<usize>>,
+    /// Which slot held `_parameters`, per class.
+    slots: SlotTable,
 }
 
 impl ParameterChains {
     fn learn(&mut self, module: &Bound<'_, PyAny>, parameters: &Bound<'_, PyDict>) {
         let class = module.get_type().as_ptr() as usize;
-        if !self.slots.contains_key(&class) {
+        if !self.slots.knows(class) {
             // SAFETY: `module` is alive.
             let slot = unsafe {
                 self.layout
@@ -101,12 +100,9 @@ impl ParameterChains {
     ///
     /// # Safety
     /// `module` must be alive.
-    unsafe fn follow(&self, link: DictChain, module: *mut ffi::PyObject) {
+    unsafe fn follow(&mut self, link: DictChain, module: *mut ffi::PyObject) {
         let slot = if link.needs_slot() {
-            self.slots
-                .get(&(ffi::Py_TYPE(module) as usize))
-                .copied()
-                .flatten()
+            self.slots.get(ffi::Py_TYPE(module) as usize)
         } else {
             None
         };
