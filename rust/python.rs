@@ -210,7 +210,7 @@ impl PyPatternSet {
 
     /// The compact form of `match_many`, for names by the million: one `(name position, pattern)`
     /// pair per match, as flat arrays, and how many names each pattern matched. A list of at
-    /// least 2^17 names is cut into runs matched on the machine's cores (at most eight) at once.
+    /// least 2^17 names is matched on a thread per core (at most eight), taking chunks in turn.
     fn match_indices(&self, names: &Bound<'_, PyAny>) -> PyResult<IndexMatches> {
         let list = as_list(names, "names")?;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -5,13 +5,18 @@
 //! the state after the longest segment prefix a name shares with the previous one, as the tree
 //! walk does from a parent, instead of reading every name from its first byte.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use crate::matcher::{DfaState, MatchError, Matcher, PatternSet};
 use crate::walk::TreeIndex;
 
-/// Lists shorter than this are matched on one thread: a run must repay starting a thread.
-const MIN_RUN: usize = 1 << 16;
-/// At most this many runs at once: past it, merging and memory bandwidth take over.
-const MAX_RUNS: usize = 8;
+/// Each thread must have this many names to match: it must repay its start.
+const MIN_NAMES_PER_THREAD: usize = 1 << 16;
+/// At most this many threads at once: past it, merging and memory bandwidth take over.
+const MAX_THREADS: usize = 8;
+/// Threads take the list in chunks of this many names, each the next chunk nobody took, so a
+/// thread slowed down (its core taken by another task) leaves its share to the others.
+const CHUNK: usize = 1 << 15;
 
 /// Every match of a list of names as flat arrays (for names by the million, where a list per name
 /// would cost more than the matching).
@@ -26,43 +31,73 @@ pub struct IndexHits {
 }
 
 impl IndexHits {
-    /// Matches the `count` names that `name_at` reads, cut into at most `threads` runs matched
-    /// side by side (each run on a matcher of its own), and joins the runs' hits in order.
-    /// `None` when `name_at` could not read some name.
+    /// Matches the `count` names that `name_at` reads on at most `threads` threads side by side
+    /// (each on a matcher of its own, taking chunks of the list in turn), and joins the chunks'
+    /// hits in order. `None` when `name_at` could not read some name.
     pub fn of<'n>(
         set: &PatternSet,
         count: usize,
         name_at: impl Fn(usize) -> Option<&'n str> + Sync,
         threads: usize,
     ) -> Result<Option<IndexHits>, MatchError> {
-        let runs = threads.clamp(1, MAX_RUNS).min(count / MIN_RUN).max(1);
-        let run_length = count.div_ceil(runs);
-        let name_at = &name_at;
-        std::thread::scope(|scope| {
-            let others: Vec<_> = (1..runs)
-                .map(|k| {
-                    let run = k * run_length..count.min((k + 1) * run_length);
-                    scope.spawn(move || set.with_new_matcher(|m| run_hits(set, run, name_at, m)))
-                })
-                .collect();
-            let first = set.with_matcher(|m| run_hits(set, 0..run_length.min(count), name_at, m));
-            let mut hits = first?;
-            for other in others {
-                let other = other
-                    .join()
-                    .map_err(|_| MatchError::Automaton("a matching thread stopped".to_owned()))??;
-                if let (Some(hits), Some(other)) = (&mut hits, other) {
-                    hits.names.extend_from_slice(&other.names);
-                    hits.patterns.extend_from_slice(&other.patterns);
-                    for (count, more) in hits.counts.iter_mut().zip(&other.counts) {
-                        *count += more;
+        let threads = threads
+            .clamp(1, MAX_THREADS)
+            .min(count / MIN_NAMES_PER_THREAD)
+            .max(1);
+        if threads == 1 {
+            return set.with_matcher(|m| run_hits(set, 0..count, &name_at, m));
+        }
+        let chunk_count = count.div_ceil(CHUNK);
+        let next_chunk = AtomicUsize::new(0);
+        let take_chunks = |matcher: &mut Matcher<'_>| {
+            let mut done = Vec::new();
+            loop {
+                let chunk = next_chunk.fetch_add(1, Ordering::Relaxed);
+                if chunk >= chunk_count {
+                    return Ok(done);
+                }
+                let start = chunk * CHUNK;
+                match run_hits(set, start..count.min(start + CHUNK), &name_at, matcher)? {
+                    Some(hits) => done.push((chunk, hits)),
+                    None => {
+                        // Unreadable: no thread needs to go on.
+                        next_chunk.store(chunk_count, Ordering::Relaxed);
+                        return Ok(Vec::new());
                     }
-                } else {
-                    hits = None;
                 }
             }
-            Ok(hits)
-        })
+        };
+        let take_chunks = &take_chunks;
+        let mut chunks = std::thread::scope(|scope| -> Result<_, MatchError> {
+            let others: Vec<_> = (1..threads)
+                .map(|_| scope.spawn(move || set.with_new_matcher(take_chunks)))
+                .collect();
+            let mut chunks = set.with_matcher(take_chunks)?;
+            for other in others {
+                chunks.extend(other.join().map_err(|_| {
+                    MatchError::Automaton("a matching thread stopped".to_owned())
+                })??);
+            }
+            Ok(chunks)
+        })?;
+        if chunks.len() != chunk_count {
+            return Ok(None);
+        }
+        chunks.sort_unstable_by_key(|&(chunk, _)| chunk);
+        let matches = chunks.iter().map(|(_, hits)| hits.names.len()).sum();
+        let mut joined = IndexHits {
+            names: Vec::with_capacity(matches),
+            patterns: Vec::with_capacity(matches),
+            counts: vec![0; set.len()],
+        };
+        for (_, hits) in chunks {
+            joined.names.extend_from_slice(&hits.names);
+            joined.patterns.extend_from_slice(&hits.patterns);
+            for (count, more) in joined.counts.iter_mut().zip(&hits.counts) {
+                *count += more;
+            }
+        }
+        Ok(Some(joined))
     }
 }
 
@@ -268,7 +303,7 @@ mod tests {
         let Ok(set) = PatternSet::new(&["layers.*.mlp.experts.*.up_proj", "**.7", "never"]) else {
             panic!("the patterns compile")
         };
-        let names: Vec<String> = (0..3 * MIN_RUN + 5)
+        let names: Vec<String> = (0..3 * MIN_NAMES_PER_THREAD + 5)
             .map(|i| match i % 3 {
                 0 => format!("layers.{}.mlp.experts.{i}.up_proj", i / 1000),
                 1 => format!("layers.{}.mlp.experts.{i}", i / 1000),
@@ -297,10 +332,10 @@ mod tests {
         let Ok(set) = PatternSet::new(&["a.*"]) else {
             panic!("the pattern compiles")
         };
-        let unreadable = 2 * MIN_RUN + 1;
+        let unreadable = 2 * MIN_NAMES_PER_THREAD + 1;
         let name_at = |i: usize| (i != unreadable).then_some("a.b");
         for threads in [1, 2] {
-            let found = IndexHits::of(&set, 3 * MIN_RUN, name_at, threads).unwrap();
+            let found = IndexHits::of(&set, 3 * MIN_NAMES_PER_THREAD, name_at, threads).unwrap();
             assert!(found.is_none(), "{threads} threads");
         }
         let empty = IndexHits::of(&set, 0, name_at, 2).unwrap().unwrap();

@@ -33,7 +33,7 @@ class PatternSet:
     def match_indices(self, names: Sequence[str]) -> IndexMatches:
         """The compact form of ``match_many``, for names by the million: flat index arrays.
 
-        A list of at least 2**17 ASCII names is matched in runs, one per core (at most eight)."""
+        A list of at least 2**17 ASCII names is matched on a thread per core (at most eight)."""
 
 class IndexMatches:
     """What ``PatternSet.match_indices`` found: one ``(name, pattern)`` pair per match."""
