@@ -49,3 +49,20 @@ def test_the_validation_floor_plans_what_meshbind_validate_plans(plan: str, fuse
     assert floor.noticed == validated.noticed == (plan == "typo")
     assert floor.matches == bench.meshbind_resolution(tree, patterns).matches
     assert validated.matches == (None if plan == "typo" else floor.matches)
+
+
+def test_a_fast_method_runs_on_for_the_time_budget_and_a_slow_one_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[None] = []
+
+    def method() -> bench.Outcome:
+        calls.append(None)
+        return bench.Outcome(1, False)
+
+    monkeypatch.setattr(bench, "MIN_TIMED_SECONDS", 0.0)
+    assert bench.time_method(method, 5)[1] == 5
+    monkeypatch.setattr(bench, "MIN_TIMED_SECONDS", 60.0)
+    monkeypatch.setattr(bench, "MAX_RUNS", 12)
+    assert bench.time_method(method, 5)[1] == 12
+    monkeypatch.setattr(bench, "SLOW_SECONDS", 0.0)
+    assert bench.time_method(method, 5)[1] == 1
+    assert len(calls) == 5 + 12 + 1

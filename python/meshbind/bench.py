@@ -4,12 +4,13 @@
     meshbind bench                      # the quick version: two sizes, three plans, a plot
 
 Every method runs on the same tree (or flat FQN list) in one process, each timed as the median of
-``--repeat`` runs with the garbage collector paused (a method whose first run takes over
-``SLOW_SECONDS`` is timed once), and every method that can express a plan must select exactly
-what meshbind selects (the run fails otherwise); ``n/a`` marks a plan a method cannot state.
-Ratios are to ``meshbind``. Each size runs in a fresh worker process, all its methods side by
-side there, so no size's numbers depend on which sizes ran before it (objects built after a freed
-61x1024 tree lie scattered through its memory).
+at least ``--repeat`` runs with the garbage collector paused (a fast method runs on until
+``MIN_TIMED_SECONDS`` have passed; one whose first run takes over ``SLOW_SECONDS`` runs once), and
+every method that can express a plan must select exactly what meshbind selects (the run fails
+otherwise); ``n/a`` marks a plan a method cannot state. Ratios are to ``meshbind``. Each size runs
+in a fresh worker process, all its methods side by side there, so no size's numbers depend on
+which sizes ran before it (objects built after a freed 61x1024 tree lie scattered through its
+memory).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ from meshbind.plan import PlanError, resolve_plan
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
 
 SLOW_SECONDS = 3.0
+MIN_TIMED_SECONDS = 0.5
+"""A method taking milliseconds runs on until this much time has passed (its collections
+included): the median of five such runs moves with one slow run (a first call, or a call whose
+second thread found the VM's other core taken)."""
+MAX_RUNS = 100
 TYPO = "layers.*.mlp.experts.*.gate_prj"
 
 Target = nn.Module | list[str]
@@ -317,9 +323,13 @@ class Row:
 
 
 def time_method(fn: Callable[[], Outcome], repeat: int) -> tuple[float, int, Outcome]:
+    """The median time of ``fn`` over at least ``repeat`` runs, each after a ``gc.collect()``, and
+    more runs while less than ``MIN_TIMED_SECONDS`` have passed (at most ``MAX_RUNS``); one run
+    when the first is slow."""
     times: list[float] = []
     outcome = Outcome(None, False)
-    for _ in range(repeat):
+    began = time.perf_counter()
+    while len(times) < repeat or (time.perf_counter() - began < MIN_TIMED_SECONDS and len(times) < MAX_RUNS):
         gc.collect()
         gc.disable()
         try:
