@@ -394,10 +394,17 @@ impl Matcher<'_> {
                         let matched = automaton.dfa.match_pattern(cache, end, k).as_usize();
                         match &automaton.answers[matched] {
                             Answer::Pattern(index) => out.push(*index),
-                            Answer::Family(which) => out.extend_from_slice(
-                                self.recent_members
-                                    .members_of(&automaton.families, *which, name),
-                            ),
+                            Answer::Family(which) => {
+                                match self.recent_members.members_of(
+                                    &automaton.families,
+                                    *which,
+                                    name,
+                                ) {
+                                    // Nearly always one pattern: a push, not a call to memcpy.
+                                    &[member] => out.push(member),
+                                    members => out.extend_from_slice(members),
+                                }
+                            }
                         }
                     }
                 }
