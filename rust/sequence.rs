@@ -49,40 +49,41 @@ impl IndexHits {
         }
         let chunk_count = count.div_ceil(CHUNK);
         let next_chunk = AtomicUsize::new(0);
+        // Each thread's chunks, or `None` when a name could not be read.
         let take_chunks = |matcher: &mut Matcher<'_>| {
             let mut done = Vec::new();
             loop {
                 let chunk = next_chunk.fetch_add(1, Ordering::Relaxed);
                 if chunk >= chunk_count {
-                    return Ok(done);
+                    return Ok(Some(done));
                 }
                 let start = chunk * CHUNK;
-                match run_hits(set, start..count.min(start + CHUNK), &name_at, matcher)? {
-                    Some(hits) => done.push((chunk, hits)),
-                    None => {
-                        // Unreadable: no thread needs to go on.
-                        next_chunk.store(chunk_count, Ordering::Relaxed);
-                        return Ok(Vec::new());
-                    }
-                }
+                let Some(hits) = run_hits(set, start..count.min(start + CHUNK), &name_at, matcher)?
+                else {
+                    // No thread needs to go on.
+                    next_chunk.store(chunk_count, Ordering::Relaxed);
+                    return Ok(None);
+                };
+                done.push((chunk, hits));
             }
         };
         let take_chunks = &take_chunks;
-        let mut chunks = std::thread::scope(|scope| -> Result<_, MatchError> {
+        let per_thread = std::thread::scope(|scope| -> Result<_, MatchError> {
             let others: Vec<_> = (1..threads)
                 .map(|_| scope.spawn(move || set.with_new_matcher(take_chunks)))
                 .collect();
-            let mut chunks = set.with_matcher(take_chunks)?;
+            let mut per_thread = vec![set.with_matcher(take_chunks)?];
             for other in others {
-                chunks.extend(other.join().map_err(|_| {
+                per_thread.push(other.join().map_err(|_| {
                     MatchError::Automaton("a matching thread stopped".to_owned())
                 })??);
             }
-            Ok(chunks)
+            Ok(per_thread)
         })?;
-        if chunks.len() != chunk_count {
+        let Some(per_thread) = per_thread.into_iter().collect::<Option<Vec<_>>>() else {
             return Ok(None);
-        }
+        };
+        let mut chunks: Vec<(usize, IndexHits)> = per_thread.into_iter().flatten().collect();
         chunks.sort_unstable_by_key(|&(chunk, _)| chunk);
         let matches = chunks.iter().map(|(_, hits)| hits.names.len()).sum();
         let mut joined = IndexHits {
