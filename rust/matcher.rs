@@ -19,7 +19,7 @@ use regex_automata::util::start;
 use regex_automata::{Anchored, Input, MatchKind, PatternSet as MatchSet};
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::families::{find_families, Family, RecentMembers};
+use crate::families::{draft_families, Family, RecentMembers};
 use crate::pattern::{Pattern, PatternError, Strategy};
 
 /// The lazy DFA's cache budget: large enough that big generated plans rarely clear it.
@@ -65,7 +65,8 @@ struct Fallback {
 }
 
 pub struct PatternSet {
-    pub patterns: Vec<Pattern>,
+    /// The patterns as written.
+    pub texts: Vec<String>,
     exact: FxHashMap<String, Vec<u32>>,
     /// Every proper dotted prefix of an exact FQN: the walk must enter these.
     exact_prefixes: FxHashSet<String>,
@@ -84,38 +85,60 @@ pub struct DfaState {
 
 impl PatternSet {
     pub fn new<S: AsRef<str>>(texts: &[S]) -> Result<PatternSet, BuildError> {
-        let patterns = texts
+        let texts: Vec<&str> = texts.iter().map(AsRef::as_ref).collect();
+        let drafts = draft_families(&texts);
+        // A family's members after its first are parsed only if the family does not form.
+        let mut parsed_later = vec![false; texts.len()];
+        for draft in &drafts {
+            for &(index, _) in &draft.members[1..] {
+                parsed_later[index as usize] = true;
+            }
+        }
+        let compile = |text: &str| Pattern::compile(text).map_err(BuildError::Pattern);
+        let mut patterns: Vec<Option<Pattern>> = texts
             .iter()
-            .map(|t| Pattern::compile(t.as_ref()))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(BuildError::Pattern)?;
+            .zip(&parsed_later)
+            .map(|(text, &later)| (!later).then(|| compile(text)).transpose())
+            .collect::<Result<_, _>>()?;
+        // Exact FQNs alone are answered by hash lookups: families only join a DFA.
+        let needs_automaton = patterns
+            .iter()
+            .flatten()
+            .any(|p| matches!(p.strategy, Strategy::Glob | Strategy::Regex(_)));
+        let mut families = Vec::new();
+        let mut in_family = vec![false; texts.len()];
+        for draft in &drafts {
+            let first = draft.members[0].0 as usize;
+            let family = patterns[first]
+                .as_ref()
+                .filter(|_| needs_automaton)
+                .and_then(|pattern| Family::new(draft, pattern));
+            if let Some(family) = family {
+                families.push(family);
+                for &(index, _) in &draft.members {
+                    in_family[index as usize] = true;
+                }
+            } else {
+                for &(index, _) in &draft.members[1..] {
+                    patterns[index as usize] = Some(compile(texts[index as usize])?);
+                }
+            }
+        }
         let mut exact: FxHashMap<String, Vec<u32>> = FxHashMap::default();
         let mut exact_prefixes = FxHashSet::default();
         let mut root_matches = Vec::new();
         let (mut dfa_regexes, mut dfa_answers) = (Vec::new(), Vec::new());
         let (mut fallback_regexes, mut fallback_ids) = (Vec::new(), Vec::new());
-        let needs_automaton = patterns
-            .iter()
-            .any(|p| matches!(p.strategy, Strategy::Glob | Strategy::Regex(_)));
-        let families = if needs_automaton {
-            find_families(&patterns)
-        } else {
-            Vec::new()
-        };
-        let mut in_family = vec![false; patterns.len()];
-        for family in &families {
-            for &index in family.members.values().flatten() {
-                in_family[index as usize] = true;
-            }
-        }
         for (index, pattern) in patterns.iter().enumerate() {
+            let Some(pattern) = pattern.as_ref().filter(|_| !in_family[index]) else {
+                continue;
+            };
             let index32 = index as u32;
             if pattern.matches_root {
                 root_matches.push(index32);
             }
             match &pattern.strategy {
                 Strategy::Root => {}
-                _ if in_family[index] => {}
                 Strategy::Exact(_) if needs_automaton => {
                     dfa_regexes.extend(pattern.hir());
                     dfa_answers.push(Answer::Pattern(index32));
@@ -184,7 +207,7 @@ impl PatternSet {
         };
         let cache = Mutex::new(automaton.as_ref().map(|a| a.dfa.create_cache()));
         Ok(PatternSet {
-            patterns,
+            texts: texts.into_iter().map(str::to_owned).collect(),
             exact,
             exact_prefixes,
             root_matches,
@@ -195,11 +218,11 @@ impl PatternSet {
     }
 
     pub fn len(&self) -> usize {
-        self.patterns.len()
+        self.texts.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.patterns.is_empty()
+        self.texts.is_empty()
     }
 
     /// Whether a subtree can be skipped when its FQN leaves the DFA dead: only without fallbacks.
@@ -458,6 +481,35 @@ mod tests {
         assert_eq!(matches(&patterns, "layers.11.mlp.gate"), vec![3, 12]);
         assert_eq!(matches(&patterns, "layers.12.mlp.gate"), vec![3]);
         assert!(matches(&patterns, "layers.5.mlp").is_empty());
+    }
+
+    fn layer_texts(template: &str) -> Vec<String> {
+        (0..12)
+            .map(|l| template.replace('#', &l.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn exact_fqns_shaped_like_a_family_stay_hash_lookups() {
+        let texts = layer_texts("layers.#.mlp.gate");
+        let set = PatternSet::new(&texts).ok().unwrap();
+        assert!(set.automaton.is_none());
+        let mut out = Vec::new();
+        set.with_matcher(|m| m.match_name("layers.7.mlp.gate", &mut out))
+            .unwrap();
+        assert_eq!(out, vec![7]);
+    }
+
+    #[test]
+    fn a_malformed_family_reports_its_first_member_after_earlier_patterns() {
+        let error_of = |texts: &[String]| match PatternSet::new(texts) {
+            Err(BuildError::Pattern(e)) => e.pattern,
+            _ => panic!("{texts:?} must not compile"),
+        };
+        let mut texts = layer_texts("layers.#.mlp[");
+        assert_eq!(error_of(&texts), "layers.0.mlp[");
+        texts.insert(0, "x{".to_owned());
+        assert_eq!(error_of(&texts), "x{");
     }
 
     #[test]

@@ -140,7 +140,7 @@ impl PyPatternSet {
 
     #[getter]
     fn patterns(&self) -> Vec<String> {
-        self.inner.patterns.iter().map(|p| p.text.clone()).collect()
+        self.inner.texts.clone()
     }
 
     fn __len__(&self) -> usize {

@@ -39,7 +39,8 @@ pub enum ClassItem {
 /// One element of a glob. Positions are character offsets, kept where a later check may point.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Node {
-    Literal(char),
+    /// A run of literal characters, escapes resolved (never empty; never two in a row).
+    Literal(String),
     /// `*`: any run of non-dot characters.
     Star,
     /// `?`: one non-dot character.
@@ -49,22 +50,15 @@ pub enum Node {
         items: Vec<ClassItem>,
     },
     /// `<lo-hi>`: a canonical decimal numeral in the closed range.
-    Range {
-        lo: u64,
-        hi: u64,
-    },
+    Range { lo: u64, hi: u64 },
     Alternation {
         position: usize,
         alternatives: Vec<Vec<Node>>,
     },
     /// The segment separator `.`.
-    Dot {
-        position: usize,
-    },
+    Dot { position: usize },
     /// `**` as written; whether it stands as a whole segment is checked later.
-    Globstar {
-        position: usize,
-    },
+    Globstar { position: usize },
 }
 
 struct Parser {
@@ -96,24 +90,15 @@ impl Parser {
 
     /// Parses until the end, or (inside braces) until a `,` or `}` that ends the alternative.
     fn sequence(&mut self, depth: usize) -> Result<Vec<Node>, PatternSyntaxError> {
-        // At the top level, at most one node per character: one allocation.
-        let mut nodes = if depth == 0 {
-            Vec::with_capacity(self.chars.len())
-        } else {
-            Vec::new()
-        };
+        let mut nodes = Vec::new();
         while let Some(c) = self.peek() {
             let start = self.pos;
-            // Most characters are literal: a run of them is added in one loop, which writes each
-            // node in place (pushed one by one, a node is built aside and copied, slowly).
-            let is_special =
-                |c: &char| matches!(c, '}' | ',' | '\\' | '*' | '?' | '.' | '[' | '<' | '{');
-            if !is_special(&c) {
+            if !is_special(c) {
                 let end = self.chars[start..]
                     .iter()
-                    .position(is_special)
+                    .position(|&c| is_special(c))
                     .map_or(self.chars.len(), |length| start + length);
-                nodes.extend(self.chars[start..end].iter().map(|&c| Node::Literal(c)));
+                push_literal(&mut nodes, &self.chars[start..end]);
                 self.pos = end;
                 continue;
             }
@@ -134,7 +119,7 @@ impl Parser {
                         PatternSyntaxError::new(start, "trailing '\\' escapes nothing")
                     })?;
                     self.pos += 1;
-                    nodes.push(Node::Literal(escaped));
+                    push_literal(&mut nodes, &[escaped]);
                 }
                 '*' => {
                     if self.chars.get(self.pos + 1) == Some(&'*') {
@@ -164,7 +149,7 @@ impl Parser {
                 '{' => nodes.push(self.alternation(depth)?),
                 other => {
                     self.pos += 1;
-                    nodes.push(Node::Literal(other));
+                    push_literal(&mut nodes, &[other]);
                 }
             }
         }
@@ -309,6 +294,20 @@ impl Parser {
     }
 }
 
+/// Whether `c` means more than itself somewhere in a glob (elsewhere it is literal).
+pub fn is_special(c: char) -> bool {
+    matches!(c, '}' | ',' | '\\' | '*' | '?' | '.' | '[' | '<' | '{')
+}
+
+/// Appends literal characters, to the run the sequence ends with if it ends with one.
+fn push_literal(nodes: &mut Vec<Node>, chars: &[char]) {
+    if let Some(Node::Literal(run)) = nodes.last_mut() {
+        run.extend(chars);
+    } else {
+        nodes.push(Node::Literal(chars.iter().collect()));
+    }
+}
+
 /// Range bounds stay below 10^18 so every bound fits the numeral arithmetic of `range.rs`.
 pub const MAX_RANGE_VALUE: u64 = 999_999_999_999_999_999;
 
@@ -323,7 +322,7 @@ mod tests {
     #[test]
     fn parses_every_element() {
         let nodes = parse_glob(r"a*?[!0-9_]<1-3>{x,y.z}\*.**").unwrap();
-        assert_eq!(nodes[0], Node::Literal('a'));
+        assert_eq!(nodes[0], Node::Literal("a".into()));
         assert_eq!(nodes[1], Node::Star);
         assert_eq!(nodes[2], Node::AnyChar);
         assert_eq!(
@@ -337,7 +336,7 @@ mod tests {
         assert!(
             matches!(&nodes[5], Node::Alternation { position: 15, alternatives } if alternatives.len() == 2)
         );
-        assert_eq!(nodes[6], Node::Literal('*'));
+        assert_eq!(nodes[6], Node::Literal("*".into()));
         assert_eq!(nodes[7], Node::Dot { position: 24 });
         assert_eq!(nodes[8], Node::Globstar { position: 25 });
     }
@@ -366,9 +365,12 @@ mod tests {
     fn escapes_and_literal_punctuation() {
         assert_eq!(
             parse_glob(r"\{a\}").unwrap(),
-            vec![Node::Literal('{'), Node::Literal('a'), Node::Literal('}')]
+            vec![Node::Literal("{a}".into())]
         );
-        assert_eq!(parse_glob("a,b>]").unwrap().len(), 5);
+        assert_eq!(
+            parse_glob("a,b>]").unwrap(),
+            vec![Node::Literal("a,b>]".into())]
+        );
         assert_eq!(
             parse_glob(r"[\]a-]").unwrap(),
             vec![Node::Class {

@@ -152,8 +152,8 @@ fn literal_text(nodes: &[Node]) -> Option<String> {
         nodes
             .iter()
             .map(|node| match node {
-                Node::Literal(c) => *c,
-                _ => '.',
+                Node::Literal(run) => run.as_str(),
+                _ => ".",
             })
             .collect()
     })
@@ -221,7 +221,7 @@ impl Concat {
 
     fn push_node(&mut self, node: &Node) {
         match node {
-            Node::Literal(c) => self.literal.push(*c),
+            Node::Literal(run) => self.literal.push_str(run),
             Node::Dot { .. } => self.literal.push('.'),
             // Braces never hold `**` (the parser rejects it) and top-level ones are handled above.
             Node::Star | Node::Globstar { .. } => self.push(segment_text()),
