@@ -47,7 +47,7 @@ pub(crate) enum DictChain {
 impl DictChain {
     /// Whether following this link needs the attribute's slot, read through the object's class:
     /// the first two links must not read the object, whose line they are still asking for.
-    pub(crate) fn needs_slot(self) -> bool {
+    fn needs_slot(self) -> bool {
         matches!(self, DictChain::Slot | DictChain::Dict | DictChain::Entries)
     }
 }
@@ -135,6 +135,24 @@ impl SlotTable {
             self.last_slot = self.slots.get(&class).copied().flatten();
         }
         self.last_slot
+    }
+
+    /// The slot `link` needs of `object`'s class (`None` also for a link that reads none: see
+    /// `DictChain::needs_slot`).
+    ///
+    /// # Safety
+    /// `object` must be alive.
+    #[inline(always)]
+    pub(crate) unsafe fn for_link(
+        &mut self,
+        link: DictChain,
+        object: *mut ffi::PyObject,
+    ) -> Option<usize> {
+        if link.needs_slot() {
+            self.get(ffi::Py_TYPE(object) as usize)
+        } else {
+            None
+        }
     }
 
     pub(crate) fn knows(&self, class: usize) -> bool {
@@ -352,11 +370,7 @@ impl Lookahead {
                 if let DictChain::Object = chain {
                     prefetch(key);
                 }
-                let slot = if chain.needs_slot() {
-                    self.modules_slot.get(ffi::Py_TYPE(child) as usize)
-                } else {
-                    None
-                };
+                let slot = self.modules_slot.for_link(chain, child);
                 // The header, indices and entries of a dict of a few children.
                 self.follow(chain, child, slot, 3);
             }
@@ -377,7 +391,7 @@ impl Lookahead {
     }
 
     /// Asks for `link` of the chain from `object` to the dict held at `slot` of its instance dict
-    /// (`None`: not known, or not needed by the link: see `DictChain::needs_slot`), reading the
+    /// (`None`: not known, or not needed by the link: see `SlotTable::for_link`), reading the
     /// links before it, which earlier steps asked for; of the dict's keys, `entry_lines` lines.
     ///
     /// # Safety

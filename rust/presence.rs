@@ -101,11 +101,7 @@ impl ParameterChains {
     /// # Safety
     /// `module` must be alive.
     unsafe fn follow(&mut self, link: DictChain, module: *mut ffi::PyObject) {
-        let slot = if link.needs_slot() {
-            self.slots.get(ffi::Py_TYPE(module) as usize)
-        } else {
-            None
-        };
+        let slot = self.slots.for_link(link, module);
         // The header, indices and entries of a dict of a few parameters.
         self.layout.follow(link, module, slot, 2);
     }
