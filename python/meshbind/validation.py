@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import groupby, repeat
+from itertools import repeat
 from operator import attrgetter, is_
 from typing import Any
 
@@ -211,15 +211,16 @@ class ValidationBatch:
         if identities.count(identities[0]) == count and experts_of_row.count(experts_of_row[0]) == count:
             return [(self._flatten(shardings[0]), experts_of_row[0], list(range(count)))]
         distinct = dict(zip(identities, shardings, strict=True))
-        keys = list(zip(identities, experts_of_row, strict=True))
-        order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: rows stay ascending
+        rows_of: dict[tuple[int, int | None], list[int]] = {}
+        for row, key in enumerate(zip(identities, experts_of_row, strict=True)):
+            rows_of.setdefault(key, []).append(row)
         templates: dict[int, _ShardingTemplate] = {}
         groups = []
-        for (identity, experts), rows in groupby(order, key=keys.__getitem__):
+        for (identity, experts), rows in rows_of.items():
             template = templates.get(identity)
             if template is None:
                 template = templates[identity] = self._flatten(distinct[identity])
-            groups.append((template, experts, list(rows)))
+            groups.append((template, experts, rows))
         return groups
 
     def _units(
