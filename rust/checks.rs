@@ -59,9 +59,9 @@ pub struct Problem {
     pub message: String,
 }
 
-/// Checks every row, and every `ep` module (`num_experts[m]` is `Some` for those), returning
-/// every `layout` problem and the first `expert` problem of each module. Rows may come in any
-/// order; every row's module must be below `num_experts.len()`.
+/// Checks every row, and every `ep` module (`num_experts[m]` is `Some` for those, at least 1; every
+/// axis size is positive), returning every `layout` problem and the first `expert` problem of each
+/// module. Rows may come in any order; every row's module must be below `num_experts.len()`.
 pub fn check_placements(
     axes: &AxisTable<'_>,
     labels: &[String],
@@ -168,9 +168,6 @@ fn expert_problem<'r>(
     let Some(ep_size) = ep_size else {
         return Some("the layout context has no 'ep' axis, which an 'ep' module needs".to_owned());
     };
-    if num_experts < 1 {
-        return Some(format!("num_experts must be at least 1, got {num_experts}"));
-    }
     if num_experts % ep_size != 0 {
         return Some(format!(
             "num_experts {num_experts} is not divisible by the 'ep' axis size {ep_size}"
@@ -259,7 +256,6 @@ mod tests {
         let shard0 = || vec![row(0, 0, PlacementKind::Shard, 0, Some(vec![8, 4]))];
         let first = |p: Vec<Problem>| p.into_iter().next().map(|p| p.message).unwrap_or_default();
         assert!(first(check(&[Some(3), Some(1)], &shard0(), &[Some(8)])).contains("not divisible"));
-        assert!(first(check(&[Some(4), Some(1)], &shard0(), &[Some(0)])).contains("at least 1"));
         assert!(first(check(&[None, Some(1)], &shard0(), &[Some(8)])).contains("lacks"));
         let replicate = [row(0, 0, PlacementKind::Replicate, 0, Some(vec![8, 4]))];
         assert!(first(check(&[Some(4), Some(1)], &replicate, &[Some(8)]))

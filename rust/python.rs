@@ -467,8 +467,9 @@ fn check_patterns(py: Python<'_>, patterns: &Bound<'_, PyAny>) -> PyResult<()> {
 
 /// SPEC §4 `layout` and §5 rule 5 over every planned module at once. Rows are parallel lists
 /// (module, label, axis, kind 0=Shard 1=Replicate 2=Partial, dim, parameter rank and shape[0] or
-/// None), in any order; `num_experts[m]` is set for `ep` modules. Returns
-/// `(module, code, message)` for every problem.
+/// None), in any order; `num_experts[m]` is set for `ep` modules (the caller has checked, once per
+/// spec, that each is at least 1). Axis sizes must be positive. Returns `(module, code, message)`
+/// for every problem.
 #[pyfunction]
 #[pyo3(name = "check_placements")]
 #[allow(clippy::too_many_arguments)]
@@ -506,6 +507,15 @@ fn py_check_placements(
         return Err(PyValueError::new_err(
             "every row list must have the same length",
         ));
+    }
+    if let Some((name, size)) = axis_names
+        .iter()
+        .zip(&axis_sizes)
+        .find_map(|(name, &size)| size.filter(|&n| n < 1).map(|n| (name, n)))
+    {
+        return Err(PyValueError::new_err(format!(
+            "axis size {size} of {name:?} must be positive"
+        )));
     }
     if let Some(m) = row_module
         .iter()

@@ -124,7 +124,7 @@ def test_sharding_spec_uses_torch_placements_and_is_read_only() -> None:
     assert spec.to_dict()["params"] == {"w": {"ep": "Shard(dim=0)", "tp": "Replicate()"}}
 
 
-@pytest.mark.parametrize("sizes", [{"ep": 0}, {"ep": True}, {"ep": 2.0}, {"": 2}, [("ep", 2)]])
+@pytest.mark.parametrize("sizes", [{"ep": 0}, {"ep": 2**63}, {"ep": True}, {"ep": 2.0}, {"": 2}, [("ep", 2)]])
 def test_layout_context_rejects_bad_sizes(sizes: object) -> None:
     with pytest.raises(ValueError, match="axis"):
         LayoutContext(sizes)  # type: ignore[arg-type]

@@ -149,6 +149,8 @@ def test_out_src_must_equal_a_set_out_dst() -> None:
         (True, "must be an int, got bool"),
         (4.0, "must be an int"),
         (0, "at least 1"),
+        (-(2**70), "at least 1"),
+        (2**70, "at most 2\\*\\*63 - 1"),
         (3, "not divisible by the 'ep' axis size 2"),
     ],
 )
@@ -246,3 +248,11 @@ def test_the_modules_lacking_a_parameter_are_found_across_a_long_list() -> None:
     modules[200]._parameters = ["weight"]  # type: ignore[assignment]
     with pytest.raises(TypeError, match=r"modules\[200\]._parameters is a list, not a dict"):
         _core.modules_lacking(modules, "weight")
+
+
+@pytest.mark.parametrize("ep_size", [0, -2])
+def test_the_placement_check_rejects_a_size_it_cannot_divide_by(ep_size: int) -> None:
+    # Only a direct call can hand Rust such a size (LayoutContext refuses it): a ValueError, not a panic.
+    one_row = ([0], [0], [0], [0], [0], [3], [8])
+    with pytest.raises(ValueError, match=f'axis size {ep_size} of "ep" must be positive'):
+        _core.check_placements(["ep"], [ep_size], ["params['w']"], [True], *one_row, [8])

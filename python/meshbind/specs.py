@@ -199,8 +199,8 @@ class LayoutContext:
         for axis, size in self.axis_sizes.items():
             if not isinstance(axis, str) or not axis:
                 raise ValueError(f"LayoutContext.axis_sizes: axis name {axis!r} must be a non-empty str")
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise ValueError(f"LayoutContext.axis_sizes[{axis!r}] must be a positive int, got {size!r}")
+            if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size < 2**63:
+                raise ValueError(f"LayoutContext.axis_sizes[{axis!r}] must be an int from 1 to 2**63 - 1, got {size!r}")
         _set(self, "axis_sizes", MappingProxyType(dict(self.axis_sizes)))
 
     def __hash__(self) -> int:

@@ -33,6 +33,7 @@ Failure = tuple[str, str]
 _SHARD, _REPLICATE, _PARTIAL = 0, 1, 2
 _PARAMETERS = attrgetter("_parameters")
 _NDIM = attrgetter("ndim")
+_INT64_MAX = 2**63 - 1
 
 
 def _bound_signature(cls: type, name: str) -> inspect.Signature:
@@ -290,17 +291,19 @@ class ValidationBatch:
         spec_ids: list[int], distinct_specs: dict[int, ParallelModuleSpec], failures: list[Failure | None]
     ) -> dict[int, int]:
         """``num_experts`` of every ``ep`` spec for rule 5, by spec identity; a spec whose count is
-        not an int fails each of its modules here."""
+        not an int from 1 to 2**63 - 1 (what Rust's arithmetic takes) fails each of its modules here."""
         counts: dict[int, int] = {}
         failing: dict[int, Failure] = {}
         for identity, spec in distinct_specs.items():
             if spec.binding_kind != "ep":
                 continue
             value = spec.options["num_experts"]
-            if isinstance(value, int) and not isinstance(value, bool):
-                counts[identity] = value
-            else:
+            if not isinstance(value, int) or isinstance(value, bool):
                 failing[identity] = ("expert", f"options['num_experts'] must be an int, got {type(value).__name__} {value!r}")
+            elif not 1 <= value <= _INT64_MAX:
+                failing[identity] = ("expert", f"num_experts must be at least 1 and at most 2**63 - 1, got {value}")
+            else:
+                counts[identity] = value
         if failing:
             for row, identity in enumerate(spec_ids):
                 failures[row] = failures[row] or failing.get(identity)
