@@ -440,3 +440,20 @@ def test_offline_resolution_over_fqns_with_shapes() -> None:
 def test_bad_arguments_are_named(model: Any, requests: Any, context: Any, error: str) -> None:
     with pytest.raises((TypeError, ValueError), match=error):
         resolve_plan(model, requests, context)
+
+
+@pytest.mark.parametrize(
+    ("model", "shapes", "error"),
+    [
+        (["a"], [("a.w", (2,))], "param_shapes must map parameter FQNs to shapes"),
+        (["a"], {1: (2,)}, "the key 1 must be a parameter FQN str"),
+        (["a"], {"a.w": 5}, r"param_shapes\['a.w'\] must be a sequence of sizes"),
+        (["a"], {"a.w": "ab"}, r"param_shapes\['a.w'\] must be a sequence of sizes"),
+        (["a"], {"a.w": (-1, 3)}, r"param_shapes\['a.w'\] must be a sequence of sizes"),
+        (["a"], {"a.w": (2**70, 3)}, r"from 0 to 2\*\*63 - 1, got \(1180591620717411303424, 3\)"),
+        (nn.Linear(2, 2), {"weight": (2, 2)}, "param_shapes is for a sequence of FQNs"),
+    ],
+)
+def test_bad_param_shapes_are_named(model: Any, shapes: Any, error: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=error):
+        resolve_plan(model, [EXPERTS_REQUEST], CONTEXT, param_shapes=shapes)

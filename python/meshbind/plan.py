@@ -122,19 +122,21 @@ def resolve_plan(
     provider's fields on every planned module it selects, in the mapping's order. Offline,
     ``param_shapes`` (``{"layers.0.mlp.w1": (8, 16, 32)}``) enables the shape checks, the providers
     receive ``module=None``, and the class-level rules and ``validate`` (which need a module) do
-    not run. Raises ``PlanError`` listing every problem.
+    not run; with a module, whose own parameters give the shapes, ``param_shapes`` is refused.
+    Raises ``PlanError`` listing every problem.
     """
     requests = _checked_requests(requests)
     if not isinstance(context, LayoutContext):
         raise TypeError(f"context must be a LayoutContext, got {type(context).__name__}")
     override_items = _checked_overrides(overrides)
+    shapes = _checked_param_shapes(param_shapes, model)
     patterns = [pattern for request in requests for pattern in request.match]
     owners = [index for index, request in enumerate(requests) for _ in request.match]
     patterns += [pattern for pattern, _ in override_items]
     owners += [-1 - index for index in range(len(override_items))]
     pattern_set = PatternSet(patterns)
     tree, offline = _index(pattern_set, model)
-    return _Resolution(model, requests, context, override_items, param_shapes, tree, offline, patterns, owners).run()
+    return _Resolution(model, requests, context, override_items, shapes, tree, offline, patterns, owners).run()
 
 
 def _family_sharding(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
@@ -166,6 +168,29 @@ def _checked_overrides(overrides: object) -> list[tuple[str, Mapping[str, Any]]]
     return list(overrides.items())
 
 
+def _checked_param_shapes(param_shapes: object, model: object) -> dict[str, tuple[int, ...]] | None:
+    """Offline shapes as tuples; a shape that is no sequence of sizes from 0 to 2**63 - 1 (what the
+    Rust checks take) is named."""
+    if param_shapes is None:
+        return None
+    if isinstance(model, nn.Module):
+        raise ValueError("param_shapes is for a sequence of FQNs: a module's own parameters give their shapes")
+    if not isinstance(param_shapes, Mapping):
+        raise TypeError(f"param_shapes must map parameter FQNs to shapes, got {type(param_shapes).__name__}")
+    shapes = {}
+    for name, shape in param_shapes.items():
+        if not isinstance(name, str):
+            raise TypeError(f"param_shapes: the key {name!r} must be a parameter FQN str")
+        if (
+            isinstance(shape, str)
+            or not isinstance(shape, Sequence)
+            or not all(isinstance(size, int) and not isinstance(size, bool) and 0 <= size < 2**63 for size in shape)
+        ):
+            raise ValueError(f"param_shapes[{name!r}] must be a sequence of sizes from 0 to 2**63 - 1, got {shape!r}")
+        shapes[name] = tuple(shape)
+    return shapes
+
+
 def _index(pattern_set: PatternSet, model: object) -> tuple[ModuleTree, bool]:
     """The matches over the model. Family members may sit anywhere, so the walk visits every
     module when a family class exists; otherwise it prunes subtrees no pattern can reach."""
@@ -192,7 +217,7 @@ class _Resolution:
         requests: list[NativeParallelBindingRequest],
         context: LayoutContext,
         overrides: list[tuple[str, Mapping[str, Any]]],
-        param_shapes: Mapping[str, Sequence[int]] | None,
+        param_shapes: Mapping[str, tuple[int, ...]] | None,
         tree: ModuleTree,
         offline: bool,
         patterns: list[str],
@@ -230,7 +255,7 @@ class _Resolution:
                 [values[row] for row in rows] for values in (planned, modules, fqns, specs, sources)
             )
             shardings = [shardings[row] for row in rows]
-        batch = ValidationBatch(self.context, self.param_shapes if self.offline else None)
+        batch = ValidationBatch(self.context, self.param_shapes)
         classes = None if self.offline else list(map(self.classes.__getitem__, map(self.module_classes.__getitem__, planned)))
         for row, code, message in batch.check(modules, fqns, specs, shardings, classes):  # type: ignore[arg-type]
             self.problems.append(PlanProblem(code, fqns[row], sources[row], message))
