@@ -43,18 +43,32 @@ pub struct PatternError {
     pub reason: String,
 }
 
+/// How many characters of a long pattern a message shows, around the error.
+const SHOWN_CHARS: usize = 80;
+
 impl PatternError {
-    /// The message quotes the pattern and points at the offending character with a caret.
+    /// The message quotes the pattern and points at the offending character with a caret; a
+    /// pattern longer than `SHOWN_CHARS` is shown around that character, cut ends marked `…`.
     pub fn message(&self) -> String {
-        let shown: String = self.pattern.chars().flat_map(char::escape_debug).collect();
-        let caret_column: usize = self
-            .pattern
-            .chars()
-            .take(self.position)
-            .map(|c| c.escape_debug().count())
-            .sum();
+        let chars: Vec<char> = self.pattern.chars().collect();
+        let position = self.position.min(chars.len());
+        let start = position
+            .saturating_sub(SHOWN_CHARS / 2)
+            .min(chars.len().saturating_sub(SHOWN_CHARS));
+        let end = chars.len().min(start + SHOWN_CHARS);
+        let escaped =
+            |part: &[char]| -> String { part.iter().flat_map(|c| c.escape_debug()).collect() };
+        let lead = if start > 0 { "…" } else { "" };
+        let trail = if end < chars.len() { "…" } else { "" };
+        let shown = format!("{lead}{}{trail}", escaped(&chars[start..end]));
+        let caret_column = lead.chars().count() + escaped(&chars[start..position]).chars().count();
+        let length = if lead.is_empty() && trail.is_empty() {
+            String::new()
+        } else {
+            format!(" ({} characters)", chars.len())
+        };
         format!(
-            "invalid pattern \"{shown}\": {}\n  {shown}\n  {}^",
+            "invalid pattern \"{shown}\"{length}: {}\n  {shown}\n  {}^",
             self.reason,
             " ".repeat(caret_column)
         )
@@ -378,6 +392,22 @@ mod tests {
         let message = err.message();
         assert!(message.contains("\"re:ab(c\""), "{message}");
         assert!(message.ends_with("\n       ^"), "{message:?}");
+    }
+
+    #[test]
+    fn a_long_pattern_is_shown_around_the_error() {
+        let text = format!("{}.[{}", "a".repeat(200), "b".repeat(200));
+        let err = Pattern::compile(&text).unwrap_err();
+        assert_eq!(err.position, 201);
+        let message = err.message();
+        let shown = format!("…{}.[{}…", "a".repeat(39), "b".repeat(39));
+        assert!(
+            message.starts_with(&format!("invalid pattern \"{shown}\" (402 characters): ")),
+            "{message}"
+        );
+        let caret = format!("\n  {}^", " ".repeat(41));
+        assert!(message.ends_with(&caret), "{message:?}");
+        assert_eq!(message.lines().count(), 3);
     }
 
     #[test]
