@@ -257,16 +257,26 @@ def test_provider_failures_become_layout_problems() -> None:
     def missing_parameter(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
         return ModuleShardingSpec(params={"weight": {"dp": Replicate()}, "w9": {"dp": Replicate()}})
 
+    def returns_nothing(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        return None  # type: ignore[return-value]
+
     requests = [
         NativeParallelBindingRequest(("layers.0.mlp",), EP_SPEC, raises),
         NativeParallelBindingRequest(("layers.1.mlp",), EP_SPEC, wrong_type),
         NativeParallelBindingRequest(("head",), LINEAR_SPEC, missing_parameter),
+        NativeParallelBindingRequest(("layers.0.norm",), LINEAR_SPEC, returns_nothing),
     ]
     problems = problems_of(Model(), requests)
-    assert [(p.code, p.fqn) for p in problems] == [("layout", "head"), ("layout", "layers.0.mlp"), ("layout", "layers.1.mlp")]
+    assert [(p.code, p.fqn) for p in problems] == [
+        ("layout", "head"),
+        ("layout", "layers.0.mlp"),
+        ("layout", "layers.0.norm"),
+        ("layout", "layers.1.mlp"),
+    ]
     assert "params['w9'] names a parameter the module (Linear) lacks" in problems[0].message
     assert "raised KeyError: 'hidden'" in problems[1].message
-    assert "returned dict, not a ModuleShardingSpec" in problems[2].message
+    assert "returned NoneType, not a ModuleShardingSpec" in problems[2].message
+    assert "returned dict, not a ModuleShardingSpec" in problems[3].message
 
 
 def test_unknown_axes_and_shards_beyond_rank_are_layout_problems() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -34,6 +35,7 @@ def provider(module: object, fqn: str, context: LayoutContext) -> ModuleSharding
         ({"protocol": "p", "validate": 3}, "validate"),
         ({"protocol": "p", "validate_materialized": "no"}, "validate_materialized"),
         ({"protocol": "p", "options": [1]}, "options"),
+        ({"protocol": "p", "options": {"lock": threading.Lock()}}, "options must be deep-copyable: TypeError"),
     ],
 )
 def test_parallel_module_spec_rejects_each_bad_field(kwargs: dict[str, object], field: str) -> None:

@@ -418,17 +418,17 @@ class _Resolution:
         append = shardings.append
         for request, module, fqn, source in zip(request_of, modules, fqns, sources, strict=True):
             try:
-                append(providers[request](module, fqn, context))
+                sharding = providers[request](module, fqn, context)
             except Exception as error:
                 message = f"the layout provider raised {type(error).__name__}: {error}"
                 self.problems.append(PlanProblem("layout", fqn, source, message))
-                append(None)
-        if not all(map(isinstance, shardings, repeat(ModuleShardingSpec))):
-            for row, sharding in enumerate(shardings):
-                if sharding is not None and not isinstance(sharding, ModuleShardingSpec):
+                sharding = None
+            else:
+                if not isinstance(sharding, ModuleShardingSpec):
                     message = f"the layout provider returned {type(sharding).__name__}, not a ModuleShardingSpec"
-                    self.problems.append(PlanProblem("layout", fqns[row], sources[row], message))
-                    shardings[row] = None
+                    self.problems.append(PlanProblem("layout", fqn, source, message))
+                    sharding = None
+            append(sharding)
         if override_hits:
             for row, module_index in enumerate(planned):
                 sharding = shardings[row]

@@ -54,7 +54,11 @@ class ParallelModuleSpec:
         _set(self, "stages", MappingProxyType(_read_stages(self.stages)))
         if not isinstance(self.options, Mapping):
             raise ValueError(f"{owner}.options must be a mapping, got {type(self.options).__name__}")
-        _set(self, "options", MappingProxyType(copy.deepcopy(dict(self.options))))
+        try:
+            options = copy.deepcopy(dict(self.options))
+        except Exception as error:  # deepcopy raises whatever the value's own copy hooks raise
+            raise ValueError(f"{owner}.options must be deep-copyable: {type(error).__name__}: {error}") from error
+        _set(self, "options", MappingProxyType(options))
         for name in ("validate", "validate_materialized"):
             value = getattr(self, name)
             if value is not None and not callable(value):
