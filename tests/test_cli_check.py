@@ -46,6 +46,8 @@ def test_json_output_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:
             ["check", MODEL, "meshbind.examples.moe_tree:DEEP_PLAN"],
             "must be, or return, a sequence of NativeParallelBindingRequest",
         ),
+        (["check", MODEL, "math:pi"], "must be, or return, a sequence of NativeParallelBindingRequest"),
+        (["check", MODEL, PLAN, "--axis", "ep=2", "--axis", "tp=1", "--axis", "ep=4"], "--axis ep is given more than once"),
     ],
 )
 def test_bad_references_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

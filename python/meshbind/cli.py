@@ -32,8 +32,16 @@ def _check(args: argparse.Namespace) -> int:
     requests = plan_object() if callable(plan_object) else plan_object
     if isinstance(requests, NativeParallelBindingRequest):
         requests = (requests,)
-    if isinstance(requests, str) or not all(isinstance(r, NativeParallelBindingRequest) for r in requests):
+    if (
+        isinstance(requests, str)
+        or not isinstance(requests, Sequence)
+        or not all(isinstance(r, NativeParallelBindingRequest) for r in requests)
+    ):
         raise _UsageError(f"PLAN {args.plan} must be, or return, a sequence of NativeParallelBindingRequest")
+    names = [name for name, _ in args.axis]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise _UsageError(f"--axis {twice} is given more than once")
     context = LayoutContext(dict(args.axis))
     print(f"building {args.model_factory} on meta ...", file=sys.stderr)
     with torch.device("meta"):
