@@ -214,7 +214,7 @@ class CPAttention(nn.Module):
 
 
 class Experts(nn.Module):
-    fail_bind = False
+    fail_bind: BaseException | None = None
 
     def __init__(self, num_experts: int) -> None:
         super().__init__()
@@ -225,8 +225,8 @@ class Experts(nn.Module):
         return tokens
 
     def bind_parallel(self, binding: Any) -> None:
-        if self.fail_bind:
-            raise RuntimeError("no experts here")
+        if self.fail_bind is not None:
+            raise self.fail_bind
         self.events.append("bind")
         self.binding = binding
 
@@ -310,7 +310,7 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
     num_experts = 2 * context.axis_sizes()["ep"]
     model = nn.Module()
     model.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
-    model.blocks[1].mlp.fail_bind = True
+    model.blocks[1].mlp.fail_bind = RuntimeError("no experts here")
     plan = resolve_plan(model, [_experts_plan(num_experts)], context.layout_context())
     before = process_group_count()
     error = _expect(BindingError, "'blocks.1.mlp'", lambda: bind_parallel_modules(model, plan, context))
@@ -325,8 +325,13 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
             raise AssertionError("a family layout was applied by a failed binding")
     if bound_modules(model) != ():
         raise AssertionError("a failed binding recorded the plan")
+    # An interrupt is no failure to report, but it unwinds the binding all the same.
+    model.blocks[1].mlp.fail_bind = KeyboardInterrupt()
+    _expect(KeyboardInterrupt, "", lambda: bind_parallel_modules(model, plan, context))
+    if [a.events for a in attentions] != [["bind", "unbind"] * 2] * 2 or bound_modules(model) != ():
+        raise AssertionError(f"not restored after an interrupt: {[a.events for a in attentions]}")
     # Restored means rebindable: once the module is fixed, the same plan binds.
-    model.blocks[1].mlp.fail_bind = False
+    model.blocks[1].mlp.fail_bind = None
     if len(bind_parallel_modules(model, plan, context)) != 4:
         raise AssertionError("the restored model did not bind")
 

@@ -94,6 +94,9 @@ def bind_parallel_modules(model: nn.Module, plan: ParallelPlan, mesh_context: Me
             entry.module.bind_parallel(entry.binding)  # type: ignore[operator]
         except Exception as error:
             raise BindingError(entry.fqn, error, _restore(bound)) from error
+        except BaseException:  # an interrupt is no failure to report, but it unwinds all the same
+            _restore(bound)
+            raise
         entry.module.__dict__[_OWNER] = _Owner(entry.spec, plan.sharding[entry.fqn], mesh_context, entry.binding)
         bound.append(entry)
     for entry in bound:
