@@ -7,6 +7,7 @@ thing, made on every rank from the same seeds.
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +70,10 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
         raise AssertionError(f"ep is not innermost: {ep_mesh.mesh.tolist()} != {expected}")
     if context.layout_context() != LayoutContext(context.axis_sizes()):
         raise AssertionError("layout_context differs from axis_sizes")
+    # No DeviceMesh, and a DeviceMesh without an 'ep' dimension.
+    for not_a_mesh in (5, context.device_mesh):
+        wrap = functools.partial(MeshContext, context.device_mesh, not_a_mesh)
+        _expect(ValueError, "fsdp_moe_mesh must be a DeviceMesh with an 'ep' dimension", wrap)
 
 
 def check_axis_mesh(context: MeshContext) -> None:

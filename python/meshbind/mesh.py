@@ -53,8 +53,7 @@ class MeshContext:
         if not isinstance(self.device_mesh, DeviceMesh) or not self.device_mesh.mesh_dim_names:
             raise ValueError("MeshContext.device_mesh must be a DeviceMesh with mesh_dim_names")
         if self.fsdp_moe_mesh is not None:
-            names = self.fsdp_moe_mesh.mesh_dim_names or ()
-            if not isinstance(self.fsdp_moe_mesh, DeviceMesh) or "ep" not in names:
+            if not isinstance(self.fsdp_moe_mesh, DeviceMesh) or "ep" not in (self.fsdp_moe_mesh.mesh_dim_names or ()):
                 raise ValueError("MeshContext.fsdp_moe_mesh must be a DeviceMesh with an 'ep' dimension")
             if self.fsdp_moe_mesh.size() != self.device_mesh.size():
                 raise ValueError(
