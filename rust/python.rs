@@ -190,7 +190,10 @@ impl PyPatternSet {
             .inner
             .with_matcher(|m| walk_tree(root, m, mode))
             .map_err(walk_error)?;
-        Ok(ModuleTree { index })
+        Ok(ModuleTree {
+            index,
+            pattern_count: self.inner.len(),
+        })
     }
 
     /// The offline form of `walk`: matches a plain sequence of FQNs. With `prune`, only the
@@ -205,7 +208,10 @@ impl PyPatternSet {
             }
             Ok(indexer.finish())
         })?;
-        Ok(ModuleTree { index })
+        Ok(ModuleTree {
+            index,
+            pattern_count: self.inner.len(),
+        })
     }
 
     /// The compact form of `match_many`, for names by the million: one `(name position, pattern)`
@@ -296,6 +302,8 @@ fn uint32_view<'py>(py: Python<'py>, values: &[u32]) -> PyResult<Bound<'py, PyAn
 #[pyclass(name = "ModuleTree", module = "meshbind._core", frozen)]
 pub struct ModuleTree {
     index: TreeIndex,
+    /// How many patterns the set that made it has.
+    pattern_count: usize,
 }
 
 #[pymethods]
@@ -422,9 +430,9 @@ impl ModuleTree {
         distinct_runs(self.index.hits.iter().map(|&(name, _)| name))
     }
 
-    /// How many names each of `pattern_count` patterns matched.
-    fn hit_counts(&self, pattern_count: usize) -> Vec<u32> {
-        let mut counts = vec![0u32; pattern_count];
+    /// How many names each pattern of the set matched (a 0: the pattern selects nothing).
+    fn hit_counts(&self) -> Vec<u32> {
+        let mut counts = vec![0u32; self.pattern_count];
         for &(_, pattern) in &self.index.hits {
             if let Some(c) = counts.get_mut(pattern as usize) {
                 *c += 1;

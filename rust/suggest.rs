@@ -34,7 +34,7 @@ pub fn nearest_names(pattern: &str, names: &NameTable, count: usize) -> Vec<Stri
                 .collect()
         }
     };
-    let mut best: Vec<(usize, usize)> = Vec::with_capacity(count + 1);
+    let mut best: Vec<(usize, usize)> = Vec::with_capacity(count.min(names.len()) + 1);
     for candidate in scored {
         if best.len() < count || candidate < best[best.len() - 1] {
             let at = best.partition_point(|b| *b < candidate);

@@ -140,7 +140,8 @@ def test_offline_index_matches_every_name() -> None:
     names = ["", "layers.0.mlp", "lm_head", "layers.1.mlp"]
     pruned = ps.index_names(names)
     assert pruned.matches() == [("layers.0.mlp", [0]), ("lm_head", [1]), ("layers.1.mlp", [0])]
-    assert pruned.hit_counts(2) == [2, 1]
+    assert pruned.hit_counts() == [2, 1]
+    assert PatternSet(["a", "b", "z"]).index_names(["a", "b"]).hit_counts() == [1, 1, 0]  # one count per pattern
     # Pruned, only the matches are recorded, as in a pruned walk.
     assert pruned.names() == ["layers.0.mlp", "lm_head", "layers.1.mlp"] and not pruned.complete
     every = ps.index_names(names, prune=False)

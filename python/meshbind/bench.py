@@ -191,7 +191,7 @@ def meshbind_resolution(target: Target, plan: tuple[str, ...]) -> Outcome:
         found = patterns.match_indices(target)
         return Outcome(found.matched_names(), 0 in found.counts)
     tree = patterns.walk(target)
-    return Outcome(tree.matched_names(), 0 in tree.hit_counts(len(plan)))
+    return Outcome(tree.matched_names(), 0 in tree.hit_counts())
 
 
 MODULE_SPEC = ParallelModuleSpec("module", stages={"forward": ()})
@@ -251,7 +251,7 @@ def validation_floor(target: nn.Module, plan: tuple[str, ...]) -> Outcome:
     mappings. No check, no report, no class rule: ``meshbind_validate`` cannot beat it."""
     requests = _validation_requests(target, plan)
     index = PatternSet(plan).walk(target, prune=True, modules=True)
-    noticed = 0 in index.hit_counts(len(plan))
+    noticed = 0 in index.hit_counts()
     rows, request_of, _ = index.owners(list(range(len(plan))))
     fqns, modules = index.module_fqns(rows), cast(list[nn.Module], index.modules(rows))
     shardings = [requests[r].sharding(module, fqn, CONTEXT) for r, module, fqn in zip(request_of, modules, fqns, strict=True)]

@@ -357,7 +357,7 @@ class _Resolution:
         return specs, sources
 
     def _report_unmatched(self, planned: list[int], override_hits: dict[int, list[int]]) -> None:
-        counts = self.tree.hit_counts(len(self.patterns))
+        counts = self.tree.hit_counts()
         planned_set = set(planned) if override_hits else set()
         overrides_used = {o for module, hits in override_hits.items() if module in planned_set for o in hits}
         for index, (pattern, request) in enumerate(zip(self.patterns, self.owners, strict=True)):
