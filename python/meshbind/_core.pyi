@@ -1,7 +1,11 @@
 """Type stubs of the Rust extension (rust/python.rs)."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, final
+
+from typing_extensions import Self
+
+__all__ = ["IndexMatches", "ModuleTree", "PatternError", "PatternSet", "check_patterns", "check_placements", "modules_lacking"]
 
 class PatternError(ValueError):
     """A malformed FQN pattern, quoted with a caret under the offending character."""
@@ -10,10 +14,11 @@ class PatternError(ValueError):
     position: int
     reason: str
 
+@final
 class PatternSet:
     """FQN patterns (SPEC §2) compiled once and answered together."""
 
-    def __init__(self, patterns: Sequence[str]) -> None: ...
+    def __new__(cls, patterns: Sequence[str]) -> Self: ...
     @property
     def patterns(self) -> list[str]: ...
     def __len__(self) -> int: ...
@@ -35,6 +40,7 @@ class PatternSet:
 
         A list of at least 2**17 ASCII names is matched on a thread per core (at most eight)."""
 
+@final
 class IndexMatches:
     """What ``PatternSet.match_indices`` found: one ``(name, pattern)`` pair per match."""
 
@@ -51,6 +57,7 @@ class IndexMatches:
     def counts(self) -> list[int]:
         """How many names each pattern matched: a 0 is a pattern that selects nothing."""
 
+@final
 class ModuleTree:
     """What a walk saw: every FQN, the module and class behind it, and every match."""
 
