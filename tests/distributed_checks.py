@@ -129,6 +129,7 @@ def check_cp(context: MeshContext) -> None:
             raise
     else:
         raise AssertionError("an indivisible sequence did not fail")
+    _expect(ValueError, f"rank {cp.size} is not in the cp group of size {cp.size}", lambda: cp.positions(seq, rank=cp.size))
 
 
 def routed_moe_reference(
@@ -167,6 +168,8 @@ def check_ep(context: MeshContext, scenario: str) -> None:
     inputs = {r: ep_inputs(r, scenario, num_experts, hidden) for r in range(len(group_ranks))}
     tokens, expert_ids, weights = inputs[ep.rank]
     tokens = tokens.clone().requires_grad_()
+    for not_integers in (expert_ids.double(), expert_ids.bool()):
+        _expect(ValueError, "expert_ids must hold integers", functools.partial(ep.dispatch, tokens, not_integers))
     routed = ep.dispatch(tokens, expert_ids)
     ids = routed.local_expert_ids
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= ep.num_local_experts):

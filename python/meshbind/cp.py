@@ -37,6 +37,8 @@ class CPContext:
         """The global positions of a rank's local tokens (this rank's by default), in local order."""
         chunk = self._chunk(seq_len)
         r = self.rank if rank is None else rank
+        if not 0 <= r < self.size:
+            raise ValueError(f"rank {r} is not in the cp group of size {self.size}")
         head = torch.arange(r * chunk, (r + 1) * chunk, device=device)
         tail_start = (2 * self.size - 1 - r) * chunk
         return torch.cat([head, torch.arange(tail_start, tail_start + chunk, device=device)])

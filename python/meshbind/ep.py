@@ -59,6 +59,8 @@ class EPContext:
             raise ValueError(
                 f"dispatch needs tokens[T, H] and expert_ids[T, K], got {tuple(tokens.shape)} and {tuple(expert_ids.shape)}"
             )
+        if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
+            raise ValueError(f"expert_ids must hold integers, got {expert_ids.dtype}")
         num_tokens, top_k = expert_ids.shape
         flat_experts = expert_ids.reshape(-1)
         if flat_experts.numel() and (int(flat_experts.min()) < 0 or int(flat_experts.max()) >= self.num_experts):
