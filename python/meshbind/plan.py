@@ -21,6 +21,7 @@ from torch import nn
 from meshbind._core import ModuleTree, PatternSet
 from meshbind.family import any_family_class, family_spec, record_family_layout
 from meshbind.specs import (
+    INT64_MAX,
     SHARDING_FIELDS,
     LayoutContext,
     ModuleShardingSpec,
@@ -184,7 +185,7 @@ def _checked_param_shapes(param_shapes: object, model: object) -> dict[str, tupl
         if (
             isinstance(shape, str)
             or not isinstance(shape, Sequence)
-            or not all(isinstance(size, int) and not isinstance(size, bool) and 0 <= size < 2**63 for size in shape)
+            or not all(isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= INT64_MAX for size in shape)
         ):
             raise ValueError(f"param_shapes[{name!r}] must be a sequence of sizes from 0 to 2**63 - 1, got {shape!r}")
         shapes[name] = tuple(shape)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from meshbind import _core
-from meshbind.specs import LayoutContext, ModuleShardingSpec, ParallelModuleSpec
+from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 
 Failure = tuple[str, str]
 """``(code, message)``."""
@@ -33,7 +33,6 @@ Failure = tuple[str, str]
 _SHARD, _REPLICATE, _PARTIAL = 0, 1, 2
 _PARAMETERS = attrgetter("_parameters")
 _NDIM = attrgetter("ndim")
-_INT64_MAX = 2**63 - 1
 
 
 def _bound_signature(cls: type, name: str) -> inspect.Signature:
@@ -300,7 +299,7 @@ class ValidationBatch:
             value = spec.options["num_experts"]
             if not isinstance(value, int) or isinstance(value, bool):
                 failing[identity] = ("expert", f"options['num_experts'] must be an int, got {type(value).__name__} {value!r}")
-            elif not 1 <= value <= _INT64_MAX:
+            elif not 1 <= value <= INT64_MAX:
                 failing[identity] = ("expert", f"num_experts must be at least 1 and at most 2**63 - 1, got {value}")
             else:
                 counts[identity] = value
