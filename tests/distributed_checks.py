@@ -8,6 +8,7 @@ thing, made on every rank from the same seeds.
 from __future__ import annotations
 
 import functools
+import os
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -385,3 +386,9 @@ def run_checks(sizes: dict[str, int]) -> dict[str, str | None]:
     attempt("binding_all_or_nothing", lambda: check_binding_is_all_or_nothing(context))
     attempt("validate_materialized", lambda: check_validate_materialized(context))
     return results
+
+
+def exit_on_rank_one() -> None:
+    """Rank 1 dies without a word; rank 0 returns and waits for it."""
+    if dist.get_rank() == 1:
+        os._exit(3)

@@ -24,3 +24,10 @@ def world_results(request: pytest.FixtureRequest) -> list[dict[str, str | None]]
 def test_check_passes_on_every_rank(world_results: list[dict[str, str | None]], check: str) -> None:
     failures = {rank: result[check] for rank, result in enumerate(world_results) if result[check] is not None}
     assert not failures, "\n".join(f"rank {rank}:\n{trace}" for rank, trace in failures.items())
+
+
+def test_a_rank_that_dies_fails_the_run_at_once_naming_it() -> None:
+    # Without the check for dead ranks this waits out the deadline and reports "did not finish".
+    died = r"rank 1 \(exit code 3\) of distributed_checks:exit_on_rank_one died without a result"
+    with pytest.raises(RuntimeError, match=died):
+        run_local_world(2, "distributed_checks:exit_on_rank_one")
