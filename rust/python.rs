@@ -324,6 +324,13 @@ impl ModuleTree {
         self.index.complete
     }
 
+    /// Whether a module this pruned walk kept (`modules=True`) may have an alias the walk did
+    /// not visit: when first met, something besides its parent's `_modules` held it.
+    #[getter]
+    fn may_share_matches(&self) -> bool {
+        self.index.may_share_matches
+    }
+
     /// The FQNs at the given name indices (all of them, in walk order, without indices).
     #[pyo3(signature = (indices = None))]
     fn names(&self, indices: Option<Vec<u32>>) -> PyResult<Vec<&str>> {

@@ -35,6 +35,9 @@ pub struct TreeIndex {
     pub hits: Vec<(u32, u32)>,
     /// Whether every FQN of the tree was visited (no pruning happened).
     pub complete: bool,
+    /// Whether a module a pruned walk kept may have an alias it did not visit: when first met,
+    /// something besides its parent's `_modules` held it. A full walk visits every alias.
+    pub may_share_matches: bool,
 }
 
 /// Which owner (a request, an override…) selects each module: see [`TreeIndex::owners`].
@@ -248,6 +251,10 @@ impl Walker<'_, '_> {
                 frame.entering = descend;
             }
             if self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, state, false) {
+                if self.mode == WalkMode::PrunedModules && !self.index.may_share_matches {
+                    // SAFETY: a live object borrowed from the dict, which holds one reference.
+                    self.index.may_share_matches = unsafe { ffi::Py_REFCNT(child.as_ptr()) } > 1;
+                }
                 self.record(identity, &child, &fqn, state)?;
             }
             if on_path.contains(&identity) {

@@ -241,6 +241,33 @@ def test_a_bound_module_inside_another_of_the_same_kind_is_nested() -> None:
     assert "inside the 'cp' module 'layers.0'" in problems[0].message
 
 
+@pytest.fixture(params=["pruned", "full"])
+def walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Resolution walks the whole tree when a family class is loaded (here one is), else it prunes."""
+    monkeypatch.setattr(meshbind.plan, "any_family_class", lambda: request.param == "full")
+    return str(request.param)
+
+
+def test_a_shared_module_is_keyed_by_its_first_fqn_where_the_walk_would_prune(walk: str) -> None:
+    model = nn.Module()
+    model.block = nn.Module()
+    model.block.shared = nn.Linear(2, 2)
+    model.layer = nn.Module()
+    model.layer.shared = model.block.shared  # an alias: named_modules() lists only block.shared
+    request = NativeParallelBindingRequest(("layer.shared",), LINEAR_SPEC, linear_sharding)
+    assert list(resolve_plan(model, [request], CONTEXT).parallel_modules) == ["block.shared"]
+
+
+def test_a_bound_module_inside_another_through_an_alias_is_nested(walk: str) -> None:
+    model = nn.Module()
+    model.x = Experts()
+    model.y = Experts()
+    model.y.inner = model.x  # x is keyed by 'x', and also sits inside y
+    problems = problems_of(model, [NativeParallelBindingRequest(("x", "y"), EP_SPEC, experts_sharding)])
+    assert [(p.code, p.fqn) for p in problems] == [("nested", "x")]
+    assert "a 'ep' module inside the 'ep' module 'y'" in problems[0].message
+
+
 def test_none_kind_modules_never_nest() -> None:
     outer = NativeParallelBindingRequest(("layers.0",), ParallelModuleSpec("block"), lambda m, f, c: ModuleShardingSpec())
     inner = NativeParallelBindingRequest(("layers.0.norm",), ParallelModuleSpec("norm"), lambda m, f, c: ModuleShardingSpec())

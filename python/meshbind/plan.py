@@ -140,6 +140,16 @@ def resolve_plan(
     return _Resolution(model, requests, context, override_items, shapes, tree, offline, patterns, owners).run()
 
 
+def _ancestors(fqn: str, bound_at: Mapping[str, int]) -> list[int]:
+    """The rows bound at the ancestors of ``fqn`` (the root ``""`` included), nearest first."""
+    rows = []
+    while fqn:
+        fqn = fqn.rpartition(".")[0]
+        if fqn in bound_at:
+            rows.append(bound_at[fqn])
+    return rows
+
+
 def _family_sharding(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
     """A family member's layout provider: its own ``parallel_sharding``."""
     provider = getattr(type(module), "parallel_sharding", None)
@@ -193,12 +203,15 @@ def _checked_param_shapes(param_shapes: object, model: object) -> dict[str, tupl
 
 
 def _index(pattern_set: PatternSet, model: object) -> tuple[ModuleTree, bool]:
-    """The matches over the model. Family members may sit anywhere, so the walk visits every
-    module when a family class exists; otherwise it prunes subtrees no pattern can reach."""
+    """The matches over the model. The walk prunes subtrees no pattern can reach unless that
+    could hide something: a family member (when a family class exists), or an alias of a selected
+    module (which keys it when it comes first, and may place it inside another bound module)."""
     if isinstance(model, nn.Module):
-        if any_family_class():
-            return pattern_set.walk(model, prune=False), False
-        return pattern_set.walk(model, prune=True, modules=True), False
+        if not any_family_class():
+            tree = pattern_set.walk(model, prune=True, modules=True)
+            if not tree.may_share_matches:
+                return tree, False
+        return pattern_set.walk(model, prune=False), False
     if isinstance(model, str) or not isinstance(model, Sequence):
         raise TypeError(f"model must be an nn.Module or a sequence of FQNs, got {type(model).__name__}")
     names = list(model)
@@ -248,7 +261,7 @@ class _Resolution:
         modules: list[nn.Module | None] = [None] * len(planned) if self.offline else self.tree.modules(planned)  # type: ignore[assignment]
         specs, sources = self._specs_and_sources(planned, request_of, modules)
         self._report_unmatched(planned, override_hits)
-        self._report_nested(fqns, specs)
+        self._report_nested(planned, fqns, specs)
         shardings = self._shardings(planned, request_of, modules, fqns, sources, override_hits)
         if any(map(is_, shardings, repeat(None))):
             rows = [row for row, sharding in enumerate(shardings) if sharding is not None]
@@ -385,22 +398,27 @@ class _Resolution:
                 self.all_names = every.index_names(self.model, prune=False)
         return self.all_names
 
-    def _report_nested(self, fqns: list[str], specs: list[ParallelModuleSpec]) -> None:
-        """Tree order is preorder, so each kind's open ancestors form a stack."""
+    def _report_nested(self, planned: list[int], fqns: list[str], specs: list[ParallelModuleSpec]) -> None:
+        """A bound module is nested when one of its FQNs (aliases included: a shared module sits
+        in each place) lies below an FQN of another bound module of the same kind."""
         possible = [request.parallel for request in self.requests] + list(self.family_specs.values())
         if all(spec.binding_kind == "none" for spec in possible):
             return
-        open_by_kind: dict[str, list[str]] = {}
-        for fqn, spec in zip(fqns, specs, strict=True):
-            if spec.binding_kind == "none":
-                continue
-            stack = open_by_kind.setdefault(spec.binding_kind, [])
-            while stack and not (stack[-1] == "" or fqn.startswith(stack[-1] + ".")):
-                stack.pop()
-            if stack:
-                message = f"a {spec.binding_kind!r} module inside the {spec.binding_kind!r} module {stack[-1]!r}"
-                self.problems.append(PlanProblem("nested", fqn, None, message))
-            stack.append(fqn)
+        kinds = {row: spec.binding_kind for row, spec in enumerate(specs) if spec.binding_kind != "none"}
+        names_of = {row: [fqns[row]] for row in kinds}
+        if self.tree.complete and len(self.tree) > self.tree.module_count:  # the tree has aliases
+            row_of_module = {planned[row]: row for row in kinds}
+            for name, module in zip(self.tree.names(), self.tree.name_modules(), strict=True):
+                row = row_of_module.get(module)
+                if row is not None and name != fqns[row]:
+                    names_of[row].append(name)
+        bound_at = {name: row for row, names in names_of.items() for name in names}
+        for row, kind in kinds.items():
+            outers = (other for name in names_of[row] for other in _ancestors(name, bound_at) if other != row)
+            outer = next((other for other in outers if kinds[other] == kind), None)
+            if outer is not None:
+                message = f"a {kind!r} module inside the {kind!r} module {fqns[outer]!r}"
+                self.problems.append(PlanProblem("nested", fqns[row], None, message))
 
     def _shardings(
         self,
