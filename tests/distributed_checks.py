@@ -313,6 +313,18 @@ def check_binding(context: MeshContext) -> None:
     if bind_parallel_modules(model, plan, MeshContext(context.device_mesh, context.fsdp_moe_mesh)) != []:
         raise AssertionError("wrapping the same meshes again should be the same owner")
     validate_materialized_modules(model)
+    # A plan checked against another layout binds nothing.
+    other_layout = LayoutContext({**context.axis_sizes(), "ep": 2 * context.axis_sizes()["ep"]})
+    fresh = nn.Module()
+    fresh.blocks = nn.ModuleList(Block(2 * num_experts) for _ in range(2))
+    elsewhere = resolve_plan(fresh, [_experts_plan(2 * num_experts)], other_layout)
+    _expect(
+        ValueError,
+        f"resolved for ep={2 * context.axis_sizes()['ep']}, but the meshes have ep=",
+        lambda: bind_parallel_modules(fresh, elsewhere, context),
+    )
+    if bound_modules(fresh) != () or fresh.blocks[0].attn.events:
+        raise AssertionError("a plan for another layout bound something")
 
 
 def check_binding_is_all_or_nothing(context: MeshContext) -> None:

@@ -87,6 +87,7 @@ def bind_parallel_modules(model: nn.Module, plan: ParallelPlan, mesh_context: Me
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"plan must be a ParallelPlan, got {type(plan).__name__}")
     mesh_binding = MeshBinding(mesh_context)
+    _check_layout(plan, mesh_context)
     prepared, unchanged = _prepare(model, plan, mesh_binding)
     bound: list[_Prepared] = []
     for entry in prepared:
@@ -107,6 +108,17 @@ def bind_parallel_modules(model: nn.Module, plan: ParallelPlan, mesh_context: Me
     records |= {fqn: BoundModule(fqn, spec, bindings.get(fqn)) for fqn, spec in plan.parallel_modules.items()}
     model.__dict__[_RECORDS] = tuple(records.values())
     return [entry.fqn for entry in bound]
+
+
+def _check_layout(plan: ParallelPlan, mesh_context: MeshContext) -> None:
+    """The plan was checked against its context's axis sizes: every axis it names must be the
+    meshes' own, at that size (axes it does not name place nothing in a valid plan)."""
+    sizes = mesh_context.axis_sizes()
+    differing = {axis: size for axis, size in plan.context.axis_sizes.items() if sizes.get(axis) != size}
+    if differing:
+        planned = ", ".join(f"{axis}={size}" for axis, size in differing.items())
+        actual = ", ".join(f"{axis}={sizes[axis]}" if axis in sizes else f"no {axis}" for axis in differing)
+        raise ValueError(f"the plan was resolved for {planned}, but the meshes have {actual}: resolve it for these meshes")
 
 
 def _prepare(
