@@ -3,8 +3,8 @@
 Ranks start from a forkserver that imported torch once, so a world starts in seconds rather than
 paying torch's import per rank. A rank that raises fails the run with its traceback, one that
 dies fails it at once with its exit code (the other ranks are killed), and collectives time out
-after ``timeout`` seconds instead of hanging. ``meshbind demo``
-and the multi-process tests both start their worlds here.
+after ``timeout`` seconds instead of hanging. ``meshbind demo`` and the multi-process tests both
+start their worlds here.
 """
 
 from __future__ import annotations

@@ -140,16 +140,6 @@ def resolve_plan(
     return _Resolution(model, requests, context, override_items, shapes, tree, offline, patterns, owners).run()
 
 
-def _ancestors(fqn: str, bound_at: Mapping[str, int]) -> list[int]:
-    """The rows bound at the ancestors of ``fqn`` (the root ``""`` included), nearest first."""
-    rows = []
-    while fqn:
-        fqn = fqn.rpartition(".")[0]
-        if fqn in bound_at:
-            rows.append(bound_at[fqn])
-    return rows
-
-
 def _family_sharding(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
     """A family member's layout provider: its own ``parallel_sharding``."""
     provider = getattr(type(module), "parallel_sharding", None)
@@ -220,6 +210,16 @@ def _index(pattern_set: PatternSet, model: object) -> tuple[ModuleTree, bool]:
         duplicate = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
         raise ValueError(f"the FQN list names {duplicate!r} more than once")
     return pattern_set.index_names(names), True
+
+
+def _ancestors(fqn: str, bound_at: Mapping[str, int]) -> list[int]:
+    """The rows bound at the ancestors of ``fqn`` (the root ``""`` included), nearest first."""
+    rows = []
+    while fqn:
+        fqn = fqn.rpartition(".")[0]
+        if fqn in bound_at:
+            rows.append(bound_at[fqn])
+    return rows
 
 
 class _Resolution:
