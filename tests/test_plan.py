@@ -7,9 +7,12 @@ import json
 import subprocess
 import sys
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
@@ -494,3 +497,68 @@ def test_bad_arguments_are_named(model: Any, requests: Any, context: Any, error:
 def test_bad_param_shapes_are_named(model: Any, shapes: Any, error: str) -> None:
     with pytest.raises((TypeError, ValueError), match=error):
         resolve_plan(model, [EXPERTS_REQUEST], CONTEXT, param_shapes=shapes)
+
+
+class Node(nn.Module):
+    """A module that can be bound with any kind."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def bind_parallel(self, binding: object) -> None:
+        self.binding = binding
+
+
+KIND_SPECS = {
+    kind: ParallelModuleSpec(f"node_{kind}", kind, stages={"forward": ("x",)}, validate=accept) for kind in ("cp", "mesh")
+}
+
+
+@st.composite
+def shared_trees(draw: st.DrawFn) -> tuple[nn.Module, dict[int, str], list[nn.Module]]:
+    """A module DAG (edges only from a lower to a higher node, so aliases but no cycles) and a
+    kind for some of its nodes."""
+    nodes = [Node() for _ in range(draw(st.integers(2, 9)))]
+    for child in range(1, len(nodes)):
+        parents = draw(st.lists(st.integers(0, child - 1), min_size=1, max_size=2, unique=True))
+        for parent in parents:
+            nodes[parent].add_module(f"c{child}", nodes[child])
+    kinds = draw(st.dictionaries(st.integers(0, len(nodes) - 1), st.sampled_from(sorted(KIND_SPECS)), max_size=len(nodes)))
+    return nodes[0], kinds, nodes
+
+
+@settings(max_examples=150, deadline=None)
+@given(shared_trees())
+def test_nested_matches_every_alias_of_named_modules(case: tuple[nn.Module, dict[int, str], list[nn.Module]]) -> None:
+    model, kinds, nodes = case
+    first_fqn = {id(module): fqn for fqn, module in model.named_modules()}
+    every_fqn: dict[int, list[str]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        every_fqn.setdefault(id(module), []).append(fqn)
+    bound = {id(nodes[node]): kind for node, kind in kinds.items()}
+    expected = {
+        first_fqn[inner]
+        for inner, kind in bound.items()
+        for outer, outer_kind in bound.items()
+        if outer != inner and outer_kind == kind
+        for name in every_fqn[inner]
+        for prefix in every_fqn[outer]
+        if name != prefix and (prefix == "" or name.startswith(prefix + "."))
+    }
+    requests = [
+        NativeParallelBindingRequest(
+            tuple(first_fqn[id(nodes[node])] for node, k in kinds.items() if k == kind),
+            spec,
+            lambda m, f, c: ModuleShardingSpec(),
+        )
+        for kind, spec in KIND_SPECS.items()
+        if kind in kinds.values()
+    ]
+    for family_class_loaded in (False, True):  # pruned walk, full walk
+        with mock.patch.object(meshbind.plan, "any_family_class", lambda loaded=family_class_loaded: loaded):
+            try:
+                resolve_plan(model, requests, CONTEXT)
+                nested = set()
+            except PlanError as error:
+                nested = {p.fqn for p in error.problems if p.code == "nested"}
+        assert nested == expected, (family_class_loaded, kinds, sorted(every_fqn.values()))
