@@ -515,31 +515,34 @@ KIND_SPECS = {
 
 
 @st.composite
-def shared_trees(draw: st.DrawFn) -> tuple[nn.Module, dict[int, str], list[nn.Module]]:
-    """A module DAG (edges only from a lower to a higher node, so aliases but no cycles) and a
+def shared_trees(draw: st.DrawFn) -> tuple[list[list[int]], dict[int, str]]:
+    """A module DAG as each node's parents (lower nodes only, so aliases but no cycles), and a
     kind for some of its nodes."""
-    nodes = [Node() for _ in range(draw(st.integers(2, 9)))]
-    for child in range(1, len(nodes)):
-        parents = draw(st.lists(st.integers(0, child - 1), min_size=1, max_size=2, unique=True))
-        for parent in parents:
-            nodes[parent].add_module(f"c{child}", nodes[child])
-    kinds = draw(st.dictionaries(st.integers(0, len(nodes) - 1), st.sampled_from(sorted(KIND_SPECS)), max_size=len(nodes)))
-    return nodes[0], kinds, nodes
+    count = draw(st.integers(2, 9))
+    parents = [[]] + [draw(st.lists(st.integers(0, child - 1), min_size=1, max_size=2, unique=True)) for child in range(1, count)]
+    kinds = draw(st.dictionaries(st.integers(0, count - 1), st.sampled_from(sorted(KIND_SPECS)), max_size=count))
+    return parents, kinds
 
 
 @settings(max_examples=150, deadline=None)
 @given(shared_trees())
-def test_nested_matches_every_alias_of_named_modules(case: tuple[nn.Module, dict[int, str], list[nn.Module]]) -> None:
-    model, kinds, nodes = case
-    first_fqn = {id(module): fqn for fqn, module in model.named_modules()}
+def test_nested_matches_every_alias_of_named_modules(case: tuple[list[list[int]], dict[int, str]]) -> None:
+    parents, kinds = case
+    nodes = [Node() for _ in parents]
+    for child, its_parents in enumerate(parents):
+        for parent in its_parents:
+            nodes[parent].add_module(f"c{child}", nodes[child])
+    index = {id(module): node for node, module in enumerate(nodes)}
+    model = nodes[0]
+    del nodes  # only the tree holds the modules: a module with one parent is then held once
+    first_fqn = {index[id(module)]: fqn for fqn, module in model.named_modules()}
     every_fqn: dict[int, list[str]] = {}
     for fqn, module in model.named_modules(remove_duplicate=False):
-        every_fqn.setdefault(id(module), []).append(fqn)
-    bound = {id(nodes[node]): kind for node, kind in kinds.items()}
+        every_fqn.setdefault(index[id(module)], []).append(fqn)
     expected = {
         first_fqn[inner]
-        for inner, kind in bound.items()
-        for outer, outer_kind in bound.items()
+        for inner, kind in kinds.items()
+        for outer, outer_kind in kinds.items()
         if outer != inner and outer_kind == kind
         for name in every_fqn[inner]
         for prefix in every_fqn[outer]
@@ -547,9 +550,7 @@ def test_nested_matches_every_alias_of_named_modules(case: tuple[nn.Module, dict
     }
     requests = [
         NativeParallelBindingRequest(
-            tuple(first_fqn[id(nodes[node])] for node, k in kinds.items() if k == kind),
-            spec,
-            lambda m, f, c: ModuleShardingSpec(),
+            tuple(first_fqn[node] for node, k in kinds.items() if k == kind), spec, lambda m, f, c: ModuleShardingSpec()
         )
         for kind, spec in KIND_SPECS.items()
         if kind in kinds.values()
