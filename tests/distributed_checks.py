@@ -375,6 +375,12 @@ def check_validate_materialized(context: MeshContext) -> None:
     error = _expect(MaterializationError, "2 modules failed validate_materialized", lambda: validate_materialized_modules(model))
     if [fqn for fqn, _ in error.failures] != ["blocks.0.mlp", "blocks.2.mlp"]:  # type: ignore[attr-defined]
         raise AssertionError(f"failures {error}")
+    # A verdict returned instead of raised is a failure too: a returned False would pass unseen.
+    verdict = nn.Module()
+    verdict.blocks = nn.ModuleList(Block(num_experts) for _ in range(1))
+    returns_false = _experts_plan(num_experts, lambda **kwargs: False)
+    bind_parallel_modules(verdict, resolve_plan(verdict, [returns_false], context.layout_context()), context)
+    _expect(MaterializationError, "validate_materialized returned False", lambda: validate_materialized_modules(verdict))
 
 
 def run_checks(sizes: dict[str, int]) -> dict[str, str | None]:

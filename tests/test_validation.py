@@ -197,6 +197,8 @@ def test_the_validator_runs_last_with_keywords() -> None:
         raise RuntimeError("hidden size too small")
 
     fails(module, ep_spec(validate=refuse), OWNED, r"\[validator\].*RuntimeError: hidden size too small")
+    # A verdict returned instead of raised is no pass: False would otherwise be ignored.
+    fails(module, ep_spec(validate=lambda **kwargs: False), OWNED, r"\[validator\].*validate returned False: .* raises to reject")
     fails(module, ep_spec(3, validate=refuse), OWNED, r"\[expert\]")
 
 

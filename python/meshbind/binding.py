@@ -18,6 +18,7 @@ from meshbind.family import family_spec, set_family_applied
 from meshbind.mesh import MeshBinding, MeshContext
 from meshbind.plan import ParallelPlan
 from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
+from meshbind.validation import RAISE_TO_REJECT
 
 _OWNER = "_meshbind_owner"
 _RECORDS = "_meshbind_records"
@@ -186,7 +187,9 @@ def validate_materialized_modules(model: nn.Module) -> None:
         if check is None:
             continue
         try:
-            check(module=model.get_submodule(record.fqn), binding=record.binding)
+            returned = check(module=model.get_submodule(record.fqn), binding=record.binding)
+            if returned is not None:
+                raise ValueError(f"validate_materialized returned {returned!r}: {RAISE_TO_REJECT}")
         except Exception as error:
             failures.append((record.fqn, error))
     if failures:

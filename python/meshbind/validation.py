@@ -31,6 +31,9 @@ Failure = tuple[str, str]
 """``(code, message)``."""
 
 _SHARD, _REPLICATE, _PARTIAL = 0, 1, 2
+RAISE_TO_REJECT = "a validate callable raises to reject a module and returns None to accept it"
+"""Why a value returned by ``validate`` or ``validate_materialized`` is a failure: read as a
+verdict, a returned ``False`` would otherwise pass unseen."""
 _PARAMETERS = attrgetter("_parameters")
 _NDIM = attrgetter("ndim")
 
@@ -359,9 +362,12 @@ class ValidationBatch:
             if spec.validate is None or failures[row] is not None or row in layout or modules[row] is None:
                 continue
             try:
-                spec.validate(module=modules[row], sharding=shardings[row], context=self.context)
+                returned = spec.validate(module=modules[row], sharding=shardings[row], context=self.context)
             except Exception as error:
                 failures[row] = ("validator", f"{spec.protocol} validate failed: {type(error).__name__}: {error}")
+            else:
+                if returned is not None:
+                    failures[row] = ("validator", f"{spec.protocol} validate returned {returned!r}: {RAISE_TO_REJECT}")
 
     def _flatten(self, sharding: ModuleShardingSpec) -> _ShardingTemplate:
         rows: list[tuple[int, int, int, int, str | None]] = []
