@@ -212,16 +212,6 @@ def _index(pattern_set: PatternSet, model: object) -> tuple[ModuleTree, bool]:
     return pattern_set.index_names(names), True
 
 
-def _ancestors(fqn: str, bound_at: Mapping[str, int]) -> list[int]:
-    """The rows bound at the ancestors of ``fqn`` (the root ``""`` included), nearest first."""
-    rows = []
-    while fqn:
-        fqn = fqn.rpartition(".")[0]
-        if fqn in bound_at:
-            rows.append(bound_at[fqn])
-    return rows
-
-
 class _Resolution:
     """One resolve_plan call; ``run`` reads top to bottom as the SPEC §4 steps."""
 
@@ -400,25 +390,33 @@ class _Resolution:
 
     def _report_nested(self, planned: list[int], fqns: list[str], specs: list[ParallelModuleSpec]) -> None:
         """A bound module is nested when one of its FQNs (aliases included: a shared module sits
-        in each place) lies below an FQN of another bound module of the same kind."""
+        in each place) lies below an FQN of another bound module of the same kind. The FQNs come
+        in preorder, so each kind's open ancestors form a stack."""
         possible = [request.parallel for request in self.requests] + list(self.family_specs.values())
         if all(spec.binding_kind == "none" for spec in possible):
             return
         kinds = {row: spec.binding_kind for row, spec in enumerate(specs) if spec.binding_kind != "none"}
-        names_of = {row: [fqns[row]] for row in kinds}
         if self.tree.complete and len(self.tree) > self.tree.module_count:  # the tree has aliases
             row_of_module = {planned[row]: row for row in kinds}
-            for name, module in zip(self.tree.names(), self.tree.name_modules(), strict=True):
-                row = row_of_module.get(module)
-                if row is not None and name != fqns[row]:
-                    names_of[row].append(name)
-        bound_at = {name: row for row, names in names_of.items() for name in names}
-        for row, kind in kinds.items():
-            outers = (other for name in names_of[row] for other in _ancestors(name, bound_at) if other != row)
-            outer = next((other for other in outers if kinds[other] == kind), None)
-            if outer is not None:
-                message = f"a {kind!r} module inside the {kind!r} module {fqns[outer]!r}"
-                self.problems.append(PlanProblem("nested", fqns[row], None, message))
+            rows_of_names = map(row_of_module.get, self.tree.name_modules())
+            names = [(name, row) for name, row in zip(self.tree.names(), rows_of_names, strict=True) if row is not None]
+        else:
+            names = [(fqns[row], row) for row in kinds]  # rows are in tree order
+        outer_of: dict[int, int] = {}
+        open_by_kind: dict[str, list[tuple[str, int]]] = {}
+        for name, row in names:
+            stack = open_by_kind.setdefault(kinds[row], [])
+            while stack and not (stack[-1][0] == "" or name.startswith(stack[-1][0] + ".")):
+                stack.pop()
+            if row not in outer_of:
+                outer = next((other for _, other in reversed(stack) if other != row), None)
+                if outer is not None:
+                    outer_of[row] = outer
+            stack.append((name, row))
+        for row, outer in outer_of.items():
+            kind = kinds[row]
+            message = f"a {kind!r} module inside the {kind!r} module {fqns[outer]!r}"
+            self.problems.append(PlanProblem("nested", fqns[row], None, message))
 
     def _shardings(
         self,
