@@ -324,8 +324,9 @@ impl ModuleTree {
         self.index.complete
     }
 
-    /// Whether a module this pruned walk kept (`modules=True`) may have an alias the walk did
-    /// not visit: when first met, something besides its parent's `_modules` held it.
+    /// Whether a module this pruned walk kept (`modules=True`), or one it entered on the way, may
+    /// have an alias the walk did not visit: when met, something besides its parent's `_modules`
+    /// held it.
     #[getter]
     fn may_share_matches(&self) -> bool {
         self.index.may_share_matches

@@ -35,8 +35,9 @@ pub struct TreeIndex {
     pub hits: Vec<(u32, u32)>,
     /// Whether every FQN of the tree was visited (no pruning happened).
     pub complete: bool,
-    /// Whether a module a pruned walk kept may have an alias it did not visit: when first met,
-    /// something besides its parent's `_modules` held it. A full walk visits every alias.
+    /// Whether a module a pruned walk kept, or one it entered on the way to them, may have an
+    /// alias it did not visit: when met, something besides its parent's `_modules` held it (an
+    /// alias of an ancestor is an alias of every module below it). A full walk visits every alias.
     pub may_share_matches: bool,
 }
 
@@ -250,11 +251,16 @@ impl Walker<'_, '_> {
             if let Some(frame) = stack.last_mut() {
                 frame.entering = descend;
             }
-            if self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, state, false) {
-                if self.mode == WalkMode::PrunedModules && !self.index.may_share_matches {
-                    // SAFETY: a live object borrowed from the dict, which holds one reference.
-                    self.index.may_share_matches = unsafe { ffi::Py_REFCNT(child.as_ptr()) } > 1;
-                }
+            let recorded =
+                self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, state, false);
+            if self.mode == WalkMode::PrunedModules
+                && (recorded || descend)
+                && !self.index.may_share_matches
+            {
+                // SAFETY: a live object borrowed from the dict, which holds one reference.
+                self.index.may_share_matches = unsafe { ffi::Py_REFCNT(child.as_ptr()) } > 1;
+            }
+            if recorded {
                 self.record(identity, &child, &fqn, state)?;
             }
             if on_path.contains(&identity) {

@@ -550,7 +550,7 @@ def test_nested_matches_every_alias_of_named_modules(case: tuple[list[list[int]]
     }
     requests = [
         NativeParallelBindingRequest(
-            tuple(first_fqn[node] for node, k in kinds.items() if k == kind), spec, lambda m, f, c: ModuleShardingSpec()
+            tuple(every_fqn[node][-1] for node, k in kinds.items() if k == kind), spec, lambda m, f, c: ModuleShardingSpec()
         )
         for kind, spec in KIND_SPECS.items()
         if kind in kinds.values()
@@ -558,8 +558,10 @@ def test_nested_matches_every_alias_of_named_modules(case: tuple[list[list[int]]
     for family_class_loaded in (False, True):  # pruned walk, full walk
         with mock.patch.object(meshbind.plan, "any_family_class", lambda loaded=family_class_loaded: loaded):
             try:
-                resolve_plan(model, requests, CONTEXT)
+                planned = set(resolve_plan(model, requests, CONTEXT).parallel_modules)
                 nested = set()
             except PlanError as error:
+                planned = {first_fqn[node] for node in kinds}
                 nested = {p.fqn for p in error.problems if p.code == "nested"}
         assert nested == expected, (family_class_loaded, kinds, sorted(every_fqn.values()))
+        assert planned == {first_fqn[node] for node in kinds}, (family_class_loaded, kinds, sorted(every_fqn.values()))
