@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -524,21 +524,29 @@ def shared_trees(draw: st.DrawFn) -> tuple[list[list[int]], dict[int, str]]:
     return parents, kinds
 
 
-@settings(max_examples=150, deadline=None)
-@given(shared_trees())
-def test_nested_matches_every_alias_of_named_modules(case: tuple[list[list[int]], dict[int, str]]) -> None:
-    parents, kinds = case
+def _dag(parents: list[list[int]]) -> tuple[nn.Module, dict[int, str], dict[int, list[str]]]:
+    """The DAG's root, and each node's first FQN and every FQN. Only the tree holds the modules
+    (no list, no loop variable), so a module with one parent is held once, as in a model."""
     nodes = [Node() for _ in parents]
     for child, its_parents in enumerate(parents):
         for parent in its_parents:
             nodes[parent].add_module(f"c{child}", nodes[child])
     index = {id(module): node for node, module in enumerate(nodes)}
-    model = nodes[0]
-    del nodes  # only the tree holds the modules: a module with one parent is then held once
-    first_fqn = {index[id(module)]: fqn for fqn, module in model.named_modules()}
+    root = nodes[0]
+    del nodes
+    first_fqn = {index[id(module)]: fqn for fqn, module in root.named_modules()}
     every_fqn: dict[int, list[str]] = {}
-    for fqn, module in model.named_modules(remove_duplicate=False):
-        every_fqn.setdefault(index[id(module)], []).append(fqn)
+    for fqn, node in ((fqn, index[id(module)]) for fqn, module in root.named_modules(remove_duplicate=False)):
+        every_fqn.setdefault(node, []).append(fqn)
+    return root, first_fqn, every_fqn
+
+
+@settings(max_examples=150, deadline=None)
+@given(shared_trees())
+@example(([[], [0], [0, 1], [2]], {3: "cp"}))  # named c2.c3, first met as c1.c2.c3: under a shared parent
+def test_nested_matches_every_alias_of_named_modules(case: tuple[list[list[int]], dict[int, str]]) -> None:
+    parents, kinds = case
+    model, first_fqn, every_fqn = _dag(parents)
     expected = {
         first_fqn[inner]
         for inner, kind in kinds.items()
