@@ -190,10 +190,7 @@ impl PyPatternSet {
             .inner
             .with_matcher(|m| walk_tree(root, m, mode))
             .map_err(walk_error)?;
-        Ok(ModuleTree {
-            index,
-            pattern_count: self.inner.len(),
-        })
+        Ok(self.tree(index))
     }
 
     /// The offline form of `walk`: matches a plain sequence of FQNs. With `prune`, only the
@@ -208,10 +205,7 @@ impl PyPatternSet {
             }
             Ok(indexer.finish())
         })?;
-        Ok(ModuleTree {
-            index,
-            pattern_count: self.inner.len(),
-        })
+        Ok(self.tree(index))
     }
 
     /// The compact form of `match_many`, for names by the million: one `(name position, pattern)`
@@ -458,6 +452,16 @@ impl ModuleTree {
     #[pyo3(signature = (pattern, count = 3))]
     fn nearest(&self, pattern: &str, count: usize) -> Vec<String> {
         nearest_names(pattern, &self.index.names, count)
+    }
+}
+
+impl PyPatternSet {
+    /// What a walk or an index of this set found, counted against its patterns.
+    fn tree(&self, index: TreeIndex) -> ModuleTree {
+        ModuleTree {
+            index,
+            pattern_count: self.inner.len(),
+        }
     }
 }
 

@@ -21,12 +21,12 @@ from torch import nn
 from meshbind._core import ModuleTree, PatternSet
 from meshbind.family import any_family_class, family_spec, record_family_layout
 from meshbind.specs import (
-    INT64_MAX,
     SHARDING_FIELDS,
     LayoutContext,
     ModuleShardingSpec,
     NativeParallelBindingRequest,
     ParallelModuleSpec,
+    is_int_from,
 )
 from meshbind.validation import ValidationBatch
 
@@ -182,11 +182,7 @@ def _checked_param_shapes(param_shapes: object, model: object) -> dict[str, tupl
     for name, shape in param_shapes.items():
         if not isinstance(name, str):
             raise TypeError(f"param_shapes: the key {name!r} must be a parameter FQN str")
-        if (
-            isinstance(shape, str)
-            or not isinstance(shape, Sequence)
-            or not all(isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= INT64_MAX for size in shape)
-        ):
+        if isinstance(shape, str) or not isinstance(shape, Sequence) or not all(is_int_from(size, 0) for size in shape):
             raise ValueError(f"param_shapes[{name!r}] must be a sequence of sizes from 0 to 2**63 - 1, got {shape!r}")
         shapes[name] = tuple(shape)
     return shapes

@@ -19,6 +19,12 @@ BINDING_KINDS = ("none", "cp", "ep", "mesh")
 INT64_MAX = 2**63 - 1
 """The largest axis size, expert count or parameter size: what Rust's arithmetic takes."""
 
+
+def is_int_from(value: object, low: int) -> bool:
+    """Whether ``value`` is an int (a bool is not) from ``low`` to ``INT64_MAX``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= INT64_MAX
+
+
 NamedPlacement = Mapping[str, Placement]
 """A placement per mesh axis: ``{"ep": Shard(0)}``."""
 
@@ -205,7 +211,7 @@ class LayoutContext:
         for axis, size in self.axis_sizes.items():
             if not isinstance(axis, str) or not axis:
                 raise ValueError(f"LayoutContext.axis_sizes: axis name {axis!r} must be a non-empty str")
-            if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= INT64_MAX:
+            if not is_int_from(size, 1):
                 raise ValueError(f"LayoutContext.axis_sizes[{axis!r}] must be an int from 1 to 2**63 - 1, got {size!r}")
         _set(self, "axis_sizes", MappingProxyType(dict(self.axis_sizes)))
 
