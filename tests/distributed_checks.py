@@ -7,6 +7,7 @@ thing, made on every rank from the same seeds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import traceback
@@ -290,11 +291,20 @@ def check_binding(context: MeshContext) -> None:
     layout = get_family_build_info(attention).layout
     if layout is None or not layout.applied or layout.applied_on != context:
         raise AssertionError(f"family layout not applied: {layout}")
+    # A resolved family layout is applied exactly when the module is bound with it.
+    changed = {"blocks.0.attn": {"params": {"proj.weight": {"tp": Replicate()}}}}
+    for overrides, applied in ((None, [True, True]), (changed, [False, True]), (None, [True, True]), (changed, [False, True])):
+        resolve_plan(model, [_experts_plan(num_experts)], context.layout_context(), overrides=overrides)
+        infos = [get_family_build_info(block.attn) for block in model.blocks]
+        if [info.layout is not None and info.layout.applied for info in infos] != applied:
+            raise AssertionError(f"after resolving with overrides={overrides}: {[info.layout for info in infos]}")
     if [record.fqn for record in bound_modules(model)] != list(plan.parallel_modules):
         raise AssertionError("the plan is not recorded on the model")
     # Binding the same plan on the same mesh again is a no-op.
     if bind_parallel_modules(model, plan, context) != [] or attention.events != ["bind"]:
         raise AssertionError(f"binding twice called bind_parallel again: {attention.events}")
+    if get_family_build_info(attention).layout != layout:
+        raise AssertionError("binding the plan again should record its own layout, applied, over the one resolved since")
     # Any other owner is an error naming the module, and nothing changes.
     other = NativeParallelBindingRequest(
         ("blocks.0.mlp",),
@@ -325,6 +335,14 @@ def check_binding(context: MeshContext) -> None:
     )
     if bound_modules(fresh) != () or fresh.blocks[0].attn.events:
         raise AssertionError("a plan for another layout bound something")
+    # A second plan adds its records to the first one's: validate_materialized checks both.
+    second = nn.Module()
+    second.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
+    for index in range(2):
+        request = dataclasses.replace(_experts_plan(num_experts), match=(f"blocks.{index}.mlp",))
+        bind_parallel_modules(second, resolve_plan(second, [request], context.layout_context()), context)
+    if [record.fqn for record in bound_modules(second)] != ["blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]:
+        raise AssertionError(f"records of two plans: {[record.fqn for record in bound_modules(second)]}")
 
 
 def check_binding_is_all_or_nothing(context: MeshContext) -> None:
@@ -351,6 +369,14 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
     _expect(KeyboardInterrupt, "", lambda: bind_parallel_modules(model, plan, context))
     if [a.events for a in attentions] != [["bind", "unbind"] * 2] * 2 or bound_modules(model) != ():
         raise AssertionError(f"not restored after an interrupt: {[a.events for a in attentions]}")
+    # An offline plan (class rules unchecked) naming a module with no bind_parallel binds nothing.
+    offline = resolve_plan([name for name, _ in model.named_modules()], [_experts_plan(num_experts)], context.layout_context())
+    other = nn.Module()
+    other.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
+    other.blocks[1].mlp = nn.Identity()
+    _expect(ValueError, "'blocks.1.mlp' (Identity) has no bind_parallel", lambda: bind_parallel_modules(other, offline, context))
+    if other.blocks[0].mlp.events or bound_modules(other) != ():
+        raise AssertionError("a plan that cannot bind every module bound some")
     # Restored means rebindable: once the module is fixed, the same plan binds.
     model.blocks[1].mlp.fail_bind = None
     if len(bind_parallel_modules(model, plan, context)) != 4:

@@ -271,6 +271,14 @@ def test_a_bound_module_inside_another_through_an_alias_is_nested(walk: str) -> 
     assert "a 'ep' module inside the 'ep' module 'y'" in problems[0].message
 
 
+def test_a_sibling_whose_name_extends_another_is_not_nested(walk: str) -> None:
+    model = nn.Module()
+    model.x = Experts()
+    model.xy = Experts()  # 'xy' starts with 'x', yet it is no module below it
+    plan = resolve_plan(model, [NativeParallelBindingRequest(("x", "xy"), EP_SPEC, experts_sharding)], CONTEXT)
+    assert list(plan.parallel_modules) == ["x", "xy"]
+
+
 def test_none_kind_modules_never_nest() -> None:
     outer = NativeParallelBindingRequest(("layers.0",), ParallelModuleSpec("block"), lambda m, f, c: ModuleShardingSpec())
     inner = NativeParallelBindingRequest(("layers.0.norm",), ParallelModuleSpec("norm"), lambda m, f, c: ModuleShardingSpec())

@@ -25,7 +25,7 @@ def provider(module: object, fqn: str, context: LayoutContext) -> ModuleSharding
         ({"protocol": ""}, "protocol"),
         ({"protocol": 3}, "protocol"),
         ({"protocol": "p", "version": ""}, "version"),
-        ({"protocol": "p", "binding_kind": "tp"}, "binding_kind"),
+        ({"protocol": "p", "binding_kind": "tp", "stages": {"forward": ()}, "validate": check}, "binding_kind must be one of"),
         ({"protocol": "p", "binding_kind": "cp", "validate": check}, "stages"),
         ({"protocol": "p", "binding_kind": "cp", "stages": {"forward": ()}}, "validate"),
         ({"protocol": "p", "binding_kind": "ep", "stages": {"forward": ()}, "validate": check}, "num_experts"),

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from meshbind import LayoutContext, ModuleShardingSpec, ParallelModuleSpec, _core, validate_parallel_module
 
@@ -230,6 +230,15 @@ def test_layout_problems_fail_single_module_validation() -> None:
     fails(
         Experts(), ep_spec(), ModuleShardingSpec(params={"w1": {"ep": Shard(0), "cp": Replicate()}}), r"\[layout\].*'cp'.*lacks"
     )
+
+
+class HomeMadePlacement(Placement):
+    """A placement of our own: meshbind checks torch's Shard, Replicate and Partial only."""
+
+
+def test_a_placement_that_is_not_torchs_own_is_a_layout_problem() -> None:
+    sharding = ModuleShardingSpec(params={"w1": {"ep": Shard(0), "tp": HomeMadePlacement()}})
+    fails(Experts(), ep_spec(), sharding, r"\[layout\] .*params\['w1'\] on axis 'tp' is an unsupported placement")
 
 
 def test_wrong_argument_types_are_named() -> None:

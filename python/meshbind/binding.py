@@ -14,7 +14,7 @@ from torch import nn
 
 from meshbind.cp import CPContext
 from meshbind.ep import EPContext
-from meshbind.family import family_spec, set_family_applied
+from meshbind.family import family_spec, record_family_binding
 from meshbind.mesh import MeshBinding, MeshContext
 from meshbind.plan import ParallelPlan
 from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
@@ -101,10 +101,10 @@ def bind_parallel_modules(model: nn.Module, plan: ParallelPlan, mesh_context: Me
             raise
         entry.module.__dict__[_OWNER] = _Owner(entry.spec, plan.sharding[entry.fqn], mesh_context, entry.binding)
         bound.append(entry)
-    for entry in bound:
+    for entry in bound + unchanged:
         if isinstance(family_spec(type(entry.module)), ParallelModuleSpec):
-            set_family_applied(entry.module, mesh_context)
-    bindings = {entry.fqn: entry.binding for entry in bound} | unchanged
+            record_family_binding(entry.module, entry.fqn, entry.spec, plan.sharding[entry.fqn], mesh_context)
+    bindings = {entry.fqn: entry.binding for entry in bound + unchanged}
     records = {record.fqn: record for record in model.__dict__.get(_RECORDS, ())}
     records |= {fqn: BoundModule(fqn, spec, bindings.get(fqn)) for fqn, spec in plan.parallel_modules.items()}
     model.__dict__[_RECORDS] = tuple(records.values())
@@ -124,13 +124,13 @@ def _check_layout(plan: ParallelPlan, mesh_context: MeshContext) -> None:
 
 def _prepare(
     model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding
-) -> tuple[list[_Prepared], dict[str, ParallelBinding]]:
+) -> tuple[list[_Prepared], list[_Prepared]]:
     """Every binding to make, and the modules already bound by the same entry; raises before any side effect."""
     mesh_context = mesh_binding.mesh_context
     cp_contexts: dict[str, CPContext] = {}
     ep_contexts: dict[int, EPContext] = {}
     prepared: list[_Prepared] = []
-    unchanged: dict[str, ParallelBinding] = {}
+    unchanged: list[_Prepared] = []
     for fqn, spec in plan.parallel_modules.items():
         if spec.binding_kind == "none":
             continue
@@ -141,7 +141,7 @@ def _prepare(
         owner = module.__dict__.get(_OWNER)
         if isinstance(owner, _Owner):
             if owner.spec == spec and owner.sharding == plan.sharding[fqn] and owner.mesh_context.same_meshes(mesh_context):
-                unchanged[fqn] = owner.binding
+                unchanged.append(_Prepared(fqn, module, spec, owner.binding))
                 continue
             raise ValueError(f"{fqn!r} already has a communication owner ({owner.spec.describe()}); unbind it first")
         if not callable(getattr(type(module), "bind_parallel", None)):

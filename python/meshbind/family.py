@@ -2,18 +2,20 @@
 
 A class joins every plan without a request by declaring ``parallel_spec`` (a class attribute) and
 ``parallel_sharding(self, fqn, context)``. Resolution records on each member the layout it was
-planned with; binding marks that layout applied on the mesh it was bound to.
+planned with, applied when the module is bound with that very layout; binding records the layout
+it bound as applied on its mesh.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from torch import nn
 
 from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
 
 _BUILD_INFO = "_meshbind_family_build_info"
+_BOUND = "_meshbind_family_bound"
 
 
 @dataclass(frozen=True)
@@ -74,18 +76,17 @@ def get_family_build_info(module: nn.Module) -> FamilyBuildInfo:
 
 
 def record_family_layout(module: nn.Module, fqn: str, spec: ParallelModuleSpec, sharding: ModuleShardingSpec) -> None:
-    """Record a resolved layout; a layout already applied with the same spec and sharding stays applied."""
-    previous = module.__dict__.get(_BUILD_INFO)
+    """Record a resolved layout: applied when the module is bound with this very spec and sharding."""
+    bound = module.__dict__.get(_BOUND)
     applied_on = None
-    if isinstance(previous, FamilyBuildInfo) and previous.layout is not None:
-        if previous.layout.spec == spec and previous.layout.sharding == sharding:
-            applied_on = previous.layout.applied_on
-    layout = FamilyLayout(spec=spec, sharding=sharding, applied_on=applied_on)
-    module.__dict__[_BUILD_INFO] = FamilyBuildInfo(spec=spec, fqn=fqn, layout=layout)
+    if isinstance(bound, FamilyLayout) and bound.spec == spec and bound.sharding == sharding:
+        applied_on = bound.applied_on
+    module.__dict__[_BUILD_INFO] = FamilyBuildInfo(spec=spec, fqn=fqn, layout=FamilyLayout(spec, sharding, applied_on))
 
 
-def set_family_applied(module: nn.Module, applied_on: object | None) -> None:
-    """Mark the recorded layout applied on a mesh (or un-applied with ``None``)."""
-    info = module.__dict__.get(_BUILD_INFO)
-    if isinstance(info, FamilyBuildInfo) and info.layout is not None:
-        module.__dict__[_BUILD_INFO] = replace(info, layout=replace(info.layout, applied_on=applied_on))
+def record_family_binding(
+    module: nn.Module, fqn: str, spec: ParallelModuleSpec, sharding: ModuleShardingSpec, mesh_context: object
+) -> None:
+    """Record that the module is bound with this layout on this mesh; its build info now shows it applied."""
+    module.__dict__[_BOUND] = FamilyLayout(spec, sharding, mesh_context)
+    record_family_layout(module, fqn, spec, sharding)
