@@ -185,7 +185,12 @@ fn expert_problem<'r>(
         );
     }
     for row in owned {
-        if row.dim != 0 {
+        // Shard(-k) is Shard(rank - k), as torch reads it; without a known rank it stays unproven.
+        let dim = match row.rank {
+            Some(rank) if row.dim < 0 => row.dim + rank,
+            _ => row.dim,
+        };
+        if dim != 0 {
             return Some(format!(
                 "{} is Shard({}) on 'ep'; expert ownership must be Shard(0) over the expert dimension",
                 label(row),
@@ -252,6 +257,15 @@ mod tests {
     }
 
     #[test]
+    fn a_negative_dim_counts_from_the_end() {
+        let last_but_one = [row(0, 0, PlacementKind::Shard, -2, Some(vec![8, 4]))];
+        assert!(check(&[Some(4), Some(1)], &last_but_one, &[Some(8)]).is_empty());
+        let last = [row(0, 0, PlacementKind::Shard, -1, Some(vec![4, 8]))];
+        let problems = check(&[Some(4), Some(1)], &last, &[Some(8)]);
+        assert!(problems[0].message.contains("Shard(-1) on 'ep'; expert ownership must be Shard(0)"));
+    }
+
+    #[test]
     fn each_rule_five_failure_is_reported() {
         let shard0 = || vec![row(0, 0, PlacementKind::Shard, 0, Some(vec![8, 4]))];
         let first = |p: Vec<Problem>| p.into_iter().next().map(|p| p.message).unwrap_or_default();
@@ -262,6 +276,8 @@ mod tests {
             .contains("no parameter is Shard"));
         let shard1 = [row(0, 0, PlacementKind::Shard, 1, Some(vec![8, 8]))];
         assert!(first(check(&[Some(4), Some(1)], &shard1, &[Some(8)])).contains("must be Shard(0)"));
+        let unknown_rank = [row(0, 0, PlacementKind::Shard, -2, None)];
+        assert!(first(check(&[Some(4), Some(1)], &unknown_rank, &[Some(8)])).contains("Shard(-2)"));
         let short = [row(0, 0, PlacementKind::Shard, 0, Some(vec![4, 8]))];
         assert!(first(check(&[Some(4), Some(1)], &short, &[Some(8)])).contains("shape[0] is 4"));
     }
