@@ -33,7 +33,7 @@ pub struct TreeIndex {
     pub cycles: Vec<(String, String)>,
     /// Matches in walk order: `(name index, pattern index)`.
     pub hits: Vec<(u32, u32)>,
-    /// Whether every FQN of the tree was visited (no pruning happened).
+    /// Whether every FQN of the tree is recorded: a full walk, or an index of names that dropped none.
     pub complete: bool,
     /// Whether a module a pruned walk kept, or one it entered on the way to them, may have an
     /// alias it did not visit: when met, something besides its parent's `_modules` held it (an
@@ -278,8 +278,6 @@ impl Walker<'_, '_> {
                 let frame = enter(&child, modules_attr, &mut lookahead, &fqn, identity, below)?;
                 stack.push(frame);
                 on_path.insert(identity);
-            } else {
-                self.index.complete = false;
             }
         }
         Ok(())

@@ -156,10 +156,14 @@ def test_a_failed_resolution_records_nothing() -> None:
     assert get_family_build_info(model.layers[0].attn).layout is None
 
 
-def test_a_typo_is_unmatched_with_suggestions() -> None:
+def test_a_typo_is_unmatched_with_suggestions(walk: str) -> None:
+    """The pruned walk records only matches: the suggestions come from every FQN all the same."""
     [problem] = problems_of(Model(), [NativeParallelBindingRequest(("layers.*.mpl",), EP_SPEC, experts_sharding)])
     assert problem.code == "unmatched" and problem.fqn is None and problem.request == "requests[0]"
     assert "'layers.*.mpl'" in problem.message and "did you mean 'layers.0.mlp', 'layers.1.mlp'" in problem.message
+    # A typo in the first segment, where the pruned walk goes no further than the root's children.
+    [problem] = problems_of(Model(), [NativeParallelBindingRequest(("lyers.*.mlp",), EP_SPEC, experts_sharding)])
+    assert "did you mean 'layers.0.mlp', 'layers.1.mlp'" in problem.message
 
 
 def test_a_conflict_names_both_requests() -> None:

@@ -170,6 +170,8 @@ def test_a_context_without_ep_is_a_clear_error() -> None:
 
 def test_some_parameter_must_be_sharded_on_ep() -> None:
     fails(Experts(), ep_spec(), ModuleShardingSpec(params={"w1": {"ep": Replicate()}}), r"\[expert\].*no parameter is Shard")
+    inputs_only = ModuleShardingSpec(params={"w1": {"ep": Replicate()}}, in_src={"ep": Shard(0)}, in_dst={"ep": Shard(0)})
+    fails(Experts(), ep_spec(), inputs_only, r"\[expert\].*no parameter is Shard")
 
 
 def test_ep_ownership_must_be_shard_zero() -> None:
