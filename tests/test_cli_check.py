@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import types
+from pathlib import Path
 
 import pytest
 
@@ -39,7 +42,7 @@ def test_json_output_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "message"),
     [
         (["check", "meshbind.examples.moe_tree", PLAN], "must be written module:attribute"),
-        (["check", "meshbind.nowhere:f", PLAN], "cannot import 'meshbind.nowhere'"),
+        (["check", "meshbind.nowhere:f", PLAN], "importing 'meshbind.nowhere' raised ModuleNotFoundError"),
         (["check", "meshbind.examples.moe_tree:nothing", PLAN], "has no attribute 'nothing'"),
         (["check", "meshbind.examples.moe_tree:DEEP_PLAN", PLAN], "is not callable"),
         (
@@ -55,6 +58,53 @@ def test_bad_references_are_one_line_errors(argv: list[str], message: str, capsy
     err = capsys.readouterr().err
     assert err.startswith("meshbind check: ") and len(err.strip().splitlines()) == 1
     assert re.search(message, err)
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
+@pytest.fixture
+def user_code(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A module ``user_code`` of factories and plans that fail."""
+    module = types.ModuleType("user_code")
+    module.runtime_error = lambda: _raise(RuntimeError("boom"))  # type: ignore[attr-defined]
+    module.value_error = lambda: _raise(ValueError("bad config"))  # type: ignore[attr-defined]
+    module.not_a_module = lambda: 5  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "user_code", module)
+    return module.__name__
+
+
+@pytest.mark.parametrize(
+    ("factory", "plan", "message"),
+    [
+        (
+            "user_code:runtime_error",
+            PLAN,
+            r"MODEL_FACTORY user_code:runtime_error raised RuntimeError: boom \(.*test_cli_check.py:\d+\)",
+        ),
+        ("user_code:value_error", PLAN, "MODEL_FACTORY user_code:value_error raised ValueError: bad config"),
+        ("user_code:not_a_module", PLAN, "MODEL_FACTORY user_code:not_a_module returned int, not an nn.Module"),
+        (MODEL, "user_code:runtime_error", "PLAN user_code:runtime_error raised RuntimeError: boom"),
+    ],
+)
+def test_what_the_users_code_raises_is_a_one_line_error_naming_it(
+    user_code: str, factory: str, plan: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", factory, plan]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("meshbind check: ") and re.search(message, last)
+
+
+def test_a_module_that_fails_on_import_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "broken_plans.py").write_text('raise RuntimeError("import boom")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", MODEL, "broken_plans:PLAN"]) == 2
+    err = capsys.readouterr().err
+    expected = r"^meshbind check: PLAN broken_plans:PLAN: importing 'broken_plans' raised RuntimeError: import boom"
+    assert re.search(expected + r" \(.*broken_plans.py:1\)$", err.strip())
 
 
 def test_a_malformed_axis_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

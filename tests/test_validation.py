@@ -176,7 +176,9 @@ def test_some_parameter_must_be_sharded_on_ep() -> None:
 
 def test_ep_ownership_must_be_shard_zero() -> None:
     fails(Experts(), ep_spec(), ModuleShardingSpec(params={"w1": {"ep": Shard(1)}}), r"\[expert\].*must be Shard\(0\)")
-    fails(Experts(), ep_spec(), ModuleShardingSpec(params={"w1": {"ep": Shard(-1)}}), r"\[expert\].*Shard\(-1\).*must be Shard\(0\)")
+    fails(
+        Experts(), ep_spec(), ModuleShardingSpec(params={"w1": {"ep": Shard(-1)}}), r"\[expert\].*Shard\(-1\).*must be Shard\(0\)"
+    )
 
 
 def test_a_negative_shard_dim_counts_from_the_end_as_in_torch() -> None:

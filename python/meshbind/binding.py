@@ -122,9 +122,7 @@ def _check_layout(plan: ParallelPlan, mesh_context: MeshContext) -> None:
         raise ValueError(f"the plan was resolved for {planned}, but the meshes have {actual}: resolve it for these meshes")
 
 
-def _prepare(
-    model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding
-) -> tuple[list[_Prepared], list[_Prepared]]:
+def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) -> tuple[list[_Prepared], list[_Prepared]]:
     """Every binding to make, and the modules already bound by the same entry; raises before any side effect."""
     mesh_context = mesh_binding.mesh_context
     cp_contexts: dict[str, CPContext] = {}

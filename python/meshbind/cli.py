@@ -7,7 +7,8 @@ import importlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ def _check(args: argparse.Namespace) -> int:
     if not callable(factory):
         raise _UsageError(f"MODEL_FACTORY {args.model_factory} is not callable")
     plan_object = _load(args.plan, "PLAN")
-    requests = plan_object() if callable(plan_object) else plan_object
+    requests = _user_code(f"PLAN {args.plan}", plan_object) if callable(plan_object) else plan_object
     if isinstance(requests, NativeParallelBindingRequest):
         requests = (requests,)
     if (
@@ -45,7 +46,9 @@ def _check(args: argparse.Namespace) -> int:
     context = LayoutContext(dict(args.axis))
     print(f"building {args.model_factory} on meta ...", file=sys.stderr)
     with torch.device("meta"):
-        model = factory()
+        model = _user_code(f"MODEL_FACTORY {args.model_factory}", factory)
+    if not isinstance(model, torch.nn.Module):
+        raise _UsageError(f"MODEL_FACTORY {args.model_factory} returned {type(model).__name__}, not an nn.Module")
     started = time.perf_counter()
     try:
         plan = resolve_plan(model, requests, context)
@@ -73,14 +76,22 @@ def _load(reference: str, what: str) -> Any:
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute:
         raise _UsageError(f"{what} must be written module:attribute, got {reference!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise _UsageError(f"{what} {reference}: cannot import {module_name!r}: {error}") from error
+    module = _user_code(f"{what} {reference}: importing {module_name!r}", lambda: importlib.import_module(module_name))
     try:
         return getattr(module, attribute)
     except AttributeError:
         raise _UsageError(f"{what} {reference}: module {module_name!r} has no attribute {attribute!r}") from None
+
+
+def _user_code(what: str, call: Callable[[], Any]) -> Any:
+    """Runs the user's code (an import, a factory, a plan function): whatever it raises is a
+    one-line error naming what ran and where it failed."""
+    try:
+        return call()
+    except Exception as error:
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        raise _UsageError(f"{what} raised {type(error).__name__}: {error}{where}") from error
 
 
 def _axis(text: str) -> tuple[str, int]:
