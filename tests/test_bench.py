@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,28 @@ def test_meshbind_bench_runs_the_quick_version_and_plots(tmp_path: Path, capsys:
     globstar = {row["method"]: row["median_s"] for row in data if row["plan"] == "globstar"}
     assert globstar["fnmatch"] is None and globstar["torch_parallelize_module"] is None  # n/a: no ** or ranges
     assert "fastest Python baseline / meshbind" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--sizes", "0x4"], "size '0x4' is neither LAYERSxEXPERTS"),
+        (["--json", "{file}/rows.json"], "--json .*rows.json: cannot make its folder"),
+        (["--plot", "{file}/plot.png"], "--plot .*plot.png: cannot make its folder"),
+        (["--readme", "{file}"], "--readme .* has no <!-- bench:start --> ... <!-- bench:end --> section"),
+        (["--readme", "{file}/README.md"], "--readme .*README.md: Not a directory"),
+    ],
+)
+def test_bad_sizes_and_outputs_are_refused_before_the_run(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "a_file"
+    file.write_text("no markers")
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--plans", "deep", *(flag.format(file=file) for flag in flags)])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert re.search(message, captured.err) and "machine:" not in captured.out
 
 
 def test_flat_names_are_matched_offline() -> None:

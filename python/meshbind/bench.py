@@ -303,8 +303,8 @@ class Size:
         if text == "1M":
             return Size("1M", 61, 4096, True)
         layers, _, experts = text.partition("x")
-        if not (layers.isdigit() and experts.isdigit()):
-            raise argparse.ArgumentTypeError(f"size {text!r} is neither LAYERSxEXPERTS nor 1M")
+        if not (layers.isdigit() and experts.isdigit() and int(layers) >= 1 and int(experts) >= 1):
+            raise argparse.ArgumentTypeError(f"size {text!r} is neither LAYERSxEXPERTS (each at least 1) nor 1M")
         return Size(text, int(layers), int(experts), False)
 
 
@@ -487,7 +487,6 @@ def plot(rows: Sequence[Row], path: str) -> None:
         axes.axis("off")
     grid.flat[0].legend(fontsize=7)
     figure.suptitle("Plan resolution: meshbind against the baselines")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     figure.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(figure)
 
@@ -495,12 +494,29 @@ def plot(rows: Sequence[Row], path: str) -> None:
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
+def _readme_text(path: str) -> str:
+    """The README's text; a ``ValueError`` when it cannot be read or has no results section."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as error:
+        raise ValueError(f"--readme {path}: {error.strerror}") from None
+    if README_START not in text or README_END not in text:
+        raise ValueError(f"--readme {path} has no {README_START} ... {README_END} section")
+    return text
+
+
+def _make_output_folder(flag: str, path: str) -> None:
+    """The folder of an output file, made before the run rather than failing after it."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot make its folder: {error.strerror}") from None
+
+
 def update_readme(path: str, rows: Sequence[Row], command: str, plot_path: str | None) -> None:
     """Replace the README's results section (between the bench markers) with this run's."""
-    with open(path) as f:
-        text = f.read()
-    if README_START not in text or README_END not in text:
-        raise SystemExit(f"{path} has no {README_START} ... {README_END} section")
+    text = _readme_text(path)
     body = [f"Machine: {machine()}.", "", f"Regenerate: `{command}`", "", *table(rows, markdown=True), ""]
     body += [f"- {line}" for line in summary(rows)]
     if plot_path:
@@ -538,6 +554,14 @@ def main(argv: Sequence[str] | None = None, *, quick: bool = False) -> int:
         parser.error(f"unknown plans or methods {unknown}; plans: {sorted(PLANS)}, methods: {list(METHODS)}")
     if args.repeat < 5:
         parser.error("--repeat must be at least 5 (medians of fewer runs are noise)")
+    try:
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):
+            if path:
+                _make_output_folder(flag, path)
+        if args.readme:
+            _readme_text(args.readme)
+    except ValueError as error:
+        parser.error(str(error))
     rows = run_each_size_apart(args.sizes, plans, args.repeat, methods)
     print(f"machine: {machine()}")
     print("\n".join(table(rows)))
