@@ -27,6 +27,8 @@ from meshbind import (
     resolve_plan,
 )
 
+from pattern_strategies import names, patterns
+
 HIDDEN, EXPERTS = 8, 4
 CONTEXT = LayoutContext({"dp": 1, "cp": 2, "ep": 2})
 
@@ -585,3 +587,67 @@ def test_nested_matches_every_alias_of_named_modules(case: tuple[list[list[int]]
                 nested = {p.fqn for p in error.problems if p.code == "nested"}
         assert nested == expected, (family_class_loaded, kinds, sorted(every_fqn.values()))
         assert planned == {first_fqn[node] for node in kinds}, (family_class_loaded, kinds, sorted(every_fqn.values()))
+
+
+def _tree_of(fqns: list[str]) -> nn.Module:
+    """A tree of ``Node`` modules holding every FQN (and each prefix); only the tree holds them."""
+    root = Node()
+    for fqn in fqns:
+        module = root
+        for segment in fqn.split(".") if fqn else []:
+            if segment not in module._modules:
+                module.add_module(segment, Node())
+            module = module._modules[segment]  # type: ignore[assignment]
+    return root
+
+
+PLAN_SPECS = [ParallelModuleSpec("node", stages={"forward": ("x",)}), *KIND_SPECS.values()]
+PROVIDERS = [
+    lambda m, f, c: ModuleShardingSpec(),
+    lambda m, f, c: ModuleShardingSpec(params={"weight": {"tp": Replicate()}}),  # Node has none: a layout problem
+]
+
+
+def _selecting(draw: st.DrawFn, fqns: list[str]) -> str:
+    """A pattern likely to select something: a random one, or one of the FQNs with some segments
+    made ``*`` or ``**``."""
+    if draw(st.booleans()):
+        return draw(patterns())
+    segments = draw(st.sampled_from(fqns)).split(".")
+    return ".".join(draw(st.sampled_from([segment, "*", "**"])) if segment else "" for segment in segments)
+
+
+@st.composite
+def plans_over_trees(draw: st.DrawFn) -> tuple[list[str], list[NativeParallelBindingRequest], dict[str, Any]]:
+    """FQNs, requests of patterns, specs and providers, and perhaps an override."""
+    fqns = draw(st.lists(names, min_size=1, max_size=8))
+    requests = [
+        NativeParallelBindingRequest(
+            tuple(_selecting(draw, fqns) for _ in range(draw(st.integers(1, 2)))),
+            draw(st.sampled_from(PLAN_SPECS)),
+            draw(st.sampled_from(PROVIDERS)),
+        )
+        for _ in range(draw(st.integers(1, 3)))
+    ]
+    layout = {"in_src": {"cp": Replicate()}, "in_dst": {"cp": Replicate()}}
+    overrides = {_selecting(draw, fqns): layout} if draw(st.booleans()) else {}
+    return fqns, requests, overrides
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans_over_trees())
+def test_pruning_the_walk_changes_no_plan_and_no_problem(
+    case: tuple[list[str], list[NativeParallelBindingRequest], dict[str, Any]],
+) -> None:
+    """Where no family class exists the walk skips subtrees no pattern reaches: the plan, or every
+    problem with its message (suggestions included), is what the full walk gives."""
+    fqns, requests, overrides = case
+    outcomes = []
+    for family_class_loaded in (False, True):  # pruned walk, full walk
+        with mock.patch.object(meshbind.plan, "any_family_class", lambda loaded=family_class_loaded: loaded):
+            try:
+                plan = resolve_plan(_tree_of(fqns), requests, CONTEXT, overrides=overrides)
+                outcomes.append((list(plan.parallel_modules.items()), dict(plan.sharding), dict(plan.sources)))
+            except PlanError as error:
+                outcomes.append([(p.code, p.fqn, p.request, p.message) for p in error.problems])  # type: ignore[arg-type]
+    assert outcomes[0] == outcomes[1]
