@@ -640,14 +640,20 @@ def test_pruning_the_walk_changes_no_plan_and_no_problem(
     case: tuple[list[str], list[NativeParallelBindingRequest], dict[str, Any]],
 ) -> None:
     """Where no family class exists the walk skips subtrees no pattern reaches: the plan, or every
-    problem with its message (suggestions included), is what the full walk gives."""
+    problem with its message (suggestions included), is what the full walk gives. Offline, over the
+    tree's FQNs, it is the same too when no provider names a parameter (offline it has no shape)."""
     fqns, requests, overrides = case
-    outcomes = []
-    for family_class_loaded in (False, True):  # pruned walk, full walk
-        with mock.patch.object(meshbind.plan, "any_family_class", lambda loaded=family_class_loaded: loaded):
-            try:
-                plan = resolve_plan(_tree_of(fqns), requests, CONTEXT, overrides=overrides)
-                outcomes.append((list(plan.parallel_modules.items()), dict(plan.sharding), dict(plan.sources)))
-            except PlanError as error:
-                outcomes.append([(p.code, p.fqn, p.request, p.message) for p in error.problems])  # type: ignore[arg-type]
-    assert outcomes[0] == outcomes[1]
+
+    def outcome(model: nn.Module | list[str]) -> object:
+        try:
+            plan = resolve_plan(model, requests, CONTEXT, overrides=overrides)
+        except PlanError as error:
+            return [(p.code, p.fqn, p.request, p.message) for p in error.problems]
+        return list(plan.parallel_modules.items()), dict(plan.sharding), dict(plan.sources)
+
+    with mock.patch.object(meshbind.plan, "any_family_class", lambda: False):
+        pruned = outcome(_tree_of(fqns))
+    with mock.patch.object(meshbind.plan, "any_family_class", lambda: True):
+        assert outcome(_tree_of(fqns)) == pruned
+    if all(request.sharding is PROVIDERS[0] for request in requests):
+        assert outcome([name for name, _ in _tree_of(fqns).named_modules()]) == pruned
