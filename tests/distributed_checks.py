@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from meshbind import (
@@ -52,7 +53,12 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 def check_mesh_sizes(sizes: dict[str, int]) -> None:
     world = dist.get_world_size()
     before = process_group_count()
-    for bad, message in (({"dp": world + 1}, "the world size is"), ({"dp": world, "ep": 3}, "does not divide the world size")):
+    rejected = (
+        ({"dp": world + 1}, "the world size is"),
+        ({"dp": world, "ep": 3}, "does not divide the world size"),
+        ({"dp": world, "ep": world, "edp_shard": 2}, "edp_shard = 2 does not divide world / ep = 1"),
+    )
+    for bad, message in rejected:
         try:
             MeshContext.build(**bad)
         except ValueError as error:
@@ -72,6 +78,15 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
         raise AssertionError(f"ep is not innermost: {ep_mesh.mesh.tolist()} != {expected}")
     if context.layout_context() != LayoutContext(context.axis_sizes()):
         raise AssertionError("layout_context differs from axis_sizes")
+    # Without ep > 1 there is no expert mesh, and 'ep' is 1.
+    no_experts = MeshContext.build(dp=world)
+    if no_experts.fsdp_moe_mesh is not None or no_experts.axis_sizes() != {"dp": world, "cp": 1, "tp": 1, "ep": 1}:
+        raise AssertionError(f"without ep: {no_experts}, {no_experts.axis_sizes()}")
+    # An expert mesh over fewer ranks than the device mesh.
+    narrow = init_device_mesh("cpu", (world, 1), mesh_dim_names=("x", "ep"))["ep"]
+    _expect(
+        ValueError, f"the expert mesh spans 1 ranks and the device mesh {world}", lambda: MeshContext(context.device_mesh, narrow)
+    )
     # No DeviceMesh, and a DeviceMesh without an 'ep' dimension.
     for not_a_mesh in (5, context.device_mesh):
         wrap = functools.partial(MeshContext, context.device_mesh, not_a_mesh)
@@ -172,11 +187,21 @@ def check_ep(context: MeshContext, scenario: str) -> None:
     tokens = tokens.clone().requires_grad_()
     for not_integers in (expert_ids.double(), expert_ids.bool()):
         _expect(ValueError, "expert_ids must hold integers", functools.partial(ep.dispatch, tokens, not_integers))
+    # Every rank refuses before any collective (a rank may have no tokens, so the same bad input on each).
+    for out_of_range in (num_experts, -1):
+        bad = functools.partial(ep.dispatch, torch.zeros(1, hidden), torch.tensor([[out_of_range]]))
+        _expect(ValueError, f"expert ids must lie in [0, {num_experts})", bad)
+    mesh = MeshBinding(context).axis_mesh("ep")
+    _expect(ValueError, "num_experts must be a positive int, got 0", lambda: EPContext(mesh, 0))
+    _expect(ValueError, f"num_experts {ep.size + 1} is not divisible by the ep size", lambda: EPContext(mesh, ep.size + 1))
     routed = ep.dispatch(tokens, expert_ids)
     ids = routed.local_expert_ids
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= ep.num_local_experts):
         raise AssertionError(f"local expert ids out of range: {ids.tolist()}")
     expert_out = torch.einsum("rh,rhg->rg", routed.tokens, local_experts[ids])
+    extra_row = torch.cat([expert_out, expert_out.new_zeros(1, hidden)])
+    _expect(ValueError, f"expert_out has {extra_row.size(0)} rows", lambda: ep.combine(extra_row, routed, weights))
+    _expect(ValueError, "weights must be", lambda: ep.combine(expert_out, routed, weights.reshape(-1)))
     combined = ep.combine(expert_out, routed, weights)
     close(combined, routed_moe_reference(tokens.detach(), expert_ids, weights, experts), f"{scenario} combine")
     gradient_weights = {
@@ -319,6 +344,8 @@ def check_binding(context: MeshContext) -> None:
     rebuilt = MeshContext.build(**context.axis_sizes())
     if rebuilt != context or rebuilt.same_meshes(context):
         raise AssertionError("a rebuilt mesh context should be equal in layout and other in meshes")
+    if MeshContext(context.device_mesh, rebuilt.fsdp_moe_mesh).same_meshes(context):
+        raise AssertionError("another expert mesh makes other meshes")
     _expect(ValueError, "'blocks.0.attn' already has a communication owner", lambda: bind_parallel_modules(model, plan, rebuilt))
     if bind_parallel_modules(model, plan, MeshContext(context.device_mesh, context.fsdp_moe_mesh)) != []:
         raise AssertionError("wrapping the same meshes again should be the same owner")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshbind import MeshContext
 from meshbind.launch import run_local_world
 
 WORLDS = {
@@ -31,3 +32,8 @@ def test_a_rank_that_dies_fails_the_run_at_once_naming_it() -> None:
     died = r"rank 1 \(exit code 3\) of distributed_checks:exit_on_rank_one died without a result"
     with pytest.raises(RuntimeError, match=died):
         run_local_world(2, "distributed_checks:exit_on_rank_one")
+
+
+def test_meshes_need_an_initialised_process_group() -> None:
+    with pytest.raises(ValueError, match=r"MeshContext\.build needs an initialised process group"):
+        MeshContext.build()
