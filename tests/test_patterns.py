@@ -133,6 +133,13 @@ def test_bad_name_lists_are_clear_errors(bad: object, error: type[Exception], me
         ("re:a(b", 4, "invalid regex"),
         ("re:[z-a]", 4, "invalid regex"),
         ("{a,b}" * 11, 50, "brace expansion exceeds"),
+        ("a.[z-a]", 3, "reversed class range 'z-a'"),
+        ("a.[\\", 3, "trailing"),
+        ("a.[a-\\", 5, "trailing"),
+        ("a.<0-99999999999999999999999>", 5, "exceeds 999999999999999999"),
+        ("{" * 20 + "a" + "}" * 20, 16, "braces nested deeper than 16"),
+        ("{,}", 0, "only expands to an empty name"),
+        ("a.{b}}", 5, "unbalanced '}'"),
     ],
 )
 def test_malformed_patterns_point_at_the_problem(pattern: str, position: int, reason: str) -> None:
