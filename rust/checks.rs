@@ -262,7 +262,9 @@ mod tests {
         assert!(check(&[Some(4), Some(1)], &last_but_one, &[Some(8)]).is_empty());
         let last = [row(0, 0, PlacementKind::Shard, -1, Some(vec![4, 8]))];
         let problems = check(&[Some(4), Some(1)], &last, &[Some(8)]);
-        assert!(problems[0].message.contains("Shard(-1) on 'ep'; expert ownership must be Shard(0)"));
+        assert!(problems[0]
+            .message
+            .contains("Shard(-1) on 'ep'; expert ownership must be Shard(0)"));
     }
 
     #[test]

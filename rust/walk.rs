@@ -6,7 +6,7 @@
 //! and descends into a shared module once per alias but never into its own ancestor: a cycle is
 //! recorded instead. With pruning on, it enters no subtree that no pattern can reach.
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyType};
 use pyo3::{ffi, intern, Borrowed};
@@ -207,7 +207,7 @@ impl Walker<'_, '_> {
             // SAFETY: the dict pointer is valid for the frame's lifetime.
             if unsafe { ffi::PyDict_Size(frame.children.as_ptr()) } != frame.size {
                 return Err(PyRuntimeError::new_err(format!(
-                    "the children of {:?} changed during the walk",
+                    "the children of '{}' changed during the walk",
                     &fqn[..frame.name_end]
                 ))
                 .into());
@@ -222,11 +222,18 @@ impl Walker<'_, '_> {
                 unsafe { (Borrowed::from_ptr(py, key), Borrowed::from_ptr(py, child)) };
             let key = key.cast::<PyString>().map_err(|_| {
                 PyTypeError::new_err(format!(
-                    "module {:?} has a child whose name is not a str",
+                    "module '{}' has a child whose name is not a str",
                     &fqn[..name_end]
                 ))
             })?;
-            let key = key.to_str()?;
+            let key = key.to_str().map_err(|_| {
+                let name = key.to_owned().repr().map(|r| r.to_string());
+                PyValueError::new_err(format!(
+                    "module '{}' has a child whose name {} is not valid UTF-8",
+                    &fqn[..name_end],
+                    name.as_deref().unwrap_or("?")
+                ))
+            })?;
             let mut state = parent_state;
             fqn.truncate(name_end);
             if stack.len() > 1 {

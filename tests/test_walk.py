@@ -153,6 +153,19 @@ def test_none_children_are_skipped_like_named_modules() -> None:
     assert PatternSet(["*"]).walk(model).names() == ["real"]
 
 
+@pytest.mark.parametrize("prune", [True, False])
+@pytest.mark.parametrize(
+    ("name", "error", "message"),
+    [(7, TypeError, "module 'block' has a child whose name is not a str"), ("\ud800", ValueError, "is not valid UTF-8")],
+)
+def test_a_child_name_that_is_no_fqn_segment_is_named(name: object, error: type[Exception], message: str, prune: bool) -> None:
+    model = nn.Module()
+    model.block = nn.Module()
+    model.block._modules[name] = nn.ReLU()  # type: ignore[index]
+    with pytest.raises(error, match=message):
+        PatternSet(["block.*"]).walk(model, prune=prune)
+
+
 @pytest.mark.parametrize("root", [None, 3, "model", torch.zeros(2)])
 def test_non_module_roots_are_type_errors(root: object) -> None:
     with pytest.raises(TypeError, match=r"expected an nn\.Module"):
