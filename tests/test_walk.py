@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import pytest
 import torch
@@ -164,6 +165,27 @@ def test_a_child_name_that_is_no_fqn_segment_is_named(name: object, error: type[
     model.block._modules[name] = nn.ReLU()  # type: ignore[index]
     with pytest.raises(error, match=message):
         PatternSet(["block.*"]).walk(model, prune=prune)
+
+
+class AddsASibling(nn.Module):
+    """Reading its ``_modules`` (as the walk does, through getattr) adds a module beside it."""
+
+    def __getattribute__(self, name: str) -> Any:
+        parent = object.__getattribute__(self, "__dict__").get("parent")
+        if name == "_modules" and parent is not None and "added" not in parent._modules:
+            parent._modules["added"] = nn.ReLU()
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("prune", [True, False])
+def test_children_that_change_during_the_walk_are_an_error(prune: bool) -> None:
+    model = nn.Module()
+    model.block = nn.Module()
+    model.block.first = AddsASibling()
+    model.block.last = nn.ReLU()
+    model.block.first.__dict__["parent"] = model.block
+    with pytest.raises(RuntimeError, match="the children of 'block' changed during the walk"):
+        PatternSet(["block.**"]).walk(model, prune=prune)
 
 
 @pytest.mark.parametrize("root", [None, 3, "model", torch.zeros(2)])
