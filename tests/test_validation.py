@@ -276,3 +276,25 @@ def test_the_placement_check_rejects_a_size_it_cannot_divide_by(ep_size: int) ->
     one_row = ([0], [0], [0], [0], [0], [3], [8])
     with pytest.raises(ValueError, match=f'axis size {ep_size} of "ep" must be positive'):
         _core.check_placements(["ep"], [ep_size], ["params['w']"], [True], *one_row, [8])
+
+
+ROW = {"module": [0], "label": [0], "axis": [0], "kind": [0], "dim": [0], "rank": [3], "first_dim": [8]}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"axis_sizes": [2, 3]}, "axis_sizes and label_is_param must be as long as their name lists"),
+        ({"dim": [0, 1]}, "every row list must have the same length"),
+        ({"kind": [7]}, "row 0: unknown placement kind 7"),
+        ({"label": [4]}, "row 0: no label 4"),
+        ({"axis": [4]}, "row 0: no axis 4"),
+        ({"module": [5]}, "row module 5 is not below len"),
+    ],
+)
+def test_the_placement_check_refuses_rows_it_cannot_index(change: dict[str, list[int]], message: str) -> None:
+    """A direct call with inconsistent lists is a ValueError, never a panic from an index."""
+    rows = {**ROW, **{key: value for key, value in change.items() if key in ROW}}
+    axis_sizes = change.get("axis_sizes", [2])
+    with pytest.raises(ValueError, match=message):
+        _core.check_placements(["ep"], axis_sizes, ["params['w']"], [True], *rows.values(), [8])

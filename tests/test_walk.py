@@ -215,3 +215,14 @@ def test_did_you_mean_names_the_nearest_fqns(moe: nn.Module) -> None:
     # Asking for more names than there are returns them all, nearest first.
     every = tree.nearest("lm_haed", 2**40)
     assert len(every) == len(tree) and every[0] == "lm_head"
+
+
+def test_indices_outside_the_tree_are_value_errors() -> None:
+    tree = PatternSet(["*"]).walk(nn.Sequential(nn.ReLU()), prune=False)
+    for method, message in (
+        (tree.names, "no name with index 9"),
+        (tree.module_fqns, "no module with index 9"),
+        (tree.modules, "no module with index 9"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            method([9])
