@@ -69,9 +69,13 @@ fn borrowed_strs<'a>(
         // object) lives as long as the object, which the list holds while it is borrowed.
         let data = unsafe { ffi::PyUnicode_AsUTF8AndSize(item.as_ptr(), &mut size) };
         if data.is_null() {
-            let error = PyErr::fetch(list.py());
+            PyErr::fetch(list.py());
             if item.is_instance_of::<PyString>() {
-                return Err(error);
+                let shown = item.repr().map(|r| r.to_string());
+                return Err(PyValueError::new_err(format!(
+                    "{what}[{i}] is not valid UTF-8: {}",
+                    shown.as_deref().unwrap_or("?")
+                )));
             }
             return Err(PyTypeError::new_err(format!(
                 "{what}[{i}] must be a str, got {}",

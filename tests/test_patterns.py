@@ -100,7 +100,7 @@ def test_match_indices_is_the_flat_form_of_match_many() -> None:
         (3, TypeError, "must be a sequence of str, got int"),
         (["a", b"b"], TypeError, r"names\[1\] must be a str, got bytes"),
         (["a", None], TypeError, r"names\[1\] must be a str, got NoneType"),
-        (["\ud800"], UnicodeEncodeError, "surrogates not allowed"),
+        (["a", "a.\ud800"], ValueError, r"names\[1\] is not valid UTF-8: 'a.\\ud800'"),
     ],
 )
 def test_bad_name_lists_are_clear_errors(bad: object, error: type[Exception], message: str) -> None:
@@ -162,6 +162,11 @@ def test_caret_sits_under_the_offending_character() -> None:
     lines = str(info.value).splitlines()
     assert lines[1].strip() == "layers.*.mlp.{gate,up"
     assert lines[2].index("^") == lines[1].index("{")
+
+
+def test_a_pattern_that_is_not_valid_utf8_is_named() -> None:
+    with pytest.raises(ValueError, match=r"patterns\[1\] is not valid UTF-8: '\\ud800'"):
+        PatternSet(["a", "\ud800"])
 
 
 @pytest.mark.parametrize("bad", ["a.b", b"a.b", None, 3, ["a", 3], [None]])
