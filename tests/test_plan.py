@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import subprocess
@@ -156,6 +157,44 @@ def test_a_failed_resolution_records_nothing() -> None:
     model = Model()
     problems_of(model, [NativeParallelBindingRequest(("nothing",), LINEAR_SPEC, linear_sharding)])
     assert get_family_build_info(model.layers[0].attn).layout is None
+
+
+class NotAFamily(nn.Module):
+    """Its class's ``parallel_spec`` is no ParallelModuleSpec: a problem, not a crash."""
+
+    parallel_spec = "cp_attention"
+
+    def parallel_sharding(self, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        return ModuleShardingSpec()
+
+
+def test_a_family_class_whose_parallel_spec_is_no_spec_is_a_binding_problem() -> None:
+    model = Model()
+    model.odd = NotAFamily()
+    [problem] = problems_of(model, [EXPERTS_REQUEST])
+    assert (problem.code, problem.fqn, problem.request) == ("binding", None, "family NotAFamily")
+    assert "NotAFamily.parallel_spec must be a ParallelModuleSpec, got str" in problem.message
+
+
+def test_one_sharding_object_is_checked_against_each_modules_own_expert_count() -> None:
+    shared = ModuleShardingSpec(params={"w1": {"ep": Shard(0)}})
+    model = nn.Module()
+    model.small, model.large = Experts(4), Experts(8)
+    requests = [
+        NativeParallelBindingRequest(
+            (name,), dataclasses.replace(EP_SPEC, options={"num_experts": count}), lambda m, f, c: shared
+        )
+        for name, count in (("small", 4), ("large", 8))
+    ]
+    assert list(resolve_plan(model, requests, CONTEXT).parallel_modules) == ["small", "large"]
+
+
+def test_resolution_leaves_modules_that_are_no_family_members_untouched() -> None:
+    model = Model()
+    before = {name: dict(vars(module)) for name, module in model.named_modules()}
+    resolve_plan(model, [EXPERTS_REQUEST, HEAD_REQUEST], CONTEXT)
+    changed = [name for name, module in model.named_modules() if vars(module) != before[name]]
+    assert changed == ["layers.0.attn", "layers.1.attn"]  # the family members' build info
 
 
 def test_a_typo_is_unmatched_with_suggestions(walk: str) -> None:

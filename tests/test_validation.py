@@ -181,6 +181,11 @@ def test_ep_ownership_must_be_shard_zero() -> None:
     )
 
 
+def test_the_shape_is_checked_whatever_else_places_the_parameter() -> None:
+    for placements in ({"ep": Shard(0), "tp": Replicate()}, {"tp": Replicate(), "ep": Shard(0)}):
+        fails(Experts(8), ep_spec(4), ModuleShardingSpec(params={"w1": placements}), r"\[expert\].*shape\[0\] is 8")
+
+
 def test_a_negative_shard_dim_counts_from_the_end_as_in_torch() -> None:
     validate_parallel_module(Experts(), ep_spec(), ModuleShardingSpec(params={"w1": {"ep": Shard(-3)}}), CONTEXT)
 
