@@ -362,7 +362,7 @@ def check_binding(context: MeshContext) -> None:
     )
     if bound_modules(fresh) != () or fresh.blocks[0].attn.events:
         raise AssertionError("a plan for another layout bound something")
-    # A second plan adds its records to the first one's: validate_materialized checks both.
+    # A second plan adds its records to the first one's.
     second = nn.Module()
     second.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
     for index in range(2):
