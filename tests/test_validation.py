@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from meshbind import LayoutContext, ModuleShardingSpec, ParallelModuleSpec, _core, validate_parallel_module
+from meshbind.validation import ValidationBatch
 
 CONTEXT = LayoutContext({"dp": 1, "ep": 2, "tp": 1})
 
@@ -303,3 +307,64 @@ def test_the_placement_check_refuses_rows_it_cannot_index(change: dict[str, list
     axis_sizes = change.get("axis_sizes", [2])
     with pytest.raises(ValueError, match=message):
         _core.check_placements(["ep"], axis_sizes, ["params['w']"], [True], *rows.values(), [8])
+
+
+class SomeExperts(nn.Module):
+    """Fused experts of a drawn count, with or without a second weight; a valid stage and binding."""
+
+    def __init__(self, num_experts: int, second_weight: bool) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, 4, device="meta"))
+        if second_weight:
+            self.w2 = nn.Parameter(torch.empty(num_experts, 4, 2, device="meta"))
+
+    def route(self, tokens: torch.Tensor, *, expert_ids: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+    def bind_parallel(self, binding: object) -> None:
+        self.binding = binding
+
+
+BATCH_SPECS = [ep_spec(2), ep_spec(4), ep_spec(8), ParallelModuleSpec("plain", stages={"route": ("tokens",)})]
+BATCH_SHARDINGS = [
+    OWNED,
+    ModuleShardingSpec(params={"w1": {"ep": Shard(0)}, "w2": {"ep": Shard(0), "tp": Replicate()}}),
+    ModuleShardingSpec(params={"w1": {"ep": Shard(1)}}),
+    ModuleShardingSpec(params={"w1": {"ep": Replicate()}}),
+    ModuleShardingSpec(params={"w1": {"ep": Shard(0), "tp": Shard(2)}}),
+    ModuleShardingSpec(params={"w2": {"ep": Shard(-3)}}),
+    ModuleShardingSpec(params={"w1": {"cp": Replicate()}}),
+    ModuleShardingSpec(params={"w1": {"ep": Shard(0)}}, in_src={"tp": Shard(0)}),
+]
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[LayoutContext, list[tuple[nn.Module, ParallelModuleSpec, ModuleShardingSpec]]]:
+    """A context and modules with specs and shardings drawn from small pools, so that many share
+    a spec, a sharding object (or an equal copy) and shapes: what the batch checks as one unit."""
+    context = LayoutContext(draw(st.sampled_from([{"ep": 2, "tp": 1}, {"ep": 4, "tp": 2}, {"dp": 2}])))
+    rows = []
+    for _ in range(draw(st.integers(1, 12))):
+        module = SomeExperts(draw(st.sampled_from([2, 4, 8])), draw(st.booleans()))
+        sharding = draw(st.sampled_from(BATCH_SHARDINGS))
+        if draw(st.booleans()):
+            sharding = dataclasses.replace(sharding)  # equal, but another object
+        rows.append((module, draw(st.sampled_from(BATCH_SPECS)), sharding))
+    return context, rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches())
+def test_a_batch_finds_for_each_module_what_it_finds_for_that_module_alone(
+    case: tuple[LayoutContext, list[tuple[nn.Module, ParallelModuleSpec, ModuleShardingSpec]]],
+) -> None:
+    """Grouping modules into units (by sharding object, expert count and shapes) changes no answer."""
+    context, rows = case
+    modules, specs, shardings = (list(column) for column in zip(*rows, strict=True))
+    fqns = [f"experts.{index}" for index in range(len(rows))]
+    together: dict[int, list[tuple[str, str]]] = {}
+    for row, code, message in ValidationBatch(context).check(modules, fqns, specs, shardings):
+        together.setdefault(row, []).append((code, message))
+    for row in range(len(rows)):
+        alone = ValidationBatch(context).check([modules[row]], [fqns[row]], [specs[row]], [shardings[row]])
+        assert sorted(together.get(row, [])) == sorted((code, message) for _, code, message in alone), rows[row]
