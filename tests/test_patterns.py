@@ -56,6 +56,8 @@ def pattern_families(draw: st.DrawFn) -> tuple[list[str], list[str]]:
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pattern_families())
 @example(([f"layers.{n}.mlp.*" for n in range(10)] + ["layers.*.mlp.gate"], ["layers.3.mlp.gate", "layers.30.mlp.gate"]))
+# The member found last is remembered: `1` after `12` must not be taken for it.
+@example(([f"layers.{n}.mlp" for n in (12, 1, 2, 3, 4, 5, 6, 7, 8, 9)], ["layers.12.mlp", "layers.1.mlp"]))
 def test_families_of_generated_patterns_agree_with_reference(case: tuple[list[str], list[str]]) -> None:
     pattern_list, name_list = case
     ps = PatternSet(pattern_list)
