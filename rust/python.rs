@@ -11,7 +11,7 @@ use crate::matcher::{BuildError, MatchError, PatternSet};
 use crate::sequence::{IndexHits, NameIndexer};
 use crate::str_layout::ListTexts;
 use crate::suggest::nearest_names;
-use crate::walk::{walk_tree, TreeIndex, WalkError, WalkMode};
+use crate::walk::{not_utf8_error, walk_tree, TreeIndex, WalkError, WalkMode};
 
 create_exception!(
     meshbind._core,
@@ -71,11 +71,7 @@ fn borrowed_strs<'a>(
         if data.is_null() {
             PyErr::fetch(list.py());
             if item.is_instance_of::<PyString>() {
-                let shown = item.repr().map(|r| r.to_string());
-                return Err(PyValueError::new_err(format!(
-                    "{what}[{i}] is not valid UTF-8: {}",
-                    shown.as_deref().unwrap_or("?")
-                )));
+                return Err(not_utf8_error(&format!("{what}[{i}]"), &item.to_owned()));
             }
             return Err(PyTypeError::new_err(format!(
                 "{what}[{i}] must be a str, got {}",

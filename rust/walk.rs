@@ -41,6 +41,15 @@ pub struct TreeIndex {
     pub may_share_matches: bool,
 }
 
+/// A `ValueError` for a str that is not valid UTF-8 (a lone surrogate), shown as Python writes it.
+pub(crate) fn not_utf8_error(what: &str, text: &Bound<'_, PyAny>) -> PyErr {
+    let shown = text.repr().map(|r| r.to_string());
+    PyValueError::new_err(format!(
+        "{what} is not valid UTF-8: {}",
+        shown.as_deref().unwrap_or("?")
+    ))
+}
+
 /// Which owner (a request, an override…) selects each module: see [`TreeIndex::owners`].
 pub struct Ownership {
     /// Every selected module, ascending (tree order), with the owner of its first match.
@@ -227,12 +236,8 @@ impl Walker<'_, '_> {
                 ))
             })?;
             let key = key.to_str().map_err(|_| {
-                let name = key.to_owned().repr().map(|r| r.to_string());
-                PyValueError::new_err(format!(
-                    "module '{}' has a child whose name {} is not valid UTF-8",
-                    &fqn[..name_end],
-                    name.as_deref().unwrap_or("?")
-                ))
+                let what = format!("the name of a child of module '{}'", &fqn[..name_end]);
+                not_utf8_error(&what, key.to_owned().as_any())
             })?;
             let mut state = parent_state;
             fqn.truncate(name_end);

@@ -101,10 +101,11 @@ def bind_parallel_modules(model: nn.Module, plan: ParallelPlan, mesh_context: Me
             raise
         entry.module.__dict__[_OWNER] = _Owner(entry.spec, plan.sharding[entry.fqn], mesh_context, entry.binding)
         bound.append(entry)
-    for entry in bound + unchanged:
+    owned = bound + unchanged
+    for entry in owned:
         if isinstance(family_spec(type(entry.module)), ParallelModuleSpec):
             record_family_binding(entry.module, entry.fqn, entry.spec, plan.sharding[entry.fqn], mesh_context)
-    bindings = {entry.fqn: entry.binding for entry in bound + unchanged}
+    bindings = {entry.fqn: entry.binding for entry in owned}
     records = {record.fqn: record for record in model.__dict__.get(_RECORDS, ())}
     records |= {fqn: BoundModule(fqn, spec, bindings.get(fqn)) for fqn, spec in plan.parallel_modules.items()}
     model.__dict__[_RECORDS] = tuple(records.values())
