@@ -2,7 +2,9 @@
 //!
 //! The distance aligns the pattern's segments with a name's segments (a segment the glob matches
 //! costs nothing, `**` absorbs any number of segments, other segments cost their edit distance).
-//! Segment costs are computed once per distinct name segment, so the scan stays linear.
+//! Segment costs are computed once per distinct name segment, so the scan stays linear. A name
+//! that shares nothing with the pattern (it costs as much as writing it anew, like the root `''`
+//! for `lm_haed`) is never offered.
 
 use regex_automata::meta::Regex;
 use rustc_hash::FxHashMap;
@@ -18,7 +20,8 @@ enum PatternSegment {
     },
 }
 
-/// The `count` names nearest to `pattern`, nearest first, ties in table order.
+/// The `count` names nearest to `pattern`, nearest first, ties in table order; only names that
+/// share something with it.
 pub fn nearest_names(pattern: &str, names: &NameTable, count: usize) -> Vec<String> {
     if count == 0 || names.is_empty() {
         return Vec::new();
@@ -27,10 +30,14 @@ pub fn nearest_names(pattern: &str, names: &NameTable, count: usize) -> Vec<Stri
         Some(segments) => score_by_segments(&segments, names),
         None => {
             let target = pattern.strip_prefix(REGEX_PREFIX).unwrap_or(pattern);
+            let target_length = target.chars().count();
             names
                 .iter()
                 .enumerate()
-                .map(|(i, name)| (edit_distance(target, name), i))
+                .filter_map(|(i, name)| {
+                    let cost = edit_distance(target, name);
+                    (cost < target_length.max(name.chars().count())).then_some((cost, i))
+                })
                 .collect()
         }
     };
@@ -86,6 +93,7 @@ fn segment(text: String) -> PatternSegment {
     PatternSegment::Glob { text, matcher }
 }
 
+/// The cost of each related name (see `nearest_names`) with its index.
 fn score_by_segments(pattern: &[PatternSegment], names: &NameTable) -> Vec<(usize, usize)> {
     let mut interned: FxHashMap<&str, usize> = FxHashMap::default();
     // Per distinct name segment: its length (the cost of leaving it unmatched) and its cost
@@ -99,6 +107,7 @@ fn score_by_segments(pattern: &[PatternSegment], names: &NameTable) -> Vec<(usiz
             PatternSegment::Glob { text, .. } => text.chars().count(),
         })
         .collect();
+    let pattern_length: usize = skip_costs.iter().sum();
     let mut name_segments: Vec<usize> = Vec::new();
     let (mut above, mut row): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
     let mut scored = Vec::with_capacity(names.len());
@@ -121,6 +130,7 @@ fn score_by_segments(pattern: &[PatternSegment], names: &NameTable) -> Vec<(usiz
         for &id in &name_segments {
             above.push(above[above.len() - 1] + segment_lengths[id]);
         }
+        let unrelated = pattern_length.max(above[name_segments.len()]);
         for (k, p) in pattern.iter().enumerate() {
             row.clear();
             row.push(above[0] + skip_costs[k]);
@@ -137,7 +147,10 @@ fn score_by_segments(pattern: &[PatternSegment], names: &NameTable) -> Vec<(usiz
             }
             std::mem::swap(&mut row, &mut above);
         }
-        scored.push((above[name_segments.len()], index));
+        let cost = above[name_segments.len()];
+        if cost < unrelated {
+            scored.push((cost, index));
+        }
     }
     scored
 }
@@ -220,5 +233,20 @@ mod tests {
             nearest_names("**.down_prj", &names, 1),
             vec!["layers.0.mlp.experts.0.down_proj"]
         );
+    }
+
+    #[test]
+    fn offers_no_name_that_shares_nothing_with_the_pattern() {
+        let names = table(&["", "layers", "lm_head", "norm"]);
+        assert_eq!(
+            nearest_names("lm_haed", &names, 3),
+            vec!["lm_head", "layers"]
+        );
+        assert_eq!(
+            nearest_names("re:lm_haed", &names, 3),
+            vec!["lm_head", "layers"]
+        );
+        assert!(nearest_names("qqq", &names, 3).is_empty());
+        assert!(nearest_names("re:qqq", &names, 3).is_empty());
     }
 }

@@ -212,9 +212,11 @@ def test_did_you_mean_names_the_nearest_fqns(moe: nn.Module) -> None:
         "layers.0.mlp.experts.2.down_proj",
     ]
     assert tree.nearest("lm_haed", 1) == ["lm_head"]
-    # Asking for more names than there are returns them all, nearest first.
+    # Asking for more names than there are returns every name that shares something with the
+    # pattern, nearest first; the root '' and names with no letter in common are left out.
     every = tree.nearest("lm_haed", 2**40)
-    assert len(every) == len(tree) and every[0] == "lm_head"
+    assert every[0] == "lm_head" and "" not in every and every == tree.nearest("lm_haed", len(every))
+    assert tree.nearest("zzz", 2**40) == []
 
 
 def test_indices_outside_the_tree_are_value_errors() -> None:
