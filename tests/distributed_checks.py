@@ -265,6 +265,9 @@ class Experts(nn.Module):
         self.events.append("bind")
         self.binding = binding
 
+    def unbind_parallel(self) -> None:
+        self.events.append("unbind")
+
 
 class Block(nn.Module):
     def __init__(self, num_experts: int) -> None:
@@ -385,6 +388,9 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
     attentions = [model.blocks[0].attn, model.blocks[1].attn]
     if [a.events for a in attentions] != [["bind", "unbind"], ["bind", "unbind"]]:
         raise AssertionError(f"not restored: {[a.events for a in attentions]}")
+    # The module whose bind_parallel raised undoes its own work: it gets no unbind_parallel.
+    if [block.mlp.events for block in model.blocks] != [["bind", "unbind"], []]:
+        raise AssertionError(f"experts not restored as documented: {[block.mlp.events for block in model.blocks]}")
     for attention in attentions:
         layout = get_family_build_info(attention).layout
         if layout is None or layout.applied:

@@ -1,6 +1,6 @@
 """meshbind: resolve, validate and bind large-model parallel plans onto PyTorch module trees."""
 
-from importlib.metadata import PackageNotFoundError, version
+from importlib import metadata
 
 from meshbind._core import IndexMatches, ModuleTree, PatternError, PatternSet
 from meshbind.binding import (
@@ -21,8 +21,8 @@ from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBind
 from meshbind.validation import validate_parallel_module
 
 try:
-    __version__ = version("meshbind")
-except PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = metadata.version("meshbind")
+except metadata.PackageNotFoundError:  # imported from a checkout that was never installed
     __version__ = "unknown"
 
 __all__ = [
