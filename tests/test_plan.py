@@ -474,6 +474,8 @@ def test_later_overrides_win_and_bad_overrides_are_layout_problems() -> None:
     with pytest.raises(PlanError) as caught:
         resolve_plan(Model(), [EXPERTS_REQUEST], CONTEXT, overrides=overrides)
     assert [(p.code, p.fqn) for p in caught.value.problems] == [("expert", "layers.1.mlp")]
+    # The problem names the overrides that shaped the module's sharding beside its request.
+    assert caught.value.problems[0].request == "requests[0], overrides['layers.*.mlp']"
     problems = problems_of(Model(), [EXPERTS_REQUEST], overrides={"layers.0.mlp": {"parms": {}}})
     assert problems[0].code == "layout" and "unknown sharding fields ['parms']" in problems[0].message
     assert problems[0].request == "overrides['layers.0.mlp']"
@@ -488,6 +490,8 @@ def test_an_override_selecting_no_planned_module_is_unmatched() -> None:
         ("unmatched", "overrides['layers.9.mlp']"),
     ]
     assert "does not select any planned module" in problems[0].message
+    # Only a planned module can be meant: 'layers.0.norm' exists, but is no suggestion.
+    assert problems[0].message.endswith("did you mean 'layers.0.attn', 'layers.0.mlp', 'layers.1.attn'?")
 
 
 def test_shared_modules_are_keyed_by_their_first_fqn_and_selectable_by_any_alias() -> None:

@@ -246,7 +246,7 @@ class _Resolution:
         fqns = self.tree.module_fqns(planned)
         modules: list[nn.Module | None] = [None] * len(planned) if self.offline else self.tree.modules(planned)  # type: ignore[assignment]
         specs, sources = self._specs_and_sources(planned, request_of, modules)
-        self._report_unmatched(planned, override_hits)
+        self._report_unmatched(planned, fqns, override_hits)
         self._report_nested(planned, fqns, specs)
         shardings = self._shardings(planned, request_of, modules, fqns, sources, override_hits)
         if any(map(is_, shardings, repeat(None))):
@@ -257,8 +257,9 @@ class _Resolution:
             shardings = [shardings[row] for row in rows]
         batch = ValidationBatch(self.context, self.param_shapes)
         classes = None if self.offline else list(map(self.classes.__getitem__, map(self.module_classes.__getitem__, planned)))
+        reported = self._sources_with_overrides(planned, sources, override_hits)
         for row, code, message in batch.check(modules, fqns, specs, shardings, classes):  # type: ignore[arg-type]
-            self.problems.append(PlanProblem(code, fqns[row], sources[row], message))
+            self.problems.append(PlanProblem(code, fqns[row], reported[row], message))
         if self.problems:
             raise PlanError(self.problems)
         plan = ParallelPlan(
@@ -356,8 +357,11 @@ class _Resolution:
                     sources[row] = f"family {type(modules[row]).__qualname__}"
         return specs, sources
 
-    def _report_unmatched(self, planned: list[int], override_hits: dict[int, list[int]]) -> None:
+    def _report_unmatched(self, planned: list[int], fqns: list[str], override_hits: dict[int, list[int]]) -> None:
+        """Patterns that select nothing; an override's suggestions are planned modules, the only
+        ones it may select."""
         counts = self.tree.hit_counts()
+        planned_names: ModuleTree | None = None
         planned_set = set(planned) if override_hits else set()
         overrides_used = {o for module, hits in override_hits.items() if module in planned_set for o in hits}
         for index, (pattern, request) in enumerate(zip(self.patterns, self.owners, strict=True)):
@@ -367,7 +371,11 @@ class _Resolution:
                 source = f"overrides[{pattern!r}]"
             else:
                 continue
-            nearest = self._every_name().nearest(pattern, 3)
+            if request >= 0:
+                nearest = self._every_name().nearest(pattern, 3)
+            else:
+                planned_names = planned_names or PatternSet([]).index_names(fqns, prune=False)
+                nearest = planned_names.nearest(pattern, 3)
             hint = f"; did you mean {', '.join(repr(n) for n in nearest)}?" if nearest else ""
             what = "any module" if request >= 0 else "any planned module"
             self.problems.append(PlanProblem("unmatched", None, source, f"pattern {pattern!r} does not select {what}{hint}"))
@@ -448,6 +456,16 @@ class _Resolution:
                 if module_index in override_hits and sharding is not None:
                     shardings[row] = self._override(sharding, fqns[row], override_hits[module_index])
         return shardings
+
+    def _sources_with_overrides(self, planned: list[int], sources: list[str], override_hits: dict[int, list[int]]) -> list[str]:
+        """What a module's problems name: its source, and every override merged into its sharding."""
+        if not override_hits:
+            return sources
+        labels = [f"overrides[{pattern!r}]" for pattern, _ in self.overrides]
+        return [
+            ", ".join([source, *map(labels.__getitem__, override_hits[module])]) if module in override_hits else source
+            for module, source in zip(planned, sources, strict=True)
+        ]
 
     def _override(self, sharding: ModuleShardingSpec, fqn: str, overrides: Sequence[int]) -> ModuleShardingSpec | None:
         """Merge the overrides in order: a field an override sets wins, the others stay derived."""
