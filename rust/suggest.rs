@@ -2,9 +2,9 @@
 //!
 //! The distance aligns the pattern's segments with a name's segments (a segment the glob matches
 //! costs nothing, `**` absorbs any number of segments, other segments cost their edit distance).
-//! Segment costs are computed once per distinct name segment, so the scan stays linear. A name
-//! that shares nothing with the pattern (it costs as much as writing it anew, like the root `''`
-//! for `lm_haed`) is never offered.
+//! Segment costs are computed once per distinct name segment, so the scan stays linear. A name is
+//! offered only when it costs at most half of writing the longer of the two anew: the root `''`
+//! or `layers` for `lm_haed` would be noise.
 
 use regex_automata::meta::Regex;
 use rustc_hash::FxHashMap;
@@ -20,8 +20,8 @@ enum PatternSegment {
     },
 }
 
-/// The `count` names nearest to `pattern`, nearest first, ties in table order; only names that
-/// share something with it.
+/// The `count` names nearest to `pattern`, nearest first, ties in table order; only names near
+/// enough to be meant (see the module's note).
 pub fn nearest_names(pattern: &str, names: &NameTable, count: usize) -> Vec<String> {
     if count == 0 || names.is_empty() {
         return Vec::new();
@@ -36,7 +36,7 @@ pub fn nearest_names(pattern: &str, names: &NameTable, count: usize) -> Vec<Stri
                 .enumerate()
                 .filter_map(|(i, name)| {
                     let cost = edit_distance(target, name);
-                    (cost < target_length.max(name.chars().count())).then_some((cost, i))
+                    near_enough(cost, target_length.max(name.chars().count())).then_some((cost, i))
                 })
                 .collect()
         }
@@ -93,7 +93,7 @@ fn segment(text: String) -> PatternSegment {
     PatternSegment::Glob { text, matcher }
 }
 
-/// The cost of each related name (see `nearest_names`) with its index.
+/// The cost of each name near enough (see `nearest_names`) with its index.
 fn score_by_segments(pattern: &[PatternSegment], names: &NameTable) -> Vec<(usize, usize)> {
     let mut interned: FxHashMap<&str, usize> = FxHashMap::default();
     // Per distinct name segment: its length (the cost of leaving it unmatched) and its cost
@@ -130,7 +130,7 @@ fn score_by_segments(pattern: &[PatternSegment], names: &NameTable) -> Vec<(usiz
         for &id in &name_segments {
             above.push(above[above.len() - 1] + segment_lengths[id]);
         }
-        let unrelated = pattern_length.max(above[name_segments.len()]);
+        let anew = pattern_length.max(above[name_segments.len()]);
         for (k, p) in pattern.iter().enumerate() {
             row.clear();
             row.push(above[0] + skip_costs[k]);
@@ -148,11 +148,16 @@ fn score_by_segments(pattern: &[PatternSegment], names: &NameTable) -> Vec<(usiz
             std::mem::swap(&mut row, &mut above);
         }
         let cost = above[name_segments.len()];
-        if cost < unrelated {
+        if near_enough(cost, anew) {
             scored.push((cost, index));
         }
     }
     scored
+}
+
+/// Whether a name that costs `cost` is worth offering, where writing it anew costs `anew`.
+fn near_enough(cost: usize, anew: usize) -> bool {
+    2 * cost <= anew
 }
 
 fn segment_cost(pattern: &PatternSegment, name_segment: &str) -> usize {
@@ -236,17 +241,19 @@ mod tests {
     }
 
     #[test]
-    fn offers_no_name_that_shares_nothing_with_the_pattern() {
-        let names = table(&["", "layers", "lm_head", "norm"]);
-        assert_eq!(
-            nearest_names("lm_haed", &names, 3),
-            vec!["lm_head", "layers"]
-        );
-        assert_eq!(
-            nearest_names("re:lm_haed", &names, 3),
-            vec!["lm_head", "layers"]
-        );
+    fn offers_only_names_near_enough_to_be_meant() {
+        let names = table(&["", "layers", "lm_head", "norm", "layers.0.self_attn"]);
+        // `layers` shares an `l` with `lm_haed` (cost 6 of 7), the root nothing.
+        assert_eq!(nearest_names("lm_haed", &names, 3), vec!["lm_head"]);
+        assert_eq!(nearest_names("re:lm_haed", &names, 3), vec!["lm_head"]);
         assert!(nearest_names("qqq", &names, 3).is_empty());
         assert!(nearest_names("re:qqq", &names, 3).is_empty());
+        // A missing prefix (cost 5 of 16) is near enough: `self_` is what was forgotten.
+        assert!(
+            nearest_names("layers.*.attn", &names, 3).contains(&"layers.0.self_attn".to_owned())
+        );
+        // Half of writing it anew is the limit: `ab` is `ax` with one change, `xy` two.
+        let short = table(&["ab", "xy"]);
+        assert_eq!(nearest_names("ax", &short, 3), vec!["ab"]);
     }
 }

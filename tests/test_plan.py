@@ -7,6 +7,7 @@ import inspect
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -445,6 +446,25 @@ def test_modules_sharing_one_sharding_are_each_checked_against_their_own_paramet
     assert [(p.code, p.fqn) for p in problems] == [("expert", "layers.1.mlp"), ("layout", "layers.2.mlp")]
     assert "shape[0] is 6, not num_experts 4" in problems[0].message
     assert "names a parameter the module (Experts) lacks" in problems[1].message
+
+
+def test_a_parameter_the_module_lacks_gets_the_nearest_parameters() -> None:
+    """Among the module's own parameters and those of the submodule the path's prefix names."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)))
+
+    def placing(*paths: str) -> Callable[..., ModuleShardingSpec]:
+        return lambda module, fqn, context: ModuleShardingSpec(params={path: {"dp": Replicate()} for path in paths})
+
+    requests = [
+        NativeParallelBindingRequest(("0",), LINEAR_SPEC, placing("0.wieght", "bais")),
+        NativeParallelBindingRequest(("0.0",), LINEAR_SPEC, placing("weigth")),
+    ]
+    messages = [problem.message for problem in problems_of(model, requests)]
+    assert messages == [
+        "params['0.wieght'] names a parameter the module (Sequential) lacks; did you mean '0.weight'?",
+        "params['bais'] names a parameter the module (Sequential) lacks",
+        "params['weigth'] names a parameter the module (Linear) lacks; did you mean 'weight'?",
+    ]
 
 
 def test_placement_arithmetic_runs_in_one_rust_call(monkeypatch: pytest.MonkeyPatch) -> None:

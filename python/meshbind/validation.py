@@ -348,7 +348,9 @@ class ValidationBatch:
     def _missing(module: nn.Module | None, fqn: str, path: str) -> str:
         if module is None:
             return f"params[{path!r}]: no shape was given for parameter {f'{fqn}.{path}' if fqn else path!r}"
-        return f"params[{path!r}] names a parameter the module ({type(module).__qualname__}) lacks"
+        nearest = _nearest_parameters(module, path)
+        hint = f"; did you mean {', '.join(map(repr, nearest))}?" if nearest else ""
+        return f"params[{path!r}] names a parameter the module ({type(module).__qualname__}) lacks{hint}"
 
     def _run_validators(
         self,
@@ -411,6 +413,21 @@ def _get_parameter(module: nn.Module | None, path: str) -> Any:
         return module.get_parameter(path)
     except AttributeError:
         return None
+
+
+def _nearest_parameters(module: nn.Module, path: str) -> list[str]:
+    """The parameters nearest to ``path`` ("did you mean"): the module's own and those of the
+    submodule the path's prefix names, so each module costs the same however deep its subtree."""
+    candidates = list(module._parameters)
+    prefix = path.rpartition(".")[0]
+    if prefix:
+        try:
+            owner = module.get_submodule(prefix)
+        except AttributeError:
+            owner = None
+        if owner is not None:
+            candidates += [f"{prefix}.{name}" for name in owner._parameters]
+    return _core.PatternSet([]).index_names(candidates, prune=False).nearest(path, 3)
 
 
 def validate_parallel_module(
