@@ -410,6 +410,14 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
     _expect(ValueError, "'blocks.1.mlp' (Identity) has no bind_parallel", lambda: bind_parallel_modules(other, offline, context))
     if other.blocks[0].mlp.events or bound_modules(other) != ():
         raise AssertionError("a plan that cannot bind every module bound some")
+    # A plan naming a module this model does not have binds nothing, and says where the path ends.
+    missing = nn.Module()
+    missing.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
+    del missing.blocks[1].mlp
+    text = "the plan names 'blocks.1.mlp', which this model does not have: 'blocks.1' has no child 'mlp'"
+    _expect(ValueError, text, lambda: bind_parallel_modules(missing, plan, context))
+    if missing.blocks[0].attn.events or missing.blocks[0].mlp.events or bound_modules(missing) != ():
+        raise AssertionError("a plan naming a missing module bound some")
     # Restored means rebindable: once the module is fixed, the same plan binds.
     model.blocks[1].mlp.fail_bind = None
     if len(bind_parallel_modules(model, plan, context)) != 4:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshbind import bench
+from meshbind import bench, binding_bench
 from meshbind.cli import main
 from meshbind.examples.moe_tree import build_moe_tree
 
@@ -89,3 +89,31 @@ def test_a_fast_method_runs_on_for_the_time_budget_and_a_slow_one_runs_once(monk
     monkeypatch.setattr(bench, "SLOW_SECONDS", 0.0)
     assert bench.time_method(method, 5)[1] == 1
     assert len(calls) == 5 + 12 + 1
+
+
+def test_the_binding_benchmark_binds_the_same_modules_by_every_method_and_creates_no_group(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = tmp_path / "binding.json"
+    assert binding_bench.main(["--layers", "2", "--repeat", "1", "--json", str(rows)]) == 0
+    data = json.loads(rows.read_text())["rows"]
+    assert [row["method"] for row in data] == list(binding_bench.METHODS)
+    assert {(row["bound"], row["new_groups"]) for row in data} == {(5, 0)}
+    out = capsys.readouterr().out
+    assert "| 2 | 5 | meshbind |" in out and "| 2 | 5 | torch_parallelize_module |" in out
+
+
+@pytest.mark.parametrize("flags", [["--layers", "0"], ["--layers", "two"], ["--repeat", "0"]])
+def test_the_binding_benchmark_refuses_bad_flags(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        binding_bench.main(flags)
+    assert exited.value.code == 2 and "--" in capsys.readouterr().err
+
+
+def test_the_binding_benchmark_fails_when_a_method_binds_other_modules_or_creates_a_group() -> None:
+    good = dict.fromkeys(binding_bench.METHODS, (0.001, 5, 0))
+    slow = {**good, "by_hand": (0.003, 5, 0)}
+    assert [row["median_s"] for row in binding_bench.rows_of(2, [good, slow])] == [0.001, 0.001, 0.003, 0.001]
+    for wrong in ((0.001, 4, 0), (0.001, 5, 1)):
+        with pytest.raises(AssertionError, match="by_hand at 2 layers"):
+            binding_bench.rows_of(2, [good, {**good, "by_hand": wrong}])

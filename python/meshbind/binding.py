@@ -133,10 +133,7 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
     for fqn, spec in plan.parallel_modules.items():
         if spec.binding_kind == "none":
             continue
-        try:
-            module = model.get_submodule(fqn)
-        except AttributeError as error:
-            raise ValueError(f"the plan names {fqn!r}, which this model does not have: {error}") from None
+        module = _submodule(model, fqn)
         owner = module.__dict__.get(_OWNER)
         if isinstance(owner, _Owner):
             if owner.spec == spec and owner.sharding == plan.sharding[fqn] and owner.mesh_context.same_meshes(mesh_context):
@@ -157,6 +154,20 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
             binding = ParallelBinding(mesh_binding, ep_context=ep_contexts[num_experts])
         prepared.append(_Prepared(fqn, module, spec, binding))
     return prepared, unchanged
+
+
+def _submodule(model: nn.Module, fqn: str) -> nn.Module:
+    """The module at ``fqn``, found by the ``_modules`` lookups ``named_modules()`` made (cheaper
+    than ``get_submodule``'s attribute access at every level)."""
+    module = model
+    for depth, name in enumerate(fqn.split(".") if fqn else ()):
+        child = module._modules.get(name)
+        if child is None:
+            parent = ".".join(fqn.split(".")[:depth])
+            where = repr(parent) if parent else "the root"
+            raise ValueError(f"the plan names {fqn!r}, which this model does not have: {where} has no child {name!r}")
+        module = child
+    return module
 
 
 def _restore(bound: list[_Prepared]) -> list[str]:
