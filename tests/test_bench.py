@@ -99,8 +99,9 @@ def test_the_binding_benchmark_binds_the_same_modules_by_every_method_and_create
     data = json.loads(rows.read_text())["rows"]
     assert [row["method"] for row in data] == list(binding_bench.METHODS)
     assert {(row["bound"], row["new_groups"]) for row in data} == {(5, 0)}
-    out = capsys.readouterr().out
-    assert "| 2 | 5 | meshbind |" in out and "| 2 | 5 | torch_parallelize_module |" in out
+    captured = capsys.readouterr()
+    assert "| 2 | 5 | meshbind |" in captured.out and "| 2 | 5 | torch_parallelize_module |" in captured.out
+    assert "binding 2 layers on 2 ranks ..." in captured.err  # progress
 
 
 @pytest.mark.parametrize("flags", [["--layers", "0"], ["--layers", "two"], ["--repeat", "0"]])

@@ -133,6 +133,7 @@ def run(layer_counts: Sequence[int], world_size: int, repeat: int) -> list[dict[
     numbers of modules or any creates a process group."""
     rows = []
     for layers in layer_counts:
+        print(f"binding {layers} layers on {world_size} ranks ...", file=sys.stderr, flush=True)
         rows += rows_of(layers, run_local_world(world_size, "meshbind.binding_bench:rank_timings", layers, repeat))
     return rows
 
