@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from meshbind import PatternSet
@@ -212,11 +214,37 @@ def test_did_you_mean_names_the_nearest_fqns(moe: nn.Module) -> None:
         "layers.0.mlp.experts.2.down_proj",
     ]
     assert tree.nearest("lm_haed", 1) == ["lm_head"]
-    # Asking for more names than there are returns every name that shares something with the
-    # pattern, nearest first; the root '' and names with no letter in common are left out.
+    # Asking for more names than there are returns every name near enough to be meant, nearest
+    # first; the root '' and names far from the pattern are left out.
     every = tree.nearest("lm_haed", 2**40)
     assert every[0] == "lm_head" and "" not in every and every == tree.nearest("lm_haed", len(every))
     assert tree.nearest("zzz", 2**40) == []
+
+
+def _optimal_string_alignment(a: str, b: str) -> int:
+    rows = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            rows[i][j] = min(rows[i - 1][j] + 1, rows[i][j - 1] + 1, rows[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                rows[i][j] = min(rows[i][j], rows[i - 2][j - 2] + 1)
+    return rows[len(a)][len(b)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    names=st.lists(st.text("ab_", min_size=1, max_size=6), min_size=1, max_size=12, unique=True),
+    pattern=st.text("ab_", min_size=1, max_size=6),
+    count=st.integers(1, 4),
+)
+def test_did_you_mean_offers_the_nearest_names_within_half_the_cost_of_writing_them_anew(
+    names: list[str], pattern: str, count: int
+) -> None:
+    """One-segment names and a literal pattern: the cost is the edit distance (swaps count once)."""
+    costs = [(_optimal_string_alignment(pattern, name), index) for index, name in enumerate(names)]
+    near = sorted((cost, index) for cost, index in costs if 2 * cost <= max(len(pattern), len(names[index])))
+    expected = [names[index] for _, index in near[:count]]
+    assert PatternSet([]).index_names(names, prune=False).nearest(pattern, count) == expected
 
 
 def test_indices_outside_the_tree_are_value_errors() -> None:
