@@ -450,7 +450,7 @@ def test_modules_sharing_one_sharding_are_each_checked_against_their_own_paramet
 
 def test_a_parameter_the_module_lacks_gets_the_nearest_parameters() -> None:
     """Among the module's own parameters and those of the submodule the path's prefix names."""
-    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)))
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2, bias=False))
 
     def placing(*paths: str) -> Callable[..., ModuleShardingSpec]:
         return lambda module, fqn, context: ModuleShardingSpec(params={path: {"dp": Replicate()} for path in paths})
@@ -458,12 +458,14 @@ def test_a_parameter_the_module_lacks_gets_the_nearest_parameters() -> None:
     requests = [
         NativeParallelBindingRequest(("0",), LINEAR_SPEC, placing("0.wieght", "bais")),
         NativeParallelBindingRequest(("0.0",), LINEAR_SPEC, placing("weigth")),
+        NativeParallelBindingRequest(("1",), LINEAR_SPEC, placing("bais")),  # its bias is None: no parameter
     ]
     messages = [problem.message for problem in problems_of(model, requests)]
     assert messages == [
         "params['0.wieght'] names a parameter the module (Sequential) lacks; did you mean '0.weight'?",
         "params['bais'] names a parameter the module (Sequential) lacks",
         "params['weigth'] names a parameter the module (Linear) lacks; did you mean 'weight'?",
+        "params['bais'] names a parameter the module (Linear) lacks",
     ]
 
 

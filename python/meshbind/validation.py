@@ -418,7 +418,7 @@ def _get_parameter(module: nn.Module | None, path: str) -> Any:
 def _nearest_parameters(module: nn.Module, path: str) -> list[str]:
     """The parameters nearest to ``path`` ("did you mean"): the module's own and those of the
     submodule the path's prefix names, so each module costs the same however deep its subtree."""
-    candidates = list(module._parameters)
+    candidates = [name for name, parameter in module._parameters.items() if parameter is not None]
     prefix = path.rpartition(".")[0]
     if prefix:
         try:
@@ -426,7 +426,7 @@ def _nearest_parameters(module: nn.Module, path: str) -> list[str]:
         except AttributeError:
             owner = None
         if owner is not None:
-            candidates += [f"{prefix}.{name}" for name in owner._parameters]
+            candidates += [f"{prefix}.{name}" for name, parameter in owner._parameters.items() if parameter is not None]
     return _core.PatternSet([]).index_names(candidates, prune=False).nearest(path, 3)
 
 
