@@ -269,6 +269,13 @@ class Experts(nn.Module):
         self.events.append("unbind")
 
 
+class UnboundExperts(nn.Module):
+    """Takes the experts' stage but cannot be bound."""
+
+    def forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+
 class Block(nn.Module):
     def __init__(self, num_experts: int) -> None:
         super().__init__()
@@ -402,14 +409,19 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
     _expect(KeyboardInterrupt, "", lambda: bind_parallel_modules(model, plan, context))
     if [a.events for a in attentions] != [["bind", "unbind"] * 2] * 2 or bound_modules(model) != ():
         raise AssertionError(f"not restored after an interrupt: {[a.events for a in attentions]}")
-    # An offline plan (class rules unchecked) naming a module with no bind_parallel binds nothing.
+    # An offline plan never checked the classes: binding checks rules 1 and 2 for every module
+    # first, and binds nothing when one fails (a stage it lacks; no bind_parallel).
     offline = resolve_plan([name for name, _ in model.named_modules()], [_experts_plan(num_experts)], context.layout_context())
     other = nn.Module()
     other.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
-    other.blocks[1].mlp = nn.Identity()
-    _expect(ValueError, "'blocks.1.mlp' (Identity) has no bind_parallel", lambda: bind_parallel_modules(other, offline, context))
-    if other.blocks[0].mlp.events or bound_modules(other) != ():
-        raise AssertionError("a plan that cannot bind every module bound some")
+    for replacement, text in (
+        (nn.Identity(), "'blocks.1.mlp' (Identity) cannot be bound as experts v1 (ep): [stage] stage Identity.forward"),
+        (UnboundExperts(), "'blocks.1.mlp' (UnboundExperts) cannot be bound as experts v1 (ep): [binding]"),
+    ):
+        other.blocks[1].mlp = replacement
+        _expect(ValueError, text, lambda: bind_parallel_modules(other, offline, context))
+        if other.blocks[0].attn.events or other.blocks[0].mlp.events or bound_modules(other) != ():
+            raise AssertionError("a plan that cannot bind every module bound some")
     # A plan naming a module this model does not have binds nothing, and says where the path ends.
     missing = nn.Module()
     missing.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))

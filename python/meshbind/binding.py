@@ -18,7 +18,7 @@ from meshbind.family import family_spec, record_family_binding
 from meshbind.mesh import MeshBinding, MeshContext
 from meshbind.plan import ParallelPlan
 from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
-from meshbind.validation import RAISE_TO_REJECT
+from meshbind.validation import RAISE_TO_REJECT, Failure, class_failure
 
 _OWNER = "_meshbind_owner"
 _RECORDS = "_meshbind_records"
@@ -128,6 +128,9 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
     mesh_context = mesh_binding.mesh_context
     cp_contexts: dict[str, CPContext] = {}
     ep_contexts: dict[int, EPContext] = {}
+    # Rules 1 and 2 again, once per (class, spec): a plan resolved offline or on another model
+    # never checked this module's class.
+    class_failures: dict[tuple[type, int], Failure | None] = {}
     prepared: list[_Prepared] = []
     unchanged: list[_Prepared] = []
     for fqn, spec in plan.parallel_modules.items():
@@ -140,8 +143,13 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
                 unchanged.append(_Prepared(fqn, module, spec, owner.binding))
                 continue
             raise ValueError(f"{fqn!r} already has a communication owner ({owner.spec.describe()}); unbind it first")
-        if not callable(getattr(type(module), "bind_parallel", None)):
-            raise ValueError(f"{fqn!r} ({type(module).__qualname__}) has no bind_parallel(binding)")
+        cls = type(module)
+        if (cls, id(spec)) not in class_failures:
+            class_failures[cls, id(spec)] = class_failure(cls, spec)
+        failure = class_failures[cls, id(spec)]
+        if failure is not None:
+            code, message = failure
+            raise ValueError(f"{fqn!r} ({cls.__qualname__}) cannot be bound as {spec.describe()}: [{code}] {message}")
         binding = ParallelBinding(mesh_binding)
         if spec.binding_kind == "cp":
             if "cp" not in cp_contexts:
