@@ -454,6 +454,13 @@ def check_validate_materialized(context: MeshContext) -> None:
     error = _expect(MaterializationError, "2 modules failed validate_materialized", lambda: validate_materialized_modules(model))
     if [fqn for fqn, _ in error.failures] != ["blocks.0.mlp", "blocks.2.mlp"]:  # type: ignore[attr-defined]
         raise AssertionError(f"failures {error}")
+    # A recorded module taken out of the model since binding is a failure that says so.
+    del model.blocks[0].mlp
+    error = _expect(
+        MaterializationError,
+        "'blocks.0.mlp': ValueError: the plan names 'blocks.0.mlp', which this model does not have",
+        lambda: validate_materialized_modules(model),
+    )
     # A verdict returned instead of raised is a failure too: a returned False would pass unseen.
     verdict = nn.Module()
     verdict.blocks = nn.ModuleList(Block(num_experts) for _ in range(1))

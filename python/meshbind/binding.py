@@ -205,7 +205,7 @@ def validate_materialized_modules(model: nn.Module) -> None:
         if check is None:
             continue
         try:
-            returned = check(module=model.get_submodule(record.fqn), binding=record.binding)
+            returned = check(module=_submodule(model, record.fqn), binding=record.binding)
             if returned is not None:
                 raise ValueError(f"validate_materialized returned {returned!r}: {RAISE_TO_REJECT}")
         except Exception as error:
