@@ -225,6 +225,22 @@ def test_two_requests_with_equal_specs_do_not_conflict() -> None:
     assert len(resolve_plan(Model(), [EXPERTS_REQUEST, twin], CONTEXT).parallel_modules) == 4
 
 
+def test_two_requests_with_equal_specs_and_different_layouts_conflict() -> None:
+    """Which layout binds the module would otherwise depend on the order of the requests."""
+    replicated = ModuleShardingSpec(params={"w1": {"ep": Replicate()}, "w2": {"ep": Shard(0)}})
+    twin = NativeParallelBindingRequest(("layers.1.mlp",), EP_SPEC, lambda module, fqn, context: replicated)
+    problems = problems_of(Model(), [EXPERTS_REQUEST, twin])
+    assert [(p.code, p.fqn, p.request) for p in problems] == [("conflict", "layers.1.mlp", "requests[0], requests[1]")]
+    assert problems[0].message == (
+        "selected by requests[0] and requests[1] with equal specs (moe v1 (ep)) but different layouts: "
+        "params {w1: {ep: S(0)}} against {w1: {ep: R}, w2: {ep: S(0)}}"
+    )
+    # The second provider's own failures are reported as its layout problems.
+    broken = NativeParallelBindingRequest(("layers.1.mlp",), EP_SPEC, lambda module, fqn, context: None)
+    [problem] = problems_of(Model(), [EXPERTS_REQUEST, broken])
+    assert (problem.code, problem.request) == ("layout", "requests[1]") and "returned NoneType" in problem.message
+
+
 MIXIN_FAMILY_SCRIPT = """
 from torch import nn
 from meshbind import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, resolve_plan

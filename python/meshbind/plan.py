@@ -28,7 +28,7 @@ from meshbind.specs import (
     ParallelModuleSpec,
     is_int_from,
 )
-from meshbind.validation import ValidationBatch
+from meshbind.validation import ValidationBatch, placements_text
 
 _FAMILY = -1
 
@@ -149,6 +149,15 @@ def _family_sharding(module: nn.Module | None, fqn: str, context: LayoutContext)
     return result
 
 
+def _field_texts(sharding: ModuleShardingSpec) -> dict[str, str]:
+    """Each field of a sharding as messages show it."""
+    texts = {"params": "{" + ", ".join(f"{path}: {placements_text(p)}" for path, p in sharding.params.items()) + "}"}
+    texts |= {field: placements_text(getattr(sharding, field)) for field in ("in_src", "in_dst", "out_src")}
+    texts["out_dst"] = "None" if sharding.out_dst is None else placements_text(sharding.out_dst)
+    texts["expert_stack"] = str(sharding.expert_stack)
+    return texts
+
+
 def _checked_requests(requests: object) -> list[NativeParallelBindingRequest]:
     if isinstance(requests, (str, NativeParallelBindingRequest)) or not isinstance(requests, Sequence):
         raise TypeError(f"requests must be a sequence of NativeParallelBindingRequest, got {type(requests).__name__}")
@@ -234,6 +243,8 @@ class _Resolution:
         self.owners = owners
         self.problems: list[PlanProblem] = []
         self.all_names: ModuleTree | None = None
+        self.sharing: dict[int, list[int]] = {}
+        """Module → the other requests (with its first request's spec) that select it too."""
         self.family_specs: dict[int, ParallelModuleSpec] = {}
         self.classes: list[type] = [] if offline else tree.classes()
         self.module_classes: list[int] = [] if offline else tree.module_classes()
@@ -277,8 +288,9 @@ class _Resolution:
             self.problems.append(PlanProblem("layout", alias, None, message))
 
     def _assign_requests(self) -> tuple[list[int], list[int], dict[int, list[int]]]:
-        """The selected modules in tree order with their requests (conflicts reported and
-        dropped), and module → override indices."""
+        """The selected modules in tree order with their first requests (conflicts reported and
+        dropped; other requests with an equal spec kept in ``sharing``), and module → override
+        indices."""
         request_of_pattern = [owner if owner >= 0 else None for owner in self.owners]
         planned, request_of, others = self.tree.owners(request_of_pattern)
         if others:
@@ -294,6 +306,9 @@ class _Resolution:
                 )
                 self.problems.append(PlanProblem("conflict", fqn, f"requests[{first_request}], requests[{second}]", message))
             dropped = {module for module, _, _ in conflicts}
+            for module, second in sorted(others):
+                if module not in dropped:
+                    self.sharing.setdefault(module, []).append(second)
             if dropped:
                 kept = [row for row, module in enumerate(planned) if module not in dropped]
                 planned, request_of = [planned[row] for row in kept], [request_of[row] for row in kept]
@@ -432,6 +447,23 @@ class _Resolution:
         override_hits: dict[int, list[int]],
     ) -> list[ModuleShardingSpec | None]:
         """Every planned module's layout from its provider, overrides merged; ``None`` after a problem."""
+        shardings = self._provided(request_of, modules, fqns, sources)
+        if self.sharing:
+            for row, module_index in enumerate(planned):
+                sharding = shardings[row]
+                if module_index in self.sharing and sharding is not None:
+                    shardings[row] = self._agreed(sharding, request_of[row], self.sharing[module_index], modules[row], fqns[row])
+        if override_hits:
+            for row, module_index in enumerate(planned):
+                sharding = shardings[row]
+                if module_index in override_hits and sharding is not None:
+                    shardings[row] = self._override(sharding, fqns[row], override_hits[module_index])
+        return shardings
+
+    def _provided(
+        self, request_of: Sequence[int], modules: Sequence[nn.Module | None], fqns: Sequence[str], sources: Sequence[str]
+    ) -> list[ModuleShardingSpec | None]:
+        """Each module's layout from its request's provider; ``None`` where it raised or returned no spec."""
         context = self.context
         # Index _FAMILY (-1) is the last entry: the family member's own method.
         providers = [request.sharding for request in self.requests] + [_family_sharding]
@@ -450,12 +482,28 @@ class _Resolution:
                     self.problems.append(PlanProblem("layout", fqn, source, message))
                     sharding = None
             append(sharding)
-        if override_hits:
-            for row, module_index in enumerate(planned):
-                sharding = shardings[row]
-                if module_index in override_hits and sharding is not None:
-                    shardings[row] = self._override(sharding, fqns[row], override_hits[module_index])
         return shardings
+
+    def _agreed(
+        self, sharding: ModuleShardingSpec, first: int, others: list[int], module: nn.Module | None, fqn: str
+    ) -> ModuleShardingSpec | None:
+        """Requests with equal specs share a module only when their providers give it one layout:
+        otherwise which one binds it would depend on the order of the requests."""
+        count = len(others)
+        theirs = self._provided(others, [module] * count, [fqn] * count, [f"requests[{other}]" for other in others])
+        for other, layout in zip(others, theirs, strict=True):
+            if layout is None:
+                return None
+            if layout != sharding:
+                ours, differing = _field_texts(sharding), _field_texts(layout)
+                fields = "; ".join(f"{key} {ours[key]} against {differing[key]}" for key in ours if ours[key] != differing[key])
+                message = (
+                    f"selected by requests[{first}] and requests[{other}] with equal specs "
+                    f"({self.requests[first].parallel.describe()}) but different layouts: {fields}"
+                )
+                self.problems.append(PlanProblem("conflict", fqn, f"requests[{first}], requests[{other}]", message))
+                return None
+        return sharding
 
     def _sources_with_overrides(self, planned: list[int], sources: list[str], override_hits: dict[int, list[int]]) -> list[str]:
         """What a module's problems name: its source, and every override merged into its sharding."""

@@ -91,19 +91,20 @@ def sharding_failure(sharding: ModuleShardingSpec) -> Failure | None:
     if dict(sharding.in_src) != dict(sharding.in_dst):
         return (
             "stage",
-            f"in_src {_named(sharding.in_src)} differs from in_dst {_named(sharding.in_dst)}: "
+            f"in_src {placements_text(sharding.in_src)} differs from in_dst {placements_text(sharding.in_dst)}: "
             "the module must receive its computation layout directly",
         )
     if sharding.out_dst is not None and dict(sharding.out_src) != dict(sharding.out_dst):
         return (
             "stage",
-            f"out_src {_named(sharding.out_src)} differs from out_dst {_named(sharding.out_dst)}: "
+            f"out_src {placements_text(sharding.out_src)} differs from out_dst {placements_text(sharding.out_dst)}: "
             "the module must restore its own output layout",
         )
     return None
 
 
-def _named(placements: Mapping[str, Placement]) -> str:
+def placements_text(placements: Mapping[str, Placement]) -> str:
+    """A named placement as messages show it: ``{ep: S(0), cp: R}``."""
     return "{" + ", ".join(f"{axis}: {p}" for axis, p in placements.items()) + "}"
 
 
