@@ -448,8 +448,8 @@ impl ModuleTree {
         self.index.cycles.clone()
     }
 
-    /// The `count` visited FQNs nearest to `pattern` ("did you mean"), leaving out those that share
-    /// nothing with it.
+    /// The `count` visited FQNs nearest to `pattern` ("did you mean"), leaving out those too far
+    /// from it to be meant.
     #[pyo3(signature = (pattern, count = 3))]
     fn nearest(&self, pattern: &str, count: usize) -> Vec<String> {
         nearest_names(pattern, &self.index.names, count)

@@ -389,7 +389,8 @@ class _Resolution:
             if request >= 0:
                 nearest = self._every_name().nearest(pattern, 3)
             else:
-                planned_names = planned_names or PatternSet([]).index_names(fqns, prune=False)
+                if planned_names is None:
+                    planned_names = PatternSet([]).index_names(fqns, prune=False)
                 nearest = planned_names.nearest(pattern, 3)
             hint = f"; did you mean {', '.join(repr(n) for n in nearest)}?" if nearest else ""
             what = "any module" if request >= 0 else "any planned module"
