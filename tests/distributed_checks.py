@@ -456,7 +456,7 @@ def check_validate_materialized(context: MeshContext) -> None:
         raise AssertionError(f"failures {error}")
     # A recorded module taken out of the model since binding is a failure that says so.
     del model.blocks[0].mlp
-    error = _expect(
+    _expect(
         MaterializationError,
         "'blocks.0.mlp': ValueError: the plan names 'blocks.0.mlp', which this model does not have",
         lambda: validate_materialized_modules(model),

@@ -206,7 +206,7 @@ def test_a_typo_is_unmatched_with_suggestions(walk: str) -> None:
     # A typo in the first segment, where the pruned walk goes no further than the root's children.
     [problem] = problems_of(Model(), [NativeParallelBindingRequest(("lyers.*.mlp",), EP_SPEC, experts_sharding)])
     assert "did you mean 'layers.0.mlp', 'layers.1.mlp'" in problem.message
-    # A pattern that shares nothing with any FQN gets no suggestion, not the nearest nonsense.
+    # A pattern far from every FQN gets no suggestion, not the nearest nonsense.
     [problem] = problems_of(Model(), [NativeParallelBindingRequest(("zzz",), EP_SPEC, experts_sharding)])
     assert problem.message == "pattern 'zzz' does not select any module"
 
