@@ -104,7 +104,7 @@ def test_the_binding_benchmark_binds_the_same_modules_by_every_method_and_create
     assert "binding 2 layers on 2 ranks ..." in captured.err  # progress
 
 
-@pytest.mark.parametrize("flags", [["--layers", "0"], ["--layers", "two"], ["--repeat", "0"]])
+@pytest.mark.parametrize("flags", [["--layers", "0"], ["--layers", "two"], ["--repeat", "0"], ["--world-size", "1"]])
 def test_the_binding_benchmark_refuses_bad_flags(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         binding_bench.main(flags)

@@ -16,8 +16,9 @@ times each method on a fresh model, side by side:
 - ``torch_parallelize_module``: torch's ``parallelize_module`` with one ``ParallelStyle`` per FQN
   whose ``_apply`` calls ``bind_parallel`` with the same contexts.
 
-A method's time is the median over ``--repeat`` runs on its slowest rank; every method must bind
-the same modules and create no process group (the run fails otherwise).
+A method's time is the median over ``--repeat`` runs on its slowest rank; after every run each
+bound module must hold its binding, and no method may create a process group (the run fails
+otherwise).
 """
 
 from __future__ import annotations
@@ -56,13 +57,19 @@ def _bindings(mesh_context: MeshContext, num_experts: int) -> dict[str, Parallel
     }
 
 
-def _by_hand(model: MoETransformer, mesh_context: MeshContext) -> int:
+def _by_hand(model: MoETransformer, mesh_context: MeshContext) -> None:
     bindings = _bindings(mesh_context, model.config.experts)
     for block in cast(list[DecoderBlock], model.blocks):
         block.attn.bind_parallel(bindings["cp"])
         block.moe.bind_parallel(bindings["ep"])
     model.head.bind_parallel(bindings["mesh"])
-    return 2 * len(model.blocks) + 1
+
+
+def _bound_count(model: MoETransformer) -> int:
+    """How many modules hold a binding now (what each one's ``bind_parallel`` keeps)."""
+    blocks = cast(list[DecoderBlock], model.blocks)
+    held = [block.attn.cp for block in blocks] + [block.moe.ep for block in blocks] + [model.head.binding]
+    return sum(context is not None for context in held)
 
 
 class _BindingStyle(ParallelStyle):
@@ -77,32 +84,34 @@ class _BindingStyle(ParallelStyle):
         return module
 
 
-def _torch_parallelize_module(model: MoETransformer, plan: ParallelPlan, mesh_context: MeshContext) -> int:
+def _torch_parallelize_module(model: MoETransformer, plan: ParallelPlan, mesh_context: MeshContext) -> None:
     bindings = _bindings(mesh_context, model.config.experts)
     styles = {fqn: _BindingStyle(bindings[spec.binding_kind]) for fqn, spec in plan.parallel_modules.items()}
     parallelize_module(model, mesh_context.device_mesh["cp"], styles)  # type: ignore[arg-type]
-    return len(styles)
 
 
-def _timed(setup: Callable[[], MoETransformer], method: Callable[[MoETransformer], int], repeat: int) -> tuple[float, int, int]:
-    """The median time of ``method`` on fresh models from ``setup``, the modules it bound, and the
-    process groups it created."""
-    times, bound, groups_before = [], 0, process_group_count()
+def _timed(
+    setup: Callable[[], MoETransformer], method: Callable[[MoETransformer], object], repeat: int
+) -> tuple[float, int, int]:
+    """The median time of ``method`` on models from ``setup``, the fewest modules bound after a
+    run, and the process groups it created."""
+    times, bound, groups_before = [], [], process_group_count()
     for _ in range(repeat):
         model = setup()
         gc.collect()
         gc.disable()
         try:
             start = time.perf_counter()
-            bound = method(model)
+            method(model)
             times.append(time.perf_counter() - start)
         finally:
             gc.enable()
-    return statistics.median(times), bound, process_group_count() - groups_before
+        bound.append(_bound_count(model))
+    return statistics.median(times), min(bound), process_group_count() - groups_before
 
 
 def rank_timings(layers: int, repeat: int) -> dict[str, tuple[float, int, int]]:
-    """On one rank of the world: each method's (median seconds, modules bound, groups created)."""
+    """On one rank of the world: each method's (median seconds, fewest modules bound, groups created)."""
     world = torch.distributed.get_world_size()
     mesh_context = MeshContext.build(dp=1, cp=world, tp=1, ep=world)
     config = TransformerConfig(layers=layers, experts=2 * world)
@@ -118,11 +127,13 @@ def rank_timings(layers: int, repeat: int) -> dict[str, tuple[float, int, int]]:
         bind_parallel_modules(model, plan, mesh_context)
         return model
 
+    def rebind(model: MoETransformer) -> None:
+        if bind_parallel_modules(model, plan, mesh_context):
+            raise AssertionError("binding a model again with the plan that bound it bound something")
+
     return {
-        "meshbind": _timed(fresh, lambda model: len(bind_parallel_modules(model, plan, mesh_context)), repeat),
-        "meshbind_rebind": _timed(
-            bound, lambda model: len(plan.parallel_modules) - len(bind_parallel_modules(model, plan, mesh_context)), repeat
-        ),
+        "meshbind": _timed(fresh, lambda model: bind_parallel_modules(model, plan, mesh_context), repeat),
+        "meshbind_rebind": _timed(bound, rebind, repeat),
         "by_hand": _timed(fresh, lambda model: _by_hand(model, mesh_context), repeat),
         "torch_parallelize_module": _timed(fresh, lambda model: _torch_parallelize_module(model, plan, mesh_context), repeat),
     }
@@ -173,7 +184,7 @@ def table(rows: Sequence[dict[str, Any]]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="2,61,1024", help="comma-separated decoder block counts")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks of the local gloo world (cp = ep = world)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks of the local gloo world, at least 2 (cp = ep = world)")
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
@@ -181,8 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         layer_counts = [int(part) for part in args.layers.split(",")]
     except ValueError:
         parser.error(f"--layers must be comma-separated ints, got {args.layers!r}")
-    if min(layer_counts) < 1 or args.world_size < 1 or args.repeat < 1:
-        parser.error("--layers, --world-size and --repeat must be positive")
+    if min(layer_counts) < 1 or args.repeat < 1:
+        parser.error("--layers and --repeat must be positive")
+    if args.world_size < 2:
+        parser.error("--world-size must be at least 2: the MoE layers need an expert mesh")
     rows = run(layer_counts, args.world_size, args.repeat)
     print("\n".join(table(rows)))
     if args.json:
