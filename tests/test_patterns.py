@@ -222,3 +222,36 @@ def test_unicode_word_boundaries_fall_back_but_still_match() -> None:
     assert ps.match("x.proj") == [0]
     assert ps.match("xproj") == []
     assert ps.match("a.b") == [1]
+
+
+PATTERN_CHARACTERS = "ab0179.*?[]{}<>,!-\\^$()|+é\x00 "
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(st.text(PATTERN_CHARACTERS, max_size=14), st.text(PATTERN_CHARACTERS, max_size=10).map("re:{}".format)),
+        min_size=1,
+        max_size=3,
+    )
+)
+@example(["<99999999999999999999-1>"])
+@example(["{" * 40 + "}" * 40])
+@example(["re:(" * 30])
+def test_any_text_compiles_or_is_a_pattern_error_and_then_matches_without_failing(pattern_list: list[str]) -> None:
+    """Never a panic (a BaseException PyO3 raises across the boundary) or another error."""
+    try:
+        ps = PatternSet(pattern_list)
+    except PatternError as error:
+        assert error.pattern in pattern_list and 0 <= error.position <= len(error.pattern)
+        return
+    names = ["", "a", "a.b", "ab.0.7", "é", "a.b.c.d"]
+    # Rust's regex syntax is not Python's (`$+` is a regex there): the reference answers globs only.
+    globs = [i for i, p in enumerate(pattern_list) if not p.startswith("re:")]
+    matched = ps.match_many(names)
+    assert [[i for i in found if i in globs] for found in matched] == [
+        [i for i in globs if reference_match(pattern_list[i], n)] for n in names
+    ]
+    tree = ps.index_names(names, prune=False)
+    for pattern in pattern_list:
+        assert set(tree.nearest(pattern, 3)) <= set(names)
