@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -105,6 +106,26 @@ def test_a_module_that_fails_on_import_is_named(
     err = capsys.readouterr().err
     expected = r"^meshbind check: PLAN broken_plans:PLAN: importing 'broken_plans' raised RuntimeError: import boom"
     assert re.search(expected + r" \(.*broken_plans.py:1\)$", err.strip())
+
+
+def test_the_meshbind_script_finds_the_users_modules_in_the_working_directory(tmp_path: Path) -> None:
+    (tmp_path / "my_model.py").write_text("from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Linear(2, 2))\n")
+    (tmp_path / "my_plan.py").write_text(
+        "from meshbind import ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec\n"
+        "spec = ParallelModuleSpec('linear', stages={'forward': ('input',)})\n"
+        "REQUESTS = [NativeParallelBindingRequest(('0',), spec, lambda module, fqn, context: ModuleShardingSpec())]\n"
+    )
+    script = Path(sys.executable).with_name("meshbind")
+    result = subprocess.run(
+        [str(script), "check", "my_model:build", "my_plan:REQUESTS"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "1 planned module; layout (no axes)" in result.stdout
 
 
 def test_a_malformed_axis_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

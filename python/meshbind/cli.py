@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -26,6 +27,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
+    # The references may name the user's own modules in the working directory, which the
+    # `meshbind` script (whose own folder heads sys.path) would not find; `python -m` would.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     factory = _load(args.model_factory, "MODEL_FACTORY")
     if not callable(factory):
         raise _UsageError(f"MODEL_FACTORY {args.model_factory} is not callable")
