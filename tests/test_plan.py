@@ -235,6 +235,10 @@ def test_two_requests_with_equal_specs_and_different_layouts_conflict() -> None:
         "selected by requests[0] and requests[1] with equal specs (moe v1 (ep)) but different layouts: "
         "params {w1: {ep: S(0)}} against {w1: {ep: R}, w2: {ep: S(0)}}"
     )
+    # Each other request is compared with the first: an agreeing one is no conflict.
+    agreeing = NativeParallelBindingRequest(("layers.*.mlp",), EP_SPEC, experts_sharding)
+    problems = problems_of(Model(), [EXPERTS_REQUEST, agreeing, twin])
+    assert [(p.code, p.fqn, p.request) for p in problems] == [("conflict", "layers.1.mlp", "requests[0], requests[2]")]
     # The second provider's own failures are reported as its layout problems.
     broken = NativeParallelBindingRequest(("layers.1.mlp",), EP_SPEC, lambda module, fqn, context: None)
     [problem] = problems_of(Model(), [EXPERTS_REQUEST, broken])

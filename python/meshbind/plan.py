@@ -450,10 +450,7 @@ class _Resolution:
         """Every planned module's layout from its provider, overrides merged; ``None`` after a problem."""
         shardings = self._provided(request_of, modules, fqns, sources)
         if self.sharing:
-            for row, module_index in enumerate(planned):
-                sharding = shardings[row]
-                if module_index in self.sharing and sharding is not None:
-                    shardings[row] = self._agreed(sharding, request_of[row], self.sharing[module_index], modules[row], fqns[row])
+            self._check_shared_layouts(planned, request_of, modules, fqns, shardings)
         if override_hits:
             for row, module_index in enumerate(planned):
                 sharding = shardings[row]
@@ -485,26 +482,45 @@ class _Resolution:
             append(sharding)
         return shardings
 
-    def _agreed(
-        self, sharding: ModuleShardingSpec, first: int, others: list[int], module: nn.Module | None, fqn: str
-    ) -> ModuleShardingSpec | None:
+    def _check_shared_layouts(
+        self,
+        planned: list[int],
+        request_of: list[int],
+        modules: list[nn.Module | None],
+        fqns: list[str],
+        shardings: list[ModuleShardingSpec | None],
+    ) -> None:
         """Requests with equal specs share a module only when their providers give it one layout:
-        otherwise which one binds it would depend on the order of the requests."""
-        count = len(others)
-        theirs = self._provided(others, [module] * count, [fqn] * count, [f"requests[{other}]" for other in others])
-        for other, layout in zip(others, theirs, strict=True):
-            if layout is None:
-                return None
-            if layout != sharding:
-                ours, differing = _field_texts(sharding), _field_texts(layout)
-                fields = "; ".join(f"{key} {ours[key]} against {differing[key]}" for key in ours if ours[key] != differing[key])
-                message = (
-                    f"selected by requests[{first}] and requests[{other}] with equal specs "
-                    f"({self.requests[first].parallel.describe()}) but different layouts: {fields}"
-                )
-                self.problems.append(PlanProblem("conflict", fqn, f"requests[{first}], requests[{other}]", message))
-                return None
-        return sharding
+        otherwise which one binds it would depend on the order of the requests. Every other
+        provider is called in one batch; a module whose layouts differ is dropped as a conflict."""
+        pairs = [
+            (row, other)
+            for row, module_index in enumerate(planned)
+            if module_index in self.sharing and shardings[row] is not None
+            for other in self.sharing[module_index]
+        ]
+        theirs = self._provided(
+            [other for _, other in pairs],
+            [modules[row] for row, _ in pairs],
+            [fqns[row] for row, _ in pairs],
+            [f"requests[{other}]" for _, other in pairs],
+        )
+        for (row, other), layout in zip(pairs, theirs, strict=True):
+            ours = shardings[row]
+            if ours is None or layout == ours:  # dropped by an earlier pair, or agreeing
+                continue
+            if layout is None:  # that provider failed: its layout problem is reported
+                shardings[row] = None
+                continue
+            first = request_of[row]
+            mine, differing = _field_texts(ours), _field_texts(layout)
+            fields = "; ".join(f"{key} {mine[key]} against {differing[key]}" for key in mine if mine[key] != differing[key])
+            message = (
+                f"selected by requests[{first}] and requests[{other}] with equal specs "
+                f"({self.requests[first].parallel.describe()}) but different layouts: {fields}"
+            )
+            self.problems.append(PlanProblem("conflict", fqns[row], f"requests[{first}], requests[{other}]", message))
+            shardings[row] = None
 
     def _sources_with_overrides(self, planned: list[int], sources: list[str], override_hits: dict[int, list[int]]) -> list[str]:
         """What a module's problems name: its source, and every override merged into its sharding."""
