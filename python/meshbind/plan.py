@@ -296,7 +296,9 @@ class _Resolution:
         if others:
             first = dict(zip(planned, request_of, strict=True))
             specs = [request.parallel for request in self.requests]
-            conflicts = sorted({(m, first[m], r) for m, r in others if specs[first[m]] != specs[r]})
+            conflicts = sorted(
+                {(m, first[m], r) for m, r in others if specs[first[m]] is not specs[r] and specs[first[m]] != specs[r]}
+            )
             for module, first_request, second in conflicts:
                 fqn = self.tree.module_fqns([module])[0]
                 a, b = specs[first_request], specs[second]
@@ -507,7 +509,7 @@ class _Resolution:
         )
         for (row, other), layout in zip(pairs, theirs, strict=True):
             ours = shardings[row]
-            if ours is None or layout == ours:  # dropped by an earlier pair, or agreeing
+            if ours is None or layout is ours or layout == ours:  # dropped by an earlier pair, or agreeing
                 continue
             if layout is None:  # that provider failed: its layout problem is reported
                 shardings[row] = None
