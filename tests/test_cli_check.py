@@ -128,6 +128,15 @@ def test_the_meshbind_script_finds_the_users_modules_in_the_working_directory(tm
     assert "1 planned module; layout (no axes)" in result.stdout
 
 
+def test_the_command_line_defines_no_family_class_before_the_demo_runs() -> None:
+    """The demo model's family classes would make every `meshbind check` and `meshbind bench`
+    resolution walk the whole tree (a fresh interpreter: the tests here define family classes)."""
+    script = "import meshbind.cli; from meshbind.family import any_family_class; print(any_family_class())"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "False"
+
+
 def test_a_malformed_axis_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["check", MODEL, PLAN, "--axis", "tp=x"])

@@ -14,14 +14,28 @@ from typing import Any
 
 import torch
 
-from meshbind import LayoutContext, NativeParallelBindingRequest, PlanError, bench, demo, resolve_plan
+from meshbind import LayoutContext, NativeParallelBindingRequest, PlanError, bench, resolve_plan
 
 
-def _demo(args: argparse.Namespace) -> int:
-    """Spawn a local world running the MoE demo; report the plan, timings and differences."""
-    config = demo.config_from(args, args.world_size)
-    demo.check_flags(config)
-    demo.print_report(demo.run_local(config), config.json)
+def _demo(arguments: list[str]) -> int:
+    """Spawn a local world running the MoE demo; report the plan, timings and differences.
+
+    Imported here only: the demo model's family classes, once defined, make every resolution in
+    the process walk the whole tree (``meshbind check`` and ``meshbind bench`` must not pay that)."""
+    from meshbind import demo
+
+    parser = argparse.ArgumentParser(
+        prog="meshbind demo", description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    demo.add_flags(parser, world_size=True)
+    args = parser.parse_args(arguments)
+    try:
+        config = demo.config_from(args, args.world_size)
+        demo.check_flags(config)
+        demo.print_report(demo.run_local(config), config.json)
+    except (ValueError, TypeError) as error:
+        print(f"meshbind demo: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -109,16 +123,15 @@ def _axis(text: str) -> tuple[str, int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshbind", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser(
-        "demo", help="a MoE transformer with CP attention and EP experts on a local world, checked against one process"
-    )
-    demo.add_flags(demo_parser, world_size=True)
-    demo_parser.set_defaults(run=_demo)
     commands.add_parser(
-        "bench",
-        help="the quick plan-resolution benchmark against the baselines (meshbind bench --help)",
+        "demo",
+        help="a MoE transformer with CP attention and EP experts on a local world, checked against one process"
+        " (meshbind demo --help)",
         add_help=False,
-    ).set_defaults(run=None)
+    )
+    commands.add_parser(
+        "bench", help="the quick plan-resolution benchmark against the baselines (meshbind bench --help)", add_help=False
+    )
     check = commands.add_parser("check", help="offline pre-flight of a plan against a model built on meta")
     check.add_argument("model_factory", metavar="MODEL_FACTORY", help="module:function returning the nn.Module")
     check.add_argument("plan", metavar="PLAN", help="module:attribute, a sequence of requests or a function returning one")
@@ -133,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[:1] == ["bench"]:
         # The benchmark owns its flags (the same as benches/plan_resolution.py, quick defaults).
         return bench.main([a for a in arguments[1:] if a != "--"], quick=True)
+    if arguments[:1] == ["demo"]:
+        return _demo(arguments[1:])
     parser = build_parser()
     args = parser.parse_args(arguments)
     try:
