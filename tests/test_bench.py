@@ -65,12 +65,13 @@ def test_the_readme_section_is_rewritten_between_its_markers(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("plan, fused", [("moe", True), ("deep", False), ("typo", False)])
-def test_the_validation_floor_plans_what_meshbind_validate_plans(plan: str, fused: bool) -> None:
+def test_the_validation_floors_plan_what_meshbind_validate_plans(plan: str, fused: bool) -> None:
     tree = build_moe_tree(4, 8, fused_experts=fused)
     patterns = bench.PLANS[plan](4)
     floor, validated = bench.validation_floor(tree, patterns), bench.meshbind_validate(tree, patterns)
-    assert floor.noticed == validated.noticed == (plan == "typo")
-    assert floor.matches == bench.meshbind_resolution(tree, patterns).matches
+    required = bench.required_calls_floor(tree, patterns, bench.validation_requests(tree, patterns))
+    assert floor.noticed == validated.noticed == required.noticed == (plan == "typo")
+    assert floor.matches == required.matches == bench.meshbind_resolution(tree, patterns).matches
     assert validated.matches == (None if plan == "typo" else floor.matches)
 
 

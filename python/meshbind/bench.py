@@ -218,7 +218,7 @@ def _accept(**kwargs: Any) -> None:
     return None
 
 
-def _validation_requests(target: Target, plan: tuple[str, ...]) -> list[NativeParallelBindingRequest]:
+def validation_requests(target: Target, plan: tuple[str, ...]) -> list[NativeParallelBindingRequest]:
     """One request per pattern; a pattern selecting fused experts binds them with an ``ep`` spec."""
     experts = None if isinstance(target, list) else target.get_submodule("layers.0.mlp.experts")
     requests = []
@@ -237,7 +237,7 @@ def _validation_requests(target: Target, plan: tuple[str, ...]) -> list[NativePa
 def meshbind_validate(target: Target, plan: tuple[str, ...]) -> Outcome:
     """Resolution plus every validation: one layout-provider call per planned module."""
     try:
-        return Outcome(len(resolve_plan(target, _validation_requests(target, plan), CONTEXT).parallel_modules), False)
+        return Outcome(len(resolve_plan(target, validation_requests(target, plan), CONTEXT).parallel_modules), False)
     except PlanError as error:
         if not any(problem.code == "unmatched" for problem in error.problems):
             raise
@@ -249,7 +249,7 @@ def validation_floor(target: nn.Module, plan: tuple[str, ...]) -> Outcome:
     layout-provider call per planned module; for each ``ep`` module, the ``shape[0]`` of its
     ``Shard`` parameters and its spec's ``validate``; the plan's FQN → spec / sharding / source
     mappings. No check, no report, no class rule: ``meshbind_validate`` cannot beat it."""
-    requests = _validation_requests(target, plan)
+    requests = validation_requests(target, plan)
     index = PatternSet(plan).walk(target, prune=True, modules=True)
     noticed = 0 in index.hit_counts()
     rows, request_of, _ = index.owners(list(range(len(plan))))
@@ -264,6 +264,24 @@ def validation_floor(target: nn.Module, plan: tuple[str, ...]) -> Outcome:
     sources = [f"requests[{r}]" for r in request_of]
     plan_mappings = [MappingProxyType(dict(zip(fqns, values, strict=True))) for values in (specs, shardings, sources)]
     return Outcome(len(plan_mappings[0]), noticed)
+
+
+def required_calls_floor(target: nn.Module, plan: tuple[str, ...], requests: Sequence[NativeParallelBindingRequest]) -> Outcome:
+    """Tighter than ``validation_floor``: meshbind's match and then only the user code SPEC makes
+    every resolution run (each provider, each ``ep`` module's ``shape[0]`` reads and ``validate``),
+    with the requests built beforehand and no plan built. Any resolution costs at least this."""
+    index = PatternSet(plan).walk(target, prune=True, modules=True)
+    noticed = 0 in index.hit_counts()
+    rows, request_of, _ = index.owners(list(range(len(plan))))
+    modules = cast(list[nn.Module], index.modules(rows))
+    for r, module, fqn in zip(request_of, modules, index.module_fqns(rows), strict=True):
+        sharding = requests[r].sharding(module, fqn, CONTEXT)
+        spec = requests[r].parallel
+        if spec.binding_kind == "ep" and spec.validate is not None:
+            parameters = module._parameters
+            [parameters[path].shape[0] for path, placements in sharding.params.items() if "ep" in placements]  # type: ignore[union-attr]
+            spec.validate(module=module, sharding=sharding, context=CONTEXT)
+    return Outcome(len(rows), noticed)
 
 
 def rust_walk_floor(target: Target, plan: tuple[str, ...]) -> Outcome:
