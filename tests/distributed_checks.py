@@ -42,7 +42,9 @@ from meshbind.mesh import process_group_count
 TOLERANCE = 1e-10
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+def close(actual: torch.Tensor | None, expected: torch.Tensor, what: str) -> None:
+    if actual is None:
+        raise AssertionError(f"{what}: None (no gradient reached it)")
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
     difference = (actual - expected).abs().max().item() if actual.numel() else 0.0
@@ -114,15 +116,32 @@ def check_axis_mesh(context: MeshContext) -> None:
 def check_cp(context: MeshContext) -> None:
     cp = CPContext(MeshBinding(context).axis_mesh("cp"))
     seq = 8 * cp.size
-    generator = torch.Generator().manual_seed(11)
-    x = torch.randn(2, seq, 3, dtype=torch.float64, generator=generator)
-    weights = [torch.randn(2, seq, 3, dtype=torch.float64, generator=generator) for _ in range(cp.size)]
     positions = cp.positions(seq)
     chunk = seq // (2 * cp.size)
     expected_positions = list(range(cp.rank * chunk, (cp.rank + 1) * chunk))
     expected_positions += list(range((2 * cp.size - 1 - cp.rank) * chunk, (2 * cp.size - cp.rank) * chunk))
     if positions.tolist() != expected_positions:
         raise AssertionError(f"positions {positions.tolist()} != {expected_positions}")
+    # A batch of one too: every dim before the sequence then has size 1.
+    for batch in (2, 1):
+        _check_cp_sequence(cp, batch, seq)
+    x = torch.randn(2, seq, 3, dtype=torch.float64)
+    try:
+        cp.shard_sequence(x[:, :-1], 1)
+    except ValueError as error:
+        if "2 * cp" not in str(error):
+            raise
+    else:
+        raise AssertionError("an indivisible sequence did not fail")
+    _expect(ValueError, f"rank {cp.size} is not in the cp group of size {cp.size}", lambda: cp.positions(seq, rank=cp.size))
+
+
+def _check_cp_sequence(cp: CPContext, batch: int, seq: int) -> None:
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(batch, seq, 3, dtype=torch.float64, generator=generator)
+    weights = [torch.randn(batch, seq, 3, dtype=torch.float64, generator=generator) for _ in range(cp.size)]
+    positions = cp.positions(seq)
+    chunk = seq // (2 * cp.size)
     local = cp.shard_sequence(x, 1)
     close(local, x.index_select(1, positions), "shard_sequence")
     # unshard is the inverse; its backward sums every rank's gradient onto the local tokens.
@@ -139,14 +158,6 @@ def check_cp(context: MeshContext) -> None:
     (gathered * gathered_weights[cp.rank]).sum().backward()
     mine = slice(cp.rank * 2 * chunk, (cp.rank + 1) * 2 * chunk)
     close(keys.grad, sum(gathered_weights)[:, mine], "all_gather backward")
-    try:
-        cp.shard_sequence(x[:, :-1], 1)
-    except ValueError as error:
-        if "2 * cp" not in str(error):
-            raise
-    else:
-        raise AssertionError("an indivisible sequence did not fail")
-    _expect(ValueError, f"rank {cp.size} is not in the cp group of size {cp.size}", lambda: cp.positions(seq, rank=cp.size))
 
 
 def routed_moe_reference(

@@ -14,6 +14,7 @@ import pytest
 from meshbind import demo
 from meshbind.cli import main
 from meshbind.demo import DemoConfig
+from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, batch
 
 
 @pytest.mark.parametrize(
@@ -21,11 +22,18 @@ from meshbind.demo import DemoConfig
     [
         (DemoConfig(), 1e-5),  # the default: 4 ranks, dp1 cp2 tp2 ep2, float32
         (DemoConfig(dp=1, cp=2, tp=2, ep=2, dtype="float64"), 1e-10),
-        (DemoConfig(dp=2, cp=2, tp=1, ep=4, dtype="float64"), 1e-10),
+        # One sequence per dp rank: every dim before the sequence has size 1 in the CP gathers.
+        (DemoConfig(dp=2, cp=2, tp=1, ep=4, dtype="float64", batch=2), 1e-10),
         (DemoConfig(world_size=2, dp=1, cp=2, tp=1, ep=2, dtype="float64", layers=3), 1e-10),
         (DemoConfig(dp=4, cp=1, tp=1, ep=1, dtype="float64"), 1e-10),  # no expert mesh built: the demo wraps one
     ],
-    ids=["4-ranks-float32", "4-ranks-cp2-ep2-float64", "4-ranks-dp2-ep4-float64", "2-ranks-float64", "4-ranks-dp4-ep1-float64"],
+    ids=[
+        "4-ranks-float32",
+        "4-ranks-cp2-ep2-float64",
+        "4-ranks-dp2-ep4-b2-float64",
+        "2-ranks-float64",
+        "4-ranks-dp4-ep1-float64",
+    ],
 )
 def test_the_distributed_run_matches_one_process(config: DemoConfig, bound: float) -> None:
     report = demo.run_local(config)
@@ -113,3 +121,25 @@ def test_a_bad_dtype_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit) as exited:
         main(["demo", "--dtype", "float16"])
     assert exited.value.code == 2 and "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_a_failed_world_is_reported_with_its_ranks_errors(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing_world(config: DemoConfig) -> None:
+        raise RuntimeError("meshbind.demo:_spawned_rank failed:\nrank 1:\nTraceback (most recent call last):\nValueError: boom")
+
+    monkeypatch.setattr(demo, "run_local", failing_world)
+    assert main(["demo"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("meshbind demo: meshbind.demo:_spawned_rank failed:") and "rank 1:" in err and "ValueError: boom" in err
+    assert "cli.py" not in err  # the rank's traceback, not the command line's own
+
+
+def test_a_parameter_no_gradient_reached_is_named_before_any_reduction() -> None:
+    model = MoETransformer(TransformerConfig(layers=1, experts=4))
+    tokens, targets = batch(model.config, 1, 8, seed=0)
+    model(tokens, targets).backward()
+    model.norm.weight.grad = None
+    with pytest.raises(RuntimeError, match=r"^rank 3: no gradient reached 'norm.weight'$"):
+        demo._local_gradients(model, 3)

@@ -36,6 +36,9 @@ def _demo(arguments: list[str]) -> int:
     except (ValueError, TypeError) as error:
         print(f"meshbind demo: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:  # a rank failed: the error holds every failing rank's traceback
+        print(f"meshbind demo: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -67,4 +67,8 @@ class CPContext:
             # The identity; torch 2.15's functional all-gather over a one-rank subgroup also
             # drops the autograd edge, so it must not be called there.
             return x
-        return waited(funcol.all_gather_single_autograd(x.contiguous(), dim, self.group))
+        # Gathered along dim 0 and moved back: torch 2.15 gathering along another dim answers
+        # with a view that drops the autograd edge when every dim before it has size 1 (a batch
+        # of one sequence), and the gradient of everything before the gather is then lost.
+        gathered = waited(funcol.all_gather_single_autograd(x.movedim(dim, 0).contiguous(), 0, self.group))
+        return gathered.movedim(0, dim)

@@ -149,12 +149,13 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     with phases("backward"):
         loss.backward()
     with phases("reduce"):
-        experts = _expert_weights(model)
-        _reduce_gradients(model, experts, mesh_context)
+        gradients = _local_gradients(model, rank)
+        experts = _expert_weight_names(model)
+        _reduce_gradients(gradients, experts, mesh_context)
         total_loss = loss.detach().clone()
         dist.all_reduce(total_loss)
     with phases("compare"):
-        gradients = _full_gradients(model, experts, mesh_context)
+        gradients = _full_gradients(gradients, experts, mesh_context)
         worst = torch.tensor([float(new_groups)])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if rank != 0:
@@ -178,11 +179,23 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     }
 
 
-def _expert_weights(model: MoETransformer) -> set[torch.nn.Parameter]:
-    return {getattr(m, name) for m in model.modules() if isinstance(m, MoELayer) for name in MoELayer.EXPERT_WEIGHTS}
+def _local_gradients(model: MoETransformer, rank: int) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient on this rank; one that none reached is an error here, before any
+    rank enters a reduction the others would wait in."""
+    gradients = {name: parameter.grad for name, parameter in model.named_parameters()}
+    missing = [name for name, gradient in gradients.items() if gradient is None]
+    if missing:
+        more = f" nor {len(missing) - 1} other parameters" if len(missing) > 1 else ""
+        raise RuntimeError(f"rank {rank}: no gradient reached {missing[0]!r}{more}")
+    return gradients  # type: ignore[return-value]
 
 
-def _reduce_gradients(model: MoETransformer, experts: set[torch.nn.Parameter], mesh_context: MeshContext) -> None:
+def _expert_weight_names(model: MoETransformer) -> set[str]:
+    layers = [fqn for fqn, module in model.named_modules() if isinstance(module, MoELayer)]
+    return {f"{fqn}.{name}" for fqn in layers for name in MoELayer.EXPERT_WEIGHTS}
+
+
+def _reduce_gradients(gradients: dict[str, torch.Tensor], experts: set[str], mesh_context: MeshContext) -> None:
     """Sum each gradient over the ranks holding a copy of its parameter: expert weights over the
     expert mesh's data-parallel dims, everything else over the whole world. Existing groups only."""
     expert_mesh = mesh_context.fsdp_moe_mesh
@@ -190,29 +203,21 @@ def _reduce_gradients(model: MoETransformer, experts: set[torch.nn.Parameter], m
     replica_groups = [
         expert_mesh.get_group(dim) for dim in ("edp_replicate", "edp_shard") if expert_mesh.size(EXPERT_MESH_DIMS.index(dim)) > 1
     ]
-    for parameter in model.parameters():
-        if parameter.grad is None:
-            continue
-        if parameter in experts:
+    for name, gradient in gradients.items():
+        if name in experts:
             for group in replica_groups:
-                dist.all_reduce(parameter.grad, group=group)
+                dist.all_reduce(gradient, group=group)
         else:
-            dist.all_reduce(parameter.grad)
+            dist.all_reduce(gradient)
 
 
-def _full_gradients(
-    model: MoETransformer, experts: set[torch.nn.Parameter], mesh_context: MeshContext
-) -> dict[str, torch.Tensor]:
+def _full_gradients(gradients: dict[str, torch.Tensor], experts: set[str], mesh_context: MeshContext) -> dict[str, torch.Tensor]:
     """Every gradient at its full shape: expert slices are gathered over the ep group."""
     ep_group = MeshBinding(mesh_context).axis_mesh("ep").get_group()
-    gradients = {}
-    for name, parameter in model.named_parameters():
-        assert parameter.grad is not None, name
-        gradient = parameter.grad
-        if parameter in experts:
-            gradient = waited(funcol.all_gather_single(gradient.contiguous(), 0, ep_group))
-        gradients[name] = gradient
-    return gradients
+    return {
+        name: waited(funcol.all_gather_single(gradient.contiguous(), 0, ep_group)) if name in experts else gradient
+        for name, gradient in gradients.items()
+    }
 
 
 def _reference(
