@@ -207,6 +207,13 @@ def check_ep(context: MeshContext, scenario: str) -> None:
     _expect(ValueError, f"num_experts {ep.size + 1} is not divisible by the ep size", lambda: EPContext(mesh, ep.size + 1))
     routed = ep.dispatch(tokens, expert_ids)
     ids = routed.local_expert_ids
+    # Any integer type routes alike; the local ids come back int64 (gloo has no int16, and uint8
+    # ids would index the expert weights as a mask).
+    for narrow in (torch.int16, torch.uint8):
+        again = ep.dispatch(tokens.detach(), expert_ids.to(narrow))
+        if again.local_expert_ids.dtype != torch.int64 or not torch.equal(again.local_expert_ids, ids):
+            raise AssertionError(f"{narrow} expert ids: {again.local_expert_ids} against {ids}")
+        close(again.tokens, routed.tokens.detach(), f"{narrow} dispatch")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= ep.num_local_experts):
         raise AssertionError(f"local expert ids out of range: {ids.tolist()}")
     expert_out = torch.einsum("rh,rhg->rg", routed.tokens, local_experts[ids])

@@ -22,7 +22,7 @@ class RoutedTokens:
     tokens: torch.Tensor
     """``[R, H]``: the tokens this rank's experts must process."""
     local_expert_ids: torch.Tensor
-    """``[R]``: which local expert (``0 <= id < num_local_experts``) each received token goes to."""
+    """``[R]`` int64: which local expert (``0 <= id < num_local_experts``) each received token goes to."""
     order: torch.Tensor
     """``[T * K]``: the (token, choice) pairs in the order they were sent (sorted by expert)."""
     send_counts: list[int]
@@ -62,7 +62,9 @@ class EPContext:
         if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
             raise ValueError(f"expert_ids must hold integers, got {expert_ids.dtype}")
         num_tokens, top_k = expert_ids.shape
-        flat_experts = expert_ids.reshape(-1)
+        # int64 whatever came in: backends lack some integer types (gloo: int16), and uint8 ids
+        # would index the experts' weights as a mask.
+        flat_experts = expert_ids.reshape(-1).long()
         if flat_experts.numel() and (int(flat_experts.min()) < 0 or int(flat_experts.max()) >= self.num_experts):
             raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
         order = torch.argsort(flat_experts, stable=True)
