@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
 from meshbind import (
@@ -487,6 +489,33 @@ def check_validate_materialized(context: MeshContext) -> None:
     _expect(MaterializationError, "validate_materialized returned False", lambda: validate_materialized_modules(verdict))
 
 
+def check_wrappers(context: MeshContext) -> None:
+    """torchtitan's order: bind, then activation checkpointing, ``torch.compile`` and FSDP2, then
+    ``validate_materialized_modules``. The recorded FQNs find the bound modules through the wrappers."""
+    num_experts = 2 * context.axis_sizes()["ep"]
+    checked: list[nn.Module] = []
+
+    def record(*, module: nn.Module, binding: Any) -> None:
+        checked.append(module)
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
+    plan = resolve_plan(model, [_experts_plan(num_experts, record)], context.layout_context())
+    bind_parallel_modules(model, plan, context)
+    experts = [block.mlp for block in model.blocks]
+    model.blocks[0] = checkpoint_wrapper(model.blocks[0])
+    model.blocks[1].mlp = torch.compile(model.blocks[1].mlp)
+    fully_shard(model, mesh=MeshBinding(context).axis_mesh("dp"))
+    compiled = torch.compile(model)
+    validate_materialized_modules(compiled)
+    if list(map(id, checked)) != list(map(id, experts)):
+        raise AssertionError(f"validate_materialized saw {checked}, not the bound experts")
+    if [record.fqn for record in bound_modules(compiled)] != ["blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]:
+        raise AssertionError(f"records {bound_modules(compiled)}")
+    if bind_parallel_modules(compiled, plan, context):
+        raise AssertionError("binding the same plan again through the wrappers bound modules again")
+
+
 def run_checks(sizes: dict[str, int]) -> dict[str, str | None]:
     """Every check on this rank: ``{name: None}`` when it passed, else its traceback."""
     results: dict[str, str | None] = {}
@@ -507,6 +536,7 @@ def run_checks(sizes: dict[str, int]) -> dict[str, str | None]:
     attempt("binding", lambda: check_binding(context))
     attempt("binding_all_or_nothing", lambda: check_binding_is_all_or_nothing(context))
     attempt("validate_materialized", lambda: check_validate_materialized(context))
+    attempt("wrappers", lambda: check_wrappers(context))
     return results
 
 

@@ -11,7 +11,17 @@ WORLDS = {
     "2 ranks dp1 cp2 tp1 ep2": (2, {"dp": 1, "cp": 2, "tp": 1, "ep": 2}),
     "4 ranks dp2 cp2 tp1 ep4": (4, {"dp": 2, "cp": 2, "tp": 1, "ep": 4}),
 }
-CHECKS = ("mesh_sizes", "axis_mesh", "cp", "ep_random", "ep_skewed", "binding", "binding_all_or_nothing", "validate_materialized")
+CHECKS = (
+    "mesh_sizes",
+    "axis_mesh",
+    "cp",
+    "ep_random",
+    "ep_skewed",
+    "binding",
+    "binding_all_or_nothing",
+    "validate_materialized",
+    "wrappers",
+)
 
 
 @pytest.fixture(scope="module", params=list(WORLDS))

@@ -22,6 +22,10 @@ from meshbind.validation import RAISE_TO_REJECT, Failure, class_failure
 
 _OWNER = "_meshbind_owner"
 _RECORDS = "_meshbind_records"
+WRAPPED_MODULE_CHILDREN = ("_checkpoint_wrapped_module", "_orig_mod")
+"""The only child through which a torch wrapper holds the module it wraps (activation
+checkpointing, ``torch.compile``). FQNs leave wrappers out, as ``torch.distributed.checkpoint``'s
+canonical FQNs do, so a plan bound before the wrappers still finds its modules after them."""
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,10 @@ def bind_parallel_modules(model: nn.Module, plan: ParallelPlan, mesh_context: Me
         if isinstance(family_spec(type(entry.module)), ParallelModuleSpec):
             record_family_binding(entry.module, entry.fqn, entry.spec, plan.sharding[entry.fqn], mesh_context)
     bindings = {entry.fqn: entry.binding for entry in owned}
-    records = {record.fqn: record for record in model.__dict__.get(_RECORDS, ())}
+    root = _unwrapped(model)
+    records = {record.fqn: record for record in root.__dict__.get(_RECORDS, ())}
     records |= {fqn: BoundModule(fqn, spec, bindings.get(fqn)) for fqn, spec in plan.parallel_modules.items()}
-    model.__dict__[_RECORDS] = tuple(records.values())
+    root.__dict__[_RECORDS] = tuple(records.values())
     return [entry.fqn for entry in bound]
 
 
@@ -166,15 +171,25 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
 
 def _submodule(model: nn.Module, fqn: str) -> nn.Module:
     """The module at ``fqn``, found by the ``_modules`` lookups ``named_modules()`` made (cheaper
-    than ``get_submodule``'s attribute access at every level)."""
-    module = model
+    than ``get_submodule``'s attribute access at every level), through any torch wrapper."""
+    module = _unwrapped(model)
     for depth, name in enumerate(fqn.split(".") if fqn else ()):
         child = module._modules.get(name)
         if child is None:
             parent = ".".join(fqn.split(".")[:depth])
             where = repr(parent) if parent else "the root"
             raise ValueError(f"the plan names {fqn!r}, which this model does not have: {where} has no child {name!r}")
-        module = child
+        module = _unwrapped(child)
+    return module
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The module a chain of torch wrappers (``WRAPPED_MODULE_CHILDREN``) holds; ``module`` itself when none wraps it."""
+    while len(module._modules) == 1:
+        name, inner = next(iter(module._modules.items()))
+        if name not in WRAPPED_MODULE_CHILDREN or inner is None:
+            break
+        module = inner
     return module
 
 
@@ -196,7 +211,7 @@ def _restore(bound: list[_Prepared]) -> list[str]:
 def validate_materialized_modules(model: nn.Module) -> None:
     """Run every recorded spec's ``validate_materialized(module=, binding=)``; raise one
     ``MaterializationError`` listing every failure."""
-    records = model.__dict__.get(_RECORDS)
+    records = _unwrapped(model).__dict__.get(_RECORDS)
     if records is None:
         raise ValueError("no plan is recorded on this model: call bind_parallel_modules first")
     failures: list[tuple[str, BaseException]] = []
@@ -216,5 +231,5 @@ def validate_materialized_modules(model: nn.Module) -> None:
 
 def bound_modules(model: nn.Module) -> tuple[BoundModule, ...]:
     """The plan entries recorded on the model by ``bind_parallel_modules`` (empty before)."""
-    records: tuple[BoundModule, ...] = model.__dict__.get(_RECORDS, ())
+    records: tuple[BoundModule, ...] = _unwrapped(model).__dict__.get(_RECORDS, ())
     return records
