@@ -82,6 +82,14 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
         raise AssertionError(f"ep is not innermost: {ep_mesh.mesh.tolist()} != {expected}")
     if context.layout_context() != LayoutContext(context.axis_sizes()):
         raise AssertionError("layout_context differs from axis_sizes")
+    # The expert mesh's data-parallel ranks: edp_shard of them (default: all of world / ep), the rest replicate.
+    if world == 4:
+        for edp_shard, expected_dims in ((None, (1, 2, 2)), (1, (2, 1, 2))):
+            expert_mesh = MeshContext.build(dp=world // 2, tp=2, ep=2, edp_shard=edp_shard).fsdp_moe_mesh
+            assert expert_mesh is not None
+            dims = tuple(expert_mesh.size(d) for d in range(3))
+            if expert_mesh.mesh_dim_names != ("edp_replicate", "edp_shard", "ep") or dims != expected_dims:
+                raise AssertionError(f"edp_shard={edp_shard}: {expert_mesh.mesh_dim_names} {dims}, expected {expected_dims}")
     # Without ep > 1 there is no expert mesh, and 'ep' is 1.
     no_experts = MeshContext.build(dp=world)
     if no_experts.fsdp_moe_mesh is not None or no_experts.axis_sizes() != {"dp": world, "cp": 1, "tp": 1, "ep": 1}:
