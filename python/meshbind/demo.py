@@ -156,7 +156,7 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         dist.all_reduce(total_loss)
     with phases("compare"):
         gradients = _full_gradients(gradients, experts, mesh_context)
-        worst = torch.tensor([float(new_groups)])
+        worst = torch.tensor([float(new_groups)], device=device)  # NCCL reduces device tensors only
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if rank != 0:
             return None
