@@ -250,38 +250,40 @@ def validation_floor(target: nn.Module, plan: tuple[str, ...]) -> Outcome:
     ``Shard`` parameters and its spec's ``validate``; the plan's FQN → spec / sharding / source
     mappings. No check, no report, no class rule: ``meshbind_validate`` cannot beat it."""
     requests = validation_requests(target, plan)
-    index = PatternSet(plan).walk(target, prune=True, modules=True)
-    noticed = 0 in index.hit_counts()
-    rows, request_of, _ = index.owners(list(range(len(plan))))
-    fqns, modules = index.module_fqns(rows), cast(list[nn.Module], index.modules(rows))
-    shardings = [requests[r].sharding(module, fqn, CONTEXT) for r, module, fqn in zip(request_of, modules, fqns, strict=True)]
+    noticed, fqns, request_of, shardings = _match_and_required_calls(target, plan, requests)
     specs = [requests[r].parallel for r in request_of]
-    for module, spec, sharding in zip(modules, specs, shardings, strict=True):
-        if spec.binding_kind == "ep" and spec.validate is not None:
-            parameters = module._parameters
-            [parameters[path].shape[0] for path, placements in sharding.params.items() if "ep" in placements]  # type: ignore[union-attr]
-            spec.validate(module=module, sharding=sharding, context=CONTEXT)
     sources = [f"requests[{r}]" for r in request_of]
     plan_mappings = [MappingProxyType(dict(zip(fqns, values, strict=True))) for values in (specs, shardings, sources)]
     return Outcome(len(plan_mappings[0]), noticed)
 
 
 def required_calls_floor(target: nn.Module, plan: tuple[str, ...], requests: Sequence[NativeParallelBindingRequest]) -> Outcome:
-    """Tighter than ``validation_floor``: meshbind's match and then only the user code SPEC makes
-    every resolution run (each provider, each ``ep`` module's ``shape[0]`` reads and ``validate``),
-    with the requests built beforehand and no plan built. Any resolution costs at least this."""
+    """Tighter than ``validation_floor``: its match and user calls alone, with the requests built
+    beforehand and no plan built. Any resolution costs at least this."""
+    noticed, fqns, _, _ = _match_and_required_calls(target, plan, requests)
+    return Outcome(len(fqns), noticed)
+
+
+def _match_and_required_calls(
+    target: nn.Module, plan: tuple[str, ...], requests: Sequence[NativeParallelBindingRequest]
+) -> tuple[bool, list[str], list[int], list[ModuleShardingSpec]]:
+    """meshbind's match, then the user code SPEC makes every resolution run: each provider, and each
+    ``ep`` module's ``shape[0]`` reads and ``validate``. Whether a pattern selected nothing, and
+    each planned FQN with its request and layout."""
     index = PatternSet(plan).walk(target, prune=True, modules=True)
     noticed = 0 in index.hit_counts()
     rows, request_of, _ = index.owners(list(range(len(plan))))
-    modules = cast(list[nn.Module], index.modules(rows))
-    for r, module, fqn in zip(request_of, modules, index.module_fqns(rows), strict=True):
+    fqns, modules = index.module_fqns(rows), cast(list[nn.Module], index.modules(rows))
+    shardings = []
+    for r, module, fqn in zip(request_of, modules, fqns, strict=True):
         sharding = requests[r].sharding(module, fqn, CONTEXT)
         spec = requests[r].parallel
         if spec.binding_kind == "ep" and spec.validate is not None:
             parameters = module._parameters
             [parameters[path].shape[0] for path, placements in sharding.params.items() if "ep" in placements]  # type: ignore[union-attr]
             spec.validate(module=module, sharding=sharding, context=CONTEXT)
-    return Outcome(len(rows), noticed)
+        shardings.append(sharding)
+    return noticed, fqns, request_of, shardings
 
 
 def rust_walk_floor(target: Target, plan: tuple[str, ...]) -> Outcome:
