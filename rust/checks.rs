@@ -211,6 +211,91 @@ fn expert_problem<'r>(
     None
 }
 
+/// The rows of `check_placements` as one table, filled in by interning axes and labels: what
+/// Python hands over (see `PlacementTable` in `python.rs`).
+#[derive(Default)]
+pub struct PlacementTable {
+    axis_names: Vec<String>,
+    axis_sizes: Vec<Option<i64>>,
+    labels: Vec<String>,
+    label_is_param: Vec<bool>,
+    rows: Vec<PlacementRow>,
+    num_experts: Vec<Option<i64>>,
+}
+
+/// A row that names a unit, label or axis the table does not have, or an axis size below 1.
+#[derive(Debug, PartialEq, Eq)]
+pub struct TableError(pub String);
+
+impl PlacementTable {
+    /// A table over the context's axes (each size at least 1).
+    pub fn new(axes: &[(String, i64)]) -> Result<Self, TableError> {
+        let mut table = PlacementTable::default();
+        for (name, size) in axes {
+            if *size < 1 {
+                return Err(TableError(format!("axis size {size} of {name:?} must be positive")));
+            }
+            table.axis_names.push(name.clone());
+            table.axis_sizes.push(Some(*size));
+        }
+        Ok(table)
+    }
+
+    /// The id of axis `name`, added (with no size: the context lacks it) when new.
+    pub fn axis(&mut self, name: &str) -> u32 {
+        if let Some(id) = self.axis_names.iter().position(|n| n == name) {
+            return id as u32;
+        }
+        self.axis_names.push(name.to_owned());
+        self.axis_sizes.push(None);
+        (self.axis_names.len() - 1) as u32
+    }
+
+    /// The id of label `text` (`params['w']`, `in_src`…), added when new.
+    pub fn label(&mut self, text: &str, is_param: bool) -> u32 {
+        if let Some(id) = self.labels.iter().position(|l| l == text) {
+            return id as u32;
+        }
+        self.labels.push(text.to_owned());
+        self.label_is_param.push(is_param);
+        (self.labels.len() - 1) as u32
+    }
+
+    /// A new unit (modules checked as one), with its `num_experts` when it is an `ep` unit.
+    pub fn unit(&mut self, num_experts: Option<i64>) -> Result<u32, TableError> {
+        if let Some(n) = num_experts.filter(|&n| n < 1) {
+            return Err(TableError(format!("num_experts {n} must be at least 1")));
+        }
+        self.num_experts.push(num_experts);
+        Ok((self.num_experts.len() - 1) as u32)
+    }
+
+    /// Adds one placement row; its unit, label and axis must be the table's.
+    pub fn row(&mut self, row: PlacementRow) -> Result<(), TableError> {
+        if row.module as usize >= self.num_experts.len() {
+            return Err(TableError(format!("no unit {}", row.module)));
+        }
+        let Some(&is_param) = self.label_is_param.get(row.label as usize) else {
+            return Err(TableError(format!("no label {}", row.label)));
+        };
+        if row.axis as usize >= self.axis_names.len() {
+            return Err(TableError(format!("no axis {}", row.axis)));
+        }
+        self.rows.push(PlacementRow { is_param, ..row });
+        Ok(())
+    }
+
+    /// Every problem of every unit (see `check_placements`).
+    pub fn check(&self) -> Vec<Problem> {
+        let axes = AxisTable {
+            names: &self.axis_names,
+            sizes: &self.axis_sizes,
+            ep: self.axis_names.iter().position(|n| n == "ep").map(|p| p as u32),
+        };
+        check_placements(&axes, &self.labels, &self.rows, &self.num_experts)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,5 +391,32 @@ mod tests {
                 .count(),
             4
         );
+    }
+
+    #[test]
+    fn the_table_interns_axes_and_labels_and_refuses_rows_it_cannot_place() {
+        let mut table = PlacementTable::new(&[("ep".to_owned(), 2)]).unwrap();
+        assert_eq!(table.axis("ep"), 0);
+        assert_eq!(table.axis("xx"), 1);
+        let label = table.label("params['w']", true);
+        assert_eq!(table.label("params['w']", true), label);
+        let unit = table.unit(Some(3)).unwrap();
+        let row = |axis| PlacementRow {
+            module: unit,
+            label,
+            axis,
+            kind: PlacementKind::Shard,
+            dim: 0,
+            rank: Some(2),
+            first_dim: Some(3),
+            is_param: false,
+        };
+        table.row(row(0)).unwrap();
+        table.row(row(1)).unwrap();
+        assert!(table.row(row(7)).is_err());
+        assert!(table.unit(Some(0)).is_err());
+        let codes: Vec<_> = table.check().iter().map(|p| p.code).collect();
+        assert_eq!(codes, vec![ProblemCode::Layout, ProblemCode::Expert]);
+        assert!(PlacementTable::new(&[("tp".to_owned(), 0)]).is_err());
     }
 }

@@ -3,7 +3,7 @@
 
 pub mod checks;
 pub mod families;
-mod lookahead;
+mod layout_reads;
 pub mod matcher;
 pub mod names;
 pub mod pattern;
@@ -11,7 +11,6 @@ mod presence;
 mod python;
 pub mod sequence;
 mod step_memo;
-mod str_layout;
 pub mod suggest;
 pub mod walk;
 

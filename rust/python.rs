@@ -1,37 +1,32 @@
 //! The binding layer: converts arguments, maps errors, and nothing else.
 
-use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyString, PyType};
 use pyo3::{ffi, intern, Borrowed};
 
-use crate::checks::{check_placements, AxisTable, PlacementKind, PlacementRow};
+use crate::checks::{PlacementKind, PlacementRow, PlacementTable, TableError};
 use crate::matcher::{BuildError, MatchError, PatternSet};
 use crate::sequence::{IndexHits, NameIndexer};
-use crate::str_layout::ListTexts;
+use crate::layout_reads::ListTexts;
 use crate::suggest::nearest_names;
 use crate::walk::{not_utf8_error, walk_tree, TreeIndex, WalkError, WalkMode};
 
-create_exception!(
-    meshbind._core,
-    PatternError,
-    PyValueError,
-    "A malformed FQN pattern; `pattern`, `position` (a character offset) and `reason` say what and where."
-);
+/// `meshbind.errors.PatternError`: the error family is defined once, on the Python side.
+static PATTERN_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
+/// A `meshbind.PatternError` with its `pattern`, `position` (a character offset) and `reason`.
 fn pattern_error(py: Python<'_>, error: &crate::pattern::PatternError) -> PyErr {
-    let err = PatternError::new_err(error.message());
-    let value = err.value(py);
-    let set = || -> PyResult<()> {
+    let made = || -> PyResult<PyErr> {
+        let class = PATTERN_ERROR.import(py, "meshbind.errors", "PatternError")?;
+        let value = class.call1((error.message(),))?;
         value.setattr("pattern", &error.pattern)?;
         value.setattr("position", error.position)?;
-        value.setattr("reason", &error.reason)
+        value.setattr("reason", &error.reason)?;
+        Ok(PyErr::from_value(value))
     };
-    match set() {
-        Ok(()) => err,
-        Err(e) => e,
-    }
+    made().unwrap_or_else(|e| e)
 }
 
 fn match_error(error: MatchError) -> PyErr {
@@ -486,107 +481,85 @@ fn check_patterns(py: Python<'_>, patterns: &Bound<'_, PyAny>) -> PyResult<()> {
     Ok(())
 }
 
-/// SPEC §4 `layout` and §5 rule 5 over every planned module at once. Rows are parallel lists
-/// (module, label, axis, kind 0=Shard 1=Replicate 2=Partial, dim, parameter rank and shape[0] or
-/// None), in any order; `num_experts[m]` is set for `ep` modules (the caller has checked, once per
-/// spec, that each is at least 1). Axis sizes must be positive. Returns `(module, code, message)`
-/// for every problem.
-#[pyfunction]
-#[pyo3(name = "check_placements")]
-#[allow(clippy::too_many_arguments)]
-fn py_check_placements(
-    axis_names: Vec<String>,
-    axis_sizes: Vec<Option<i64>>,
-    labels: Vec<String>,
-    label_is_param: Vec<bool>,
-    row_module: Vec<u32>,
-    row_label: Vec<u32>,
-    row_axis: Vec<u32>,
-    row_kind: Vec<u8>,
-    row_dim: Vec<i64>,
-    row_rank: Vec<Option<i64>>,
-    row_first_dim: Vec<Option<i64>>,
-    num_experts: Vec<Option<i64>>,
-) -> PyResult<Vec<(u32, &'static str, String)>> {
-    let rows_len = row_module.len();
-    if axis_sizes.len() != axis_names.len() || label_is_param.len() != labels.len() {
-        return Err(PyValueError::new_err(
-            "axis_sizes and label_is_param must be as long as their name lists",
-        ));
+/// The placement rows of SPEC §4 `layout` and §5 rule 5 for every planned module, as one
+/// table: axes and labels are interned, each unit (modules checked as one) has its
+/// `num_experts`, and `check` answers for all of them at once.
+#[pyclass(name = "PlacementTable", module = "meshbind._core")]
+pub struct PyPlacementTable {
+    inner: PlacementTable,
+}
+
+fn table_error(error: TableError) -> PyErr {
+    PyValueError::new_err(error.0)
+}
+
+#[pymethods]
+impl PyPlacementTable {
+    #[new]
+    fn new(axis_sizes: Vec<(String, i64)>) -> PyResult<Self> {
+        PlacementTable::new(&axis_sizes)
+            .map(|inner| PyPlacementTable { inner })
+            .map_err(table_error)
     }
-    if [
-        row_label.len(),
-        row_axis.len(),
-        row_kind.len(),
-        row_dim.len(),
-        row_rank.len(),
-        row_first_dim.len(),
-    ]
-    .iter()
-    .any(|&n| n != rows_len)
-    {
-        return Err(PyValueError::new_err(
-            "every row list must have the same length",
-        ));
+
+    fn axis(&mut self, name: &str) -> u32 {
+        self.inner.axis(name)
     }
-    if let Some((name, size)) = axis_names
-        .iter()
-        .zip(&axis_sizes)
-        .find_map(|(name, &size)| size.filter(|&n| n < 1).map(|n| (name, n)))
-    {
-        return Err(PyValueError::new_err(format!(
-            "axis size {size} of {name:?} must be positive"
-        )));
+
+    fn label(&mut self, text: &str, is_param: bool) -> u32 {
+        self.inner.label(text, is_param)
     }
-    if let Some(m) = row_module
-        .iter()
-        .find(|&&m| m as usize >= num_experts.len())
-    {
-        return Err(PyValueError::new_err(format!(
-            "row module {m} is not below len(num_experts)"
-        )));
+
+    #[pyo3(signature = (num_experts = None))]
+    fn unit(&mut self, num_experts: Option<i64>) -> PyResult<u32> {
+        self.inner.unit(num_experts).map_err(table_error)
     }
-    let mut rows = Vec::with_capacity(rows_len);
-    for i in 0..rows_len {
-        let kind = match row_kind[i] {
-            0 => PlacementKind::Shard,
-            1 => PlacementKind::Replicate,
-            2 => PlacementKind::Partial,
+
+    /// One row: `kind` is `"shard"`, `"replicate"` or `"partial"`; `rank` and `first_dim` give
+    /// the parameter's shape where it is known.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (unit, label, axis, kind, dim = 0, rank = None, first_dim = None))]
+    fn row(
+        &mut self,
+        unit: u32,
+        label: u32,
+        axis: u32,
+        kind: &str,
+        dim: i64,
+        rank: Option<i64>,
+        first_dim: Option<i64>,
+    ) -> PyResult<()> {
+        let kind = match kind {
+            "shard" => PlacementKind::Shard,
+            "replicate" => PlacementKind::Replicate,
+            "partial" => PlacementKind::Partial,
             other => {
                 return Err(PyValueError::new_err(format!(
-                    "row {i}: unknown placement kind {other}"
+                    "unknown placement kind {other:?} (shard, replicate or partial)"
                 )))
             }
         };
-        let (label, axis) = (row_label[i], row_axis[i]);
-        let is_param = label_is_param
-            .get(label as usize)
-            .copied()
-            .ok_or_else(|| PyValueError::new_err(format!("row {i}: no label {label}")))?;
-        if axis as usize >= axis_names.len() {
-            return Err(PyValueError::new_err(format!("row {i}: no axis {axis}")));
-        }
-        rows.push(PlacementRow {
-            module: row_module[i],
+        let row = PlacementRow {
+            module: unit,
             label,
             axis,
             kind,
-            dim: row_dim[i],
-            rank: row_rank[i],
-            first_dim: row_first_dim[i],
-            is_param,
-        });
+            dim,
+            rank,
+            first_dim,
+            is_param: false,
+        };
+        self.inner.row(row).map_err(table_error)
     }
-    let ep = axis_names.iter().position(|n| n == "ep").map(|p| p as u32);
-    let axes = AxisTable {
-        names: &axis_names,
-        sizes: &axis_sizes,
-        ep,
-    };
-    Ok(check_placements(&axes, &labels, &rows, &num_experts)
-        .into_iter()
-        .map(|p| (p.module, p.code.as_str(), p.message))
-        .collect())
+
+    /// `(unit, code, message)` for every problem.
+    fn check(&self) -> Vec<(u32, &'static str, String)> {
+        self.inner
+            .check()
+            .into_iter()
+            .map(|p| (p.module, p.code.as_str(), p.message))
+            .collect()
+    }
 }
 
 /// The indices of the modules in a list whose `_parameters` has no key `path`.
@@ -595,14 +568,36 @@ fn modules_lacking(modules: &Bound<'_, PyList>, path: &Bound<'_, PyString>) -> P
     crate::presence::modules_lacking(modules, path)
 }
 
+/// Whether meshbind reads CPython's object layout in place: `"on"`, or `"off: <why>"`
+/// (`MESHBIND_NO_LAYOUT_READS` set, an interpreter whose layout is not known, a failed self-check).
+#[pyfunction]
+fn layout_reads(py: Python<'_>) -> String {
+    crate::layout_reads::status(py)
+}
+
+/// For the tests of the self-check: runs it with the offset `field` moved on by one word and
+/// returns what it found wrong (`None`: it agreed). Unknown fields are a `ValueError`.
+#[pyfunction]
+fn _layout_self_check(py: Python<'_>, field: Option<&str>) -> PyResult<Option<String>> {
+    let layout = match field {
+        None => crate::layout_reads::known(py),
+        Some(field) => crate::layout_reads::perturbed(py, field).map(|layout| {
+            layout.ok_or_else(|| format!("no offset {field:?} on this interpreter"))
+        }).and_then(|layout| layout),
+    };
+    let layout = layout.map_err(PyValueError::new_err)?;
+    Ok(crate::layout_reads::self_check(py, &layout).err())
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("PatternError", m.py().get_type::<PatternError>())?;
     m.add_class::<PyPatternSet>()?;
     m.add_class::<ModuleTree>()?;
     m.add_class::<IndexMatches>()?;
-    m.add_function(wrap_pyfunction!(py_check_placements, m)?)?;
+    m.add_class::<PyPlacementTable>()?;
     m.add_function(wrap_pyfunction!(check_patterns, m)?)?;
     m.add_function(wrap_pyfunction!(modules_lacking, m)?)?;
+    m.add_function(wrap_pyfunction!(layout_reads, m)?)?;
+    m.add_function(wrap_pyfunction!(_layout_self_check, m)?)?;
     Ok(())
 }

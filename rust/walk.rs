@@ -12,7 +12,7 @@ use pyo3::types::{PyDict, PyString, PyType};
 use pyo3::{ffi, intern, Borrowed};
 use rustc_hash::FxHashMap;
 
-use crate::lookahead::{Lookahead, WIDE};
+use crate::layout_reads::{Lookahead, WIDE};
 use crate::matcher::{DfaState, MatchError, Matcher};
 use crate::names::NameTable;
 use crate::step_memo::StepMemo;

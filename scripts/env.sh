@@ -1,17 +1,20 @@
 # Sourced by the README commands: finds or builds the cached virtual environment, then builds
 # the Rust extension into it from this checkout.
 #
-# The environment lives outside the checkout, keyed by a hash of requirements-dev.txt, so a fresh
-# clone (CI) reuses one built before and builds it when there is none.
+# The environment lives outside the checkout, keyed by the interpreter's version and a hash of
+# requirements-dev.txt, so a fresh clone (CI) reuses one built before and builds it when there is
+# none. MESHBIND_PYTHON picks the interpreter (default: python3); scripts/interpreters.sh uses it.
 set -euo pipefail
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 requirements="$repo_root/requirements-dev.txt"
-key=$(sha256sum "$requirements" | cut -c1-12)
+interpreter="${MESHBIND_PYTHON:-python3}"
+version=$("$interpreter" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+key="py$version-$(sha256sum "$requirements" | cut -c1-12)"
 venv="${MESHBIND_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/meshbind/venv-$key}"
 if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
-    echo "meshbind: building the environment in $venv (first run only: torch is large)" >&2
+    echo "meshbind: building the CPython $version environment in $venv (first run only: torch is large)" >&2
     rm -rf "$venv"
-    python3 -m venv "$venv"
+    "$interpreter" -m venv "$venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$requirements"
     touch "$venv/.complete"
 fi

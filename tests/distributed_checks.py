@@ -24,10 +24,12 @@ from torch.distributed.tensor import Replicate, Shard
 
 from meshbind import (
     BindingError,
+    BindingRefusedError,
     CPContext,
     EPContext,
     LayoutContext,
     MaterializationError,
+    MeshbindError,
     MeshBinding,
     MeshContext,
     ModuleShardingSpec,
@@ -112,13 +114,7 @@ def check_axis_mesh(context: MeshContext) -> None:
         mesh = binding.axis_mesh(axis)
         if mesh.ndim != 1 or mesh.size() != context.axis_sizes()[axis]:
             raise AssertionError(f"axis {axis}: {mesh}")
-    try:
-        binding.axis_mesh("pp")
-    except ValueError as error:
-        if "no 'pp' axis" not in str(error):
-            raise
-    else:
-        raise AssertionError("a missing axis did not fail")
+    _expect(ValueError, "no 'pp' axis", lambda: binding.axis_mesh("pp"), code="mesh")
     if process_group_count() != before:
         raise AssertionError(f"axis_mesh created {process_group_count() - before} groups")
 
@@ -325,12 +321,15 @@ def _experts_plan(num_experts: int, validate_materialized: Callable[..., None] |
     )
 
 
-def _expect(error_type: type[BaseException], text: str, call: Callable[[], Any]) -> BaseException:
+def _expect(error_type: type[BaseException], text: str, call: Callable[[], Any], code: str | None = None) -> BaseException:
+    """The error ``call`` raises; with ``code``, a ``BindingRefusedError`` (a ``ValueError``) of that code."""
     try:
         call()
     except error_type as error:
         if text not in str(error):
             raise AssertionError(f"{text!r} not in {error}") from error
+        if code is not None and not (isinstance(error, BindingRefusedError) and isinstance(error, ValueError) and error.code == code):
+            raise AssertionError(f"{error!r} is no BindingRefusedError of code {code!r}") from error
         return error
     raise AssertionError(f"no {error_type.__name__} ({text})")
 
@@ -376,7 +375,10 @@ def check_binding(context: MeshContext) -> None:
     )
     other_plan = resolve_plan(model, [other], context.layout_context())
     _expect(
-        ValueError, "'blocks.0.mlp' already has a communication owner", lambda: bind_parallel_modules(model, other_plan, context)
+        ValueError,
+        "'blocks.0.mlp' already has a communication owner",
+        lambda: bind_parallel_modules(model, other_plan, context),
+        code="owner",
     )
     # The same plan on meshes rebuilt with the same layout (equal, but other groups) is another owner.
     rebuilt = MeshContext.build(**context.axis_sizes())
@@ -384,7 +386,9 @@ def check_binding(context: MeshContext) -> None:
         raise AssertionError("a rebuilt mesh context should be equal in layout and other in meshes")
     if MeshContext(context.device_mesh, rebuilt.fsdp_moe_mesh).same_meshes(context):
         raise AssertionError("another expert mesh makes other meshes")
-    _expect(ValueError, "'blocks.0.attn' already has a communication owner", lambda: bind_parallel_modules(model, plan, rebuilt))
+    _expect(
+        ValueError, "'blocks.0.attn' already has a communication owner", lambda: bind_parallel_modules(model, plan, rebuilt), "owner"
+    )
     if bind_parallel_modules(model, plan, MeshContext(context.device_mesh, context.fsdp_moe_mesh)) != []:
         raise AssertionError("wrapping the same meshes again should be the same owner")
     validate_materialized_modules(model)
@@ -397,6 +401,7 @@ def check_binding(context: MeshContext) -> None:
         ValueError,
         f"resolved for ep={2 * context.axis_sizes()['ep']}, but the meshes have ep=",
         lambda: bind_parallel_modules(fresh, elsewhere, context),
+        code="mesh",
     )
     if bound_modules(fresh) != () or fresh.blocks[0].attn.events:
         raise AssertionError("a plan for another layout bound something")
@@ -418,6 +423,8 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
     plan = resolve_plan(model, [_experts_plan(num_experts)], context.layout_context())
     before = process_group_count()
     error = _expect(BindingError, "'blocks.1.mlp'", lambda: bind_parallel_modules(model, plan, context))
+    if not (isinstance(error, MeshbindError) and isinstance(error, RuntimeError) and error.code == "bind_parallel"):
+        raise AssertionError(f"{error!r} is no MeshbindError and RuntimeError of code 'bind_parallel'")
     if "no experts here" not in str(error) or process_group_count() != before:
         raise AssertionError(f"unexpected {error}")
     attentions = [model.blocks[0].attn, model.blocks[1].attn]
@@ -447,7 +454,7 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
         (UnboundExperts(), "'blocks.1.mlp' (UnboundExperts) cannot be bound as experts v1 (ep): [binding]"),
     ):
         other.blocks[1].mlp = replacement
-        _expect(ValueError, text, lambda: bind_parallel_modules(other, offline, context))
+        _expect(ValueError, text, lambda: bind_parallel_modules(other, offline, context), code="class")
         if other.blocks[0].attn.events or other.blocks[0].mlp.events or bound_modules(other) != ():
             raise AssertionError("a plan that cannot bind every module bound some")
     # A plan naming a module this model does not have binds nothing, and says where the path ends.
@@ -455,7 +462,7 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
     missing.blocks = nn.ModuleList(Block(num_experts) for _ in range(2))
     del missing.blocks[1].mlp
     text = "the plan names 'blocks.1.mlp', which this model does not have: 'blocks.1' has no child 'mlp'"
-    _expect(ValueError, text, lambda: bind_parallel_modules(missing, plan, context))
+    _expect(ValueError, text, lambda: bind_parallel_modules(missing, plan, context), code="module")
     if missing.blocks[0].attn.events or missing.blocks[0].mlp.events or bound_modules(missing) != ():
         raise AssertionError("a plan naming a missing module bound some")
     # Restored means rebindable: once the module is fixed, the same plan binds.
@@ -486,7 +493,7 @@ def check_validate_materialized(context: MeshContext) -> None:
     del model.blocks[0].mlp
     _expect(
         MaterializationError,
-        "'blocks.0.mlp': ValueError: the plan names 'blocks.0.mlp', which this model does not have",
+        "'blocks.0.mlp': BindingRefusedError: the plan names 'blocks.0.mlp', which this model does not have",
         lambda: validate_materialized_modules(model),
     )
     # A verdict returned instead of raised is a failure too: a returned False would pass unseen.

@@ -316,7 +316,7 @@ def test_a_bound_module_inside_another_of_the_same_kind_is_nested() -> None:
 @pytest.fixture(params=["pruned", "full"])
 def walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Resolution walks the whole tree when a family class is loaded (here one is), else it prunes."""
-    monkeypatch.setattr(meshbind.plan, "any_family_class", lambda: request.param == "full")
+    monkeypatch.setattr(meshbind.resolution.candidates, "any_family_class", lambda: request.param == "full")
     return str(request.param)
 
 
@@ -451,7 +451,7 @@ def test_class_checks_run_once_per_class_and_spec(monkeypatch: pytest.MonkeyPatc
         calls.append(obj)
         return real_signature(obj, *args, **kwargs)
 
-    monkeypatch.setattr(meshbind.validation.inspect, "signature", counting_signature)
+    monkeypatch.setattr(meshbind.validation.rules.inspect, "signature", counting_signature)
     request = NativeParallelBindingRequest(("leaves.*",), LINEAR_SPEC, lambda m, f, c: ModuleShardingSpec())
     assert len(resolve_plan(model, [request], CONTEXT).parallel_modules) == 2000
     assert len(calls) == 5
@@ -490,17 +490,29 @@ def test_a_parameter_the_module_lacks_gets_the_nearest_parameters() -> None:
 
 
 def test_placement_arithmetic_runs_in_one_rust_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real = meshbind._core.check_placements
+    tables: list[CountingTable] = []
+    real = meshbind._core.PlacementTable
 
-    def counting(*args: Any) -> Any:
-        calls.append(len(args[4]))
-        return real(*args)
+    class CountingTable:
+        def __init__(self, axes: Any) -> None:
+            self.table, self.rows, self.checks = real(axes), 0, 0
+            tables.append(self)
 
-    monkeypatch.setattr(meshbind.validation._core, "check_placements", counting)
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.table, name)
+
+        def row(self, *args: Any) -> None:
+            self.rows += 1
+            self.table.row(*args)
+
+        def check(self) -> Any:
+            self.checks += 1
+            return self.table.check()
+
+    monkeypatch.setattr(meshbind.validation.batch._core, "PlacementTable", CountingTable)
     resolve_plan(Model(4), [HEAD_REQUEST, EXPERTS_REQUEST], CONTEXT)
     # One row per placement of each distinct sharding: these providers build one per module.
-    assert calls == [4 + 4 + 1]
+    assert [(table.checks, table.rows) for table in tables if table.checks] == [(1, 4 + 4 + 1)]
 
 
 def test_overrides_merge_field_by_field() -> None:
@@ -666,7 +678,7 @@ def test_nested_matches_every_alias_of_named_modules(case: tuple[list[list[int]]
         if kind in kinds.values()
     ]
     for family_class_loaded in (False, True):  # pruned walk, full walk
-        with mock.patch.object(meshbind.plan, "any_family_class", lambda loaded=family_class_loaded: loaded):
+        with mock.patch.object(meshbind.resolution.candidates, "any_family_class", lambda loaded=family_class_loaded: loaded):
             try:
                 planned = set(resolve_plan(model, requests, CONTEXT).parallel_modules)
                 nested = set()
@@ -739,9 +751,9 @@ def test_pruning_the_walk_changes_no_plan_and_no_problem(
             return [(p.code, p.fqn, p.request, p.message) for p in error.problems]
         return list(plan.parallel_modules.items()), dict(plan.sharding), dict(plan.sources)
 
-    with mock.patch.object(meshbind.plan, "any_family_class", lambda: False):
+    with mock.patch.object(meshbind.resolution.candidates, "any_family_class", lambda: False):
         pruned = outcome(_tree_of(fqns))
-    with mock.patch.object(meshbind.plan, "any_family_class", lambda: True):
+    with mock.patch.object(meshbind.resolution.candidates, "any_family_class", lambda: True):
         assert outcome(_tree_of(fqns)) == pruned
     if all(request.sharding is PROVIDERS[0] for request in requests):
         assert outcome([name for name, _ in _tree_of(fqns).named_modules()]) == pruned

@@ -280,33 +280,31 @@ def test_the_modules_lacking_a_parameter_are_found_across_a_long_list() -> None:
 
 
 @pytest.mark.parametrize("ep_size", [0, -2])
-def test_the_placement_check_rejects_a_size_it_cannot_divide_by(ep_size: int) -> None:
+def test_the_placement_table_rejects_a_size_it_cannot_divide_by(ep_size: int) -> None:
     # Only a direct call can hand Rust such a size (LayoutContext refuses it): a ValueError, not a panic.
-    one_row = ([0], [0], [0], [0], [0], [3], [8])
     with pytest.raises(ValueError, match=f'axis size {ep_size} of "ep" must be positive'):
-        _core.check_placements(["ep"], [ep_size], ["params['w']"], [True], *one_row, [8])
-
-
-ROW = {"module": [0], "label": [0], "axis": [0], "kind": [0], "dim": [0], "rank": [3], "first_dim": [8]}
+        _core.PlacementTable([("ep", ep_size)])
 
 
 @pytest.mark.parametrize(
-    ("change", "message"),
+    ("row", "message"),
     [
-        ({"axis_sizes": [2, 3]}, "axis_sizes and label_is_param must be as long as their name lists"),
-        ({"dim": [0, 1]}, "every row list must have the same length"),
-        ({"kind": [7]}, "row 0: unknown placement kind 7"),
-        ({"label": [4]}, "row 0: no label 4"),
-        ({"axis": [4]}, "row 0: no axis 4"),
-        ({"module": [5]}, "row module 5 is not below len"),
+        ({"kind": "sharded"}, 'unknown placement kind "sharded"'),
+        ({"label": 4}, "no label 4"),
+        ({"axis": 4}, "no axis 4"),
+        ({"unit": 5}, "no unit 5"),
     ],
 )
-def test_the_placement_check_refuses_rows_it_cannot_index(change: dict[str, list[int]], message: str) -> None:
-    """A direct call with inconsistent lists is a ValueError, never a panic from an index."""
-    rows = {**ROW, **{key: value for key, value in change.items() if key in ROW}}
-    axis_sizes = change.get("axis_sizes", [2])
+def test_the_placement_table_refuses_rows_it_cannot_index(row: dict[str, Any], message: str) -> None:
+    """A row naming what the table lacks is a ValueError, never a panic from an index."""
+    table = _core.PlacementTable([("ep", 2)])
+    fields = {"unit": table.unit(8), "label": table.label("params['w']", True), "axis": table.axis("ep"), "kind": "shard"}
     with pytest.raises(ValueError, match=message):
-        _core.check_placements(["ep"], axis_sizes, ["params['w']"], [True], *rows.values(), [8])
+        table.row(**{**fields, **row}, dim=0, rank=3, first_dim=8)
+    with pytest.raises(ValueError, match="num_experts 0 must be at least 1"):
+        table.unit(0)
+    table.row(**fields, dim=0, rank=3, first_dim=8)
+    assert table.check() == []
 
 
 class SomeExperts(nn.Module):

@@ -1,22 +1,36 @@
-"""meshbind: resolve, validate and bind large-model parallel plans onto PyTorch module trees."""
+"""meshbind: resolve, validate and bind large-model parallel plans onto PyTorch module trees.
+
+``__all__`` lists what users call and the errors they catch. The results those calls return
+(``ParallelPlan``, ``PlanProblem``, ``ModuleTree``, ``IndexMatches``, ``BoundModule``,
+``FamilyBuildInfo``, ``FamilyLayout``, ``RoutedTokens``) are importable from here too, for type
+hints, but are not entry points.
+"""
 
 from importlib import metadata
 
-from meshbind._core import IndexMatches, ModuleTree, PatternError, PatternSet
-from meshbind.binding import (
-    BindingError,
-    BoundModule,
-    MaterializationError,
-    ParallelBinding,
-    bind_parallel_modules,
-    bound_modules,
-    validate_materialized_modules,
-)
+from meshbind._core import IndexMatches as IndexMatches
+from meshbind._core import ModuleTree as ModuleTree
+from meshbind._core import PatternSet
+from meshbind.binding import BoundModule as BoundModule
+from meshbind.binding import ParallelBinding, bind_parallel_modules, bound_modules, validate_materialized_modules
 from meshbind.cp import CPContext
-from meshbind.ep import EPContext, RoutedTokens
-from meshbind.family import FamilyBuildInfo, FamilyLayout, get_family_build_info
+from meshbind.ep import EPContext
+from meshbind.ep import RoutedTokens as RoutedTokens
+from meshbind.errors import (
+    BindingError,
+    BindingRefusedError,
+    MaterializationError,
+    MeshbindError,
+    PatternError,
+    PlanError,
+)
+from meshbind.errors import PlanProblem as PlanProblem
+from meshbind.family import FamilyBuildInfo as FamilyBuildInfo
+from meshbind.family import FamilyLayout as FamilyLayout
+from meshbind.family import get_family_build_info
 from meshbind.mesh import MeshBinding, MeshContext
-from meshbind.plan import ParallelPlan, PlanError, PlanProblem, resolve_plan
+from meshbind.resolution import ParallelPlan as ParallelPlan
+from meshbind.resolution import resolve_plan
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
 from meshbind.validation import validate_parallel_module
 
@@ -27,27 +41,21 @@ except metadata.PackageNotFoundError:  # imported from a checkout that was never
 
 __all__ = [
     "BindingError",
-    "BoundModule",
+    "BindingRefusedError",
     "CPContext",
     "EPContext",
-    "FamilyBuildInfo",
-    "FamilyLayout",
-    "IndexMatches",
     "LayoutContext",
     "MaterializationError",
     "MeshBinding",
     "MeshContext",
+    "MeshbindError",
     "ModuleShardingSpec",
-    "ModuleTree",
     "NativeParallelBindingRequest",
     "ParallelBinding",
     "ParallelModuleSpec",
-    "ParallelPlan",
     "PatternError",
     "PatternSet",
     "PlanError",
-    "PlanProblem",
-    "RoutedTokens",
     "bind_parallel_modules",
     "bound_modules",
     "get_family_build_info",

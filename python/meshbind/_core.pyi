@@ -1,18 +1,13 @@
 """Type stubs of the Rust extension (rust/python.rs)."""
 
 from collections.abc import Sequence
-from typing import Any, final
+from typing import Any, Literal, final
 
 from typing_extensions import Self
 
-__all__ = ["IndexMatches", "ModuleTree", "PatternError", "PatternSet", "check_patterns", "check_placements", "modules_lacking"]
+__all__ = ["IndexMatches", "ModuleTree", "PatternSet", "PlacementTable", "check_patterns", "layout_reads", "modules_lacking"]
 
-class PatternError(ValueError):
-    """A malformed FQN pattern, quoted with a caret under the offending character."""
-
-    pattern: str
-    position: int
-    reason: str
+# Malformed patterns raise meshbind.errors.PatternError (a MeshbindError and a ValueError).
 
 @final
 class PatternSet:
@@ -87,24 +82,43 @@ class ModuleTree:
     def cycles(self) -> list[tuple[str, str]]: ...
     def nearest(self, pattern: str, count: int = 3) -> list[str]: ...
 
-def check_placements(
-    axis_names: Sequence[str],
-    axis_sizes: Sequence[int | None],
-    labels: Sequence[str],
-    label_is_param: Sequence[bool],
-    row_module: Sequence[int],
-    row_label: Sequence[int],
-    row_axis: Sequence[int],
-    row_kind: Sequence[int],
-    row_dim: Sequence[int],
-    row_rank: Sequence[int | None],
-    row_first_dim: Sequence[int | None],
-    num_experts: Sequence[int | None],
-) -> list[tuple[int, str, str]]:
-    """SPEC §4 ``layout`` and §5 rule 5 over every planned module at once (rows in any order)."""
+@final
+class PlacementTable:
+    """The placement rows of SPEC §4 ``layout`` and §5 rule 5 for a whole plan, checked at once.
+
+    Axes and labels are interned; each unit stands for modules whose checks give one answer."""
+
+    def __init__(self, axis_sizes: Sequence[tuple[str, int]]) -> None:
+        """A table over the context's axes; a size below 1 is a ``ValueError``."""
+    def axis(self, name: str) -> int:
+        """The id of an axis (added without a size, as one the context lacks, when new)."""
+    def label(self, text: str, is_param: bool) -> int:
+        """The id of a label (``params['w']``, ``in_src``…), added when new."""
+    def unit(self, num_experts: int | None = None) -> int:
+        """A new unit, with its ``num_experts`` (at least 1) when it is an ``ep`` unit."""
+    def row(
+        self,
+        unit: int,
+        label: int,
+        axis: int,
+        kind: Literal["shard", "replicate", "partial"],
+        dim: int = 0,
+        rank: int | None = None,
+        first_dim: int | None = None,
+    ) -> None:
+        """One named placement of a unit; ``rank`` and ``first_dim`` where the parameter's shape is known."""
+    def check(self) -> list[tuple[int, str, str]]:
+        """``(unit, code, message)`` for every ``layout`` problem and each unit's first ``expert`` problem."""
 
 def check_patterns(patterns: Sequence[str]) -> None:
     """Parse every pattern without building a set; raises ``PatternError`` for the first malformed one."""
 
 def modules_lacking(modules: list[Any], path: str) -> list[int]:
     """The indices of the modules in the list whose ``_parameters`` has no key ``path``."""
+
+def layout_reads() -> str:
+    """``"on"`` when meshbind reads CPython's object layout in place, else ``"off: <why>"``
+    (``MESHBIND_NO_LAYOUT_READS`` set, an interpreter whose layout is not known, a failed self-check)."""
+
+def _layout_self_check(field: str | None) -> str | None:
+    """For the tests: the self-check with one offset moved by a word; what it found wrong, or ``None``."""

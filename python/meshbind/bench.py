@@ -40,8 +40,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from meshbind._core import PatternSet
+from meshbind.errors import PlanError
 from meshbind.examples.moe_tree import DEEP_PLAN, MOE_PLAN, FusedExperts, build_moe_tree, moe_tree_fqns
-from meshbind.plan import PlanError, resolve_plan
+from meshbind.resolution import resolve_plan
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
 
 SLOW_SECONDS = 3.0

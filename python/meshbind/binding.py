@@ -14,11 +14,12 @@ from torch import nn
 
 from meshbind.cp import CPContext
 from meshbind.ep import EPContext
+from meshbind.errors import BindingError, BindingRefusedError, MaterializationError
 from meshbind.family import family_spec, record_family_binding
 from meshbind.mesh import MeshBinding, MeshContext
-from meshbind.plan import ParallelPlan
+from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
-from meshbind.validation import RAISE_TO_REJECT, Failure, class_failure
+from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure
 
 _OWNER = "_meshbind_owner"
 _RECORDS = "_meshbind_records"
@@ -54,26 +55,6 @@ class BoundModule:
     fqn: str
     spec: ParallelModuleSpec
     binding: ParallelBinding | None
-
-
-class BindingError(RuntimeError):
-    """A module's ``bind_parallel`` failed; ``fqn`` names it. Nothing stays bound."""
-
-    def __init__(self, fqn: str, error: BaseException, restore_failures: list[str]) -> None:
-        self.fqn = fqn
-        restored = "every module bound by this call was restored"
-        if restore_failures:
-            restored += f", but unbind_parallel failed for {'; '.join(restore_failures)}"
-        super().__init__(f"bind_parallel of {fqn!r} failed ({restored}): {type(error).__name__}: {error}")
-
-
-class MaterializationError(ValueError):
-    """Every failing ``validate_materialized``, as ``(fqn, error)`` in ``failures``."""
-
-    def __init__(self, failures: list[tuple[str, BaseException]]) -> None:
-        self.failures = failures
-        lines = "\n".join(f"  {fqn!r}: {type(error).__name__}: {error}" for fqn, error in failures)
-        super().__init__(f"{len(failures)} module{'s' if len(failures) != 1 else ''} failed validate_materialized:\n{lines}")
 
 
 @dataclass
@@ -125,7 +106,8 @@ def _check_layout(plan: ParallelPlan, mesh_context: MeshContext) -> None:
     if differing:
         planned = ", ".join(f"{axis}={size}" for axis, size in differing.items())
         actual = ", ".join(f"{axis}={sizes[axis]}" if axis in sizes else f"no {axis}" for axis in differing)
-        raise ValueError(f"the plan was resolved for {planned}, but the meshes have {actual}: resolve it for these meshes")
+        message = f"the plan was resolved for {planned}, but the meshes have {actual}: resolve it for these meshes"
+        raise BindingRefusedError("mesh", message)
 
 
 def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) -> tuple[list[_Prepared], list[_Prepared]]:
@@ -147,14 +129,16 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
             if owner.spec == spec and owner.sharding == plan.sharding[fqn] and owner.mesh_context.same_meshes(mesh_context):
                 unchanged.append(_Prepared(fqn, module, spec, owner.binding))
                 continue
-            raise ValueError(f"{fqn!r} already has a communication owner ({owner.spec.describe()}); unbind it first")
+            message = f"{fqn!r} already has a communication owner ({owner.spec.describe()}); unbind it first"
+            raise BindingRefusedError("owner", message)
         cls = type(module)
         if (cls, id(spec)) not in class_failures:
             class_failures[cls, id(spec)] = class_failure(cls, spec)
         failure = class_failures[cls, id(spec)]
         if failure is not None:
             code, message = failure
-            raise ValueError(f"{fqn!r} ({cls.__qualname__}) cannot be bound as {spec.describe()}: [{code}] {message}")
+            message = f"{fqn!r} ({cls.__qualname__}) cannot be bound as {spec.describe()}: [{code}] {message}"
+            raise BindingRefusedError("class", message)
         binding = ParallelBinding(mesh_binding)
         if spec.binding_kind == "cp":
             if "cp" not in cp_contexts:
@@ -178,7 +162,8 @@ def _submodule(model: nn.Module, fqn: str) -> nn.Module:
         if child is None:
             parent = ".".join(fqn.split(".")[:depth])
             where = repr(parent) if parent else "the root"
-            raise ValueError(f"the plan names {fqn!r}, which this model does not have: {where} has no child {name!r}")
+            message = f"the plan names {fqn!r}, which this model does not have: {where} has no child {name!r}"
+            raise BindingRefusedError("module", message)
         module = _unwrapped(child)
     return module
 
@@ -213,7 +198,7 @@ def validate_materialized_modules(model: nn.Module) -> None:
     ``MaterializationError`` listing every failure."""
     records = _unwrapped(model).__dict__.get(_RECORDS)
     if records is None:
-        raise ValueError("no plan is recorded on this model: call bind_parallel_modules first")
+        raise BindingRefusedError("unbound", "no plan is recorded on this model: call bind_parallel_modules first")
     failures: list[tuple[str, BaseException]] = []
     for record in records:
         check = record.spec.validate_materialized

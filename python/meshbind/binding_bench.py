@@ -42,7 +42,7 @@ from meshbind.ep import EPContext
 from meshbind.examples.moe_transformer import DecoderBlock, MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
 from meshbind.mesh import MeshBinding, MeshContext, process_group_count
-from meshbind.plan import ParallelPlan, resolve_plan
+from meshbind.resolution import ParallelPlan, resolve_plan
 
 METHODS = ("meshbind", "meshbind_rebind", "by_hand", "torch_parallelize_module")
 

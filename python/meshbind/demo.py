@@ -31,7 +31,7 @@ from meshbind.binding import bind_parallel_modules, validate_materialized_module
 from meshbind.examples.moe_transformer import MoELayer, MoETransformer, TransformerConfig, batch, initialize, loss_head_request
 from meshbind.launch import run_local_world
 from meshbind.mesh import EXPERT_MESH_DIMS, MeshBinding, MeshContext, process_group_count, waited
-from meshbind.plan import resolve_plan
+from meshbind.resolution import resolve_plan
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

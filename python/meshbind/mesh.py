@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshbind.errors import BindingRefusedError
 from meshbind.specs import LayoutContext
 
 DEVICE_MESH_DIMS = ("dp", "cp", "tp")
@@ -129,5 +130,5 @@ class MeshBinding:
         names = context.device_mesh.mesh_dim_names or ()
         if axis not in names:
             available = list(names) + (["ep"] if context.fsdp_moe_mesh is not None else [])
-            raise ValueError(f"the mesh context has no {axis!r} axis (axes: {', '.join(available)})")
+            raise BindingRefusedError("mesh", f"the mesh context has no {axis!r} axis (axes: {', '.join(available)})")
         return context.device_mesh[axis]

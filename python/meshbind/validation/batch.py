@@ -1,11 +1,11 @@
-"""Per-module validation (SPEC §5) and the placement checks of SPEC §4 ``layout``.
+"""The bulk pass of SPEC §4 ``layout`` and §5: many planned modules checked together.
 
-``ValidationBatch`` checks many modules together: class-level rules once per (class, spec), the
-sharding rules once per sharding object, the placement arithmetic for all modules in one Rust call,
-and each spec's own ``validate`` last. ``validate_parallel_module`` is a batch of one. Modules
-whose placement checks must give the same answer (one sharding object, one ``num_experts``, the
-same rank and ``shape[0]`` of every ``Shard`` parameter) are checked as one unit, and its problems
-are each module's: a plan of 188k modules sharing a few layouts hands Rust a few rows.
+``ValidationBatch`` runs the class-level rules once per (class, spec) and the sharding rules
+once per sharding object, hands the placement arithmetic of every module to Rust in one
+``PlacementTable``, and runs each spec's own ``validate`` last. Modules whose placement checks
+must give the same answer (one sharding object, one ``num_experts``, the same rank and
+``shape[0]`` of every ``Shard`` parameter) are one unit of that table, and its problems are each
+module's: a plan of 188k modules sharing a few layouts hands Rust a few rows.
 
 Per module the §5 rules run in order and the first failure is the module's problem; ``layout``
 problems (an axis the context lacks, ``Shard(d)`` beyond a parameter's rank, a parameter the module
@@ -15,102 +15,29 @@ lacks) are reported beside it, every one of them.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from meshbind import _core
 from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
+from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure, sharding_failure
 
-Failure = tuple[str, str]
-"""``(code, message)``."""
-
-_SHARD, _REPLICATE, _PARTIAL = 0, 1, 2
-RAISE_TO_REJECT = "a validate callable raises to reject a module and returns None to accept it"
-"""Why a value returned by ``validate`` or ``validate_materialized`` is a failure: read as a
-verdict, a returned ``False`` would otherwise pass unseen."""
+Kind = Literal["shard", "replicate", "partial"]
+_SHARD: Kind = "shard"
+_REPLICATE: Kind = "replicate"
+_PARTIAL: Kind = "partial"
 _PARAMETERS = attrgetter("_parameters")
 _NDIM = attrgetter("ndim")
 _SHAPE = attrgetter("shape")
 
 
-def _bound_signature(cls: type, name: str) -> inspect.Signature:
-    """The signature of ``cls.name`` as called on an instance (``self`` already bound)."""
-    static = inspect.getattr_static(cls, name)
-    signature = inspect.signature(getattr(cls, name))
-    if inspect.isfunction(static):
-        parameters = list(signature.parameters.values())
-        if not parameters or parameters[0].kind not in (parameters[0].POSITIONAL_ONLY, parameters[0].POSITIONAL_OR_KEYWORD):
-            raise TypeError("it takes no self argument")
-        signature = signature.replace(parameters=parameters[1:])
-    return signature
-
-
-def class_failure(cls: type, spec: ParallelModuleSpec) -> Failure | None:
-    """SPEC §5 rules 1 and 2, which depend only on the class and the spec."""
-    for stage, keywords in spec.stages.items():
-        try:
-            static = inspect.getattr_static(cls, stage)
-        except AttributeError:
-            return "stage", f"stage {stage!r} is not defined on class {cls.__qualname__} (an instance attribute does not count)"
-        if not callable(static) and not isinstance(static, (staticmethod, classmethod)):
-            return "stage", f"stage {stage!r} of class {cls.__qualname__} is not callable"
-        try:
-            _bound_signature(cls, stage).bind_partial(**dict.fromkeys(keywords))
-        except (TypeError, ValueError) as error:
-            return "stage", f"stage {cls.__qualname__}.{stage} does not accept the keywords {list(keywords)}: {error}"
-    if spec.binding_kind != "none":
-        try:
-            static = inspect.getattr_static(cls, "bind_parallel")
-        except AttributeError:
-            return (
-                "binding",
-                f"binding kind {spec.binding_kind!r} needs {cls.__qualname__}.bind_parallel(binding), which is not defined",
-            )
-        try:
-            if not callable(static):
-                raise TypeError("it is not callable")
-            _bound_signature(cls, "bind_parallel").bind(None)
-        except (TypeError, ValueError) as error:
-            return "binding", f"{cls.__qualname__}.bind_parallel must accept one positional argument (the binding): {error}"
-    return None
-
-
-def sharding_failure(sharding: ModuleShardingSpec) -> Failure | None:
-    """SPEC §5 rules 3 and 4, which depend only on the sharding."""
-    if sharding.expert_stack is not None:
-        return (
-            "expert",
-            f"the sharding still stacks {sharding.expert_stack} per-expert modules; "
-            "a stage module owns fused [E, ...] parameters",
-        )
-    if dict(sharding.in_src) != dict(sharding.in_dst):
-        return (
-            "stage",
-            f"in_src {placements_text(sharding.in_src)} differs from in_dst {placements_text(sharding.in_dst)}: "
-            "the module must receive its computation layout directly",
-        )
-    if sharding.out_dst is not None and dict(sharding.out_src) != dict(sharding.out_dst):
-        return (
-            "stage",
-            f"out_src {placements_text(sharding.out_src)} differs from out_dst {placements_text(sharding.out_dst)}: "
-            "the module must restore its own output layout",
-        )
-    return None
-
-
-def placements_text(placements: Mapping[str, Placement]) -> str:
-    """A named placement as messages show it: ``{ep: S(0), cp: R}``."""
-    return "{" + ", ".join(f"{axis}: {p}" for axis, p in placements.items()) + "}"
-
-
-def _placement_kind(placement: Placement) -> tuple[int, int] | None:
+def _placement_kind(placement: Placement) -> tuple[Kind, int] | None:
     if isinstance(placement, Shard):
         return _SHARD, placement.dim
     if isinstance(placement, Replicate):
@@ -125,7 +52,7 @@ class _ShardingTemplate:
     """A sharding flattened once: its §5 failure, and its rows without the module's shapes."""
 
     failure: Failure | None
-    rows: tuple[tuple[int, int, int, int, str | None], ...]
+    rows: tuple[tuple[int, int, Kind, int, str | None], ...]
     """``(label, axis, kind, dim, parameter path or None)``."""
     parameters: tuple[tuple[str, bool], ...]
     """Each parameter path it places, and whether some placement of it is ``Shard`` (needs its shape)."""
@@ -149,9 +76,7 @@ class ValidationBatch:
     def __init__(self, context: LayoutContext, param_shapes: Mapping[str, Sequence[int]] | None = None) -> None:
         self.context = context
         self.param_shapes = param_shapes
-        self._axis_ids: dict[str, int] = {}
-        self._label_ids: dict[str, int] = {}
-        self._label_is_param: list[bool] = []
+        self._table = _core.PlacementTable([])
 
     def check(
         self,
@@ -167,6 +92,8 @@ class ValidationBatch:
         Modules are ``None`` offline: the class rules and ``validate`` then do not run. ``classes``
         (each module's class, when the caller knows them) spares reading every module's type.
         """
+        # Every axis of the context is in the table, so messages can list them and rule 5 finds 'ep'.
+        self._table = _core.PlacementTable(list(self.context.axis_sizes.items()))
         count = len(fqns)
         failures: list[Failure | None] = [None] * count
         layout: dict[int, list[str]] = {}
@@ -182,16 +109,8 @@ class ValidationBatch:
                     failures[row] = failures[row] or template.failure
                     layout.setdefault(row, []).extend(template.problems)
             units += self._units(template, experts, rows, modules, fqns, layout)
-        # Every axis of the context too, so messages can list them and rule 5 finds 'ep'.
-        axis_names = list(self._axis_ids) + [axis for axis in self.context.axis_sizes if axis not in self._axis_ids]
-        checked = _core.check_placements(
-            axis_names,
-            [self.context.axis_sizes.get(name) for name in axis_names],
-            list(self._label_ids),
-            self._label_is_param,
-            *self._unit_rows(units),
-            [unit.num_experts for unit in units],
-        )
+        self._fill_table(units)
+        checked = self._table.check()
         for unit, code, message in checked:
             for row in units[unit].rows:
                 if code == "layout":
@@ -259,23 +178,15 @@ class ValidationBatch:
             _Unit(template, num_experts, dict(zip(paths, shapes, strict=True)), members) for shapes, members in by_shapes.items()
         ]
 
-    @staticmethod
-    def _unit_rows(units: list[_Unit]) -> _Rows:
-        """The rows handed to Rust, one per placement of each unit's sharding."""
-        columns: _Rows = ([], [], [], [], [], [], [])
-        unit_of, labels, axes, kinds, dims, ranks, first_dims = columns
+    def _fill_table(self, units: list[_Unit]) -> None:
+        """One unit of the table per unit, one row per placement of its sharding."""
+        table = self._table
         no_shape = (None, None)
-        for index, unit in enumerate(units):
+        for unit in units:
+            unit_id = table.unit(unit.num_experts)
             for label, axis, kind, dim, path in unit.template.rows:
                 rank, first_dim = unit.shapes.get(path, no_shape) if kind == _SHARD and path is not None else no_shape
-                unit_of.append(index)
-                labels.append(label)
-                axes.append(axis)
-                kinds.append(kind)
-                dims.append(dim)
-                ranks.append(rank)
-                first_dims.append(first_dim)
-        return columns
+                table.row(unit_id, label, axis, kind, dim, rank, first_dim)
 
     @staticmethod
     def _class_failures(
@@ -374,7 +285,7 @@ class ValidationBatch:
                     failures[row] = ("validator", f"{spec.protocol} validate returned {returned!r}: {RAISE_TO_REJECT}")
 
     def _flatten(self, sharding: ModuleShardingSpec) -> _ShardingTemplate:
-        rows: list[tuple[int, int, int, int, str | None]] = []
+        rows: list[tuple[int, int, Kind, int, str | None]] = []
         problems: list[str] = []
         fields: list[tuple[str, Mapping[str, Placement] | None, str | None]] = [
             (f"params[{path!r}]", placements, path) for path, placements in sharding.params.items()
@@ -383,29 +294,18 @@ class ValidationBatch:
         for label_text, placements, path in fields:
             if placements is None:
                 continue
-            label = self._label(label_text, is_param=path is not None)
+            label = self._table.label(label_text, path is not None)
             for axis, placement in placements.items():
                 kind = _placement_kind(placement)
                 if kind is None:
                     problems.append(f"{label_text} on axis '{axis}' is an unsupported placement {placement}")
                     continue
-                rows.append((label, self._axis_ids.setdefault(axis, len(self._axis_ids)), kind[0], kind[1], path))
+                rows.append((label, self._table.axis(axis), kind[0], kind[1], path))
         parameters: dict[str, bool] = {}
         for _, _, placement_kind, _, path in rows:
             if path is not None:
                 parameters[path] = parameters.get(path, False) or placement_kind == _SHARD
         return _ShardingTemplate(sharding_failure(sharding), tuple(rows), tuple(parameters.items()), tuple(problems))
-
-    def _label(self, text: str, *, is_param: bool) -> int:
-        label = self._label_ids.get(text)
-        if label is None:
-            label = self._label_ids[text] = len(self._label_ids)
-            self._label_is_param.append(is_param)
-        return label
-
-
-_Rows = tuple[list[int], list[int], list[int], list[int], list[int], list[int | None], list[int | None]]
-"""The row columns handed to Rust: unit, label, axis, kind, dim, parameter rank, shape[0]."""
 
 
 def _get_parameter(module: nn.Module | None, path: str) -> Any:
@@ -437,28 +337,3 @@ def _nearest_names(candidates: tuple[str, ...], path: str) -> tuple[str, ...]:
     """Once per distinct parameter names and path: the modules of a class missing the same
     parameter share one answer (50k of them took 2.4 s, one index each)."""
     return tuple(_core.PatternSet([]).index_names(list(candidates), prune=False).nearest(path, 3))
-
-
-def validate_parallel_module(
-    module: nn.Module, parallel: ParallelModuleSpec, sharding: ModuleShardingSpec, context: LayoutContext
-) -> None:
-    """SPEC §5 for one module: raises ``ValueError`` at the first failure.
-
-    The order is rules 1-4, then the module's ``layout`` checks, then rule 5, then ``validate``.
-    """
-    _require(module, nn.Module, "module")
-    _require(parallel, ParallelModuleSpec, "parallel")
-    _require(sharding, ModuleShardingSpec, "sharding")
-    _require(context, LayoutContext, "context")
-    failure = class_failure(type(module), parallel) or sharding_failure(sharding)
-    if failure is None:
-        problems = ValidationBatch(context).check([module], [""], [parallel], [sharding])
-        failure = (problems[0][1], problems[0][2]) if problems else None
-    if failure is not None:
-        code, message = failure
-        raise ValueError(f"[{code}] {type(module).__qualname__}: {message}")
-
-
-def _require(value: object, kind: type, name: str) -> None:
-    if not isinstance(value, kind):
-        raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")

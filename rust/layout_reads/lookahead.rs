@@ -17,12 +17,14 @@
 //! as that slot's key. Anywhere else the walk asks `getattr`.
 //!
 //! The prefetches are hints: a prefetch never faults and no answer depends on one. The reads
-//! that find the links follow CPython's object layout, so they run only on the versions whose
-//! layout is known (3.11 to 3.13), only on live objects borrowed from the dict being walked, and
-//! only within the bounds that layout guarantees.
+//! that find the links follow CPython's object layout, so they run only where `layout_reads`
+//! allows (its guards, switch and self-check), only on live objects borrowed from the dict being
+//! walked, and only within the bounds that layout guarantees.
 
 use pyo3::prelude::*;
 use pyo3::{ffi, intern, Python};
+
+use super::DictOffsets;
 use rustc_hash::FxHashMap;
 
 /// A module with at least this many children is looked ahead over.
@@ -81,21 +83,10 @@ const GRANDCHILDREN: usize = 8;
 /// How many children ahead the walk asks for the name of a child it will not enter.
 const NAME_DISTANCE: usize = 16;
 
-/// `Py_TPFLAGS_MANAGED_DICT` (3.11+): the instance dict pointer sits three words before the object.
+/// `Py_TPFLAGS_MANAGED_DICT` (3.11+): the instance dict pointer sits before the object.
 const MANAGED_DICT: std::os::raw::c_ulong = 1 << 4;
-const MANAGED_DICT_WORDS_BEFORE: usize = 3;
-/// Field offsets in `PyDictObject` and its keys object, the same from 3.11 to 3.13.
-const DICT_USED: usize = 16;
-const DICT_KEYS: usize = 32;
-const DICT_VALUES: usize = 40;
-const KEYS_LOG2_INDEX_BYTES: usize = 9;
-const KEYS_KIND: usize = 10;
-const KEYS_ENTRY_COUNT: usize = 24;
-const KEYS_INDICES: usize = 32;
 /// `DICT_KEYS_GENERAL`: entries that also store a hash (keys not all str).
 const KIND_GENERAL: u8 = 0;
-/// A str-keyed entry: key and value pointers.
-const UNICODE_ENTRY: usize = 16;
 
 /// Asks for the cache line holding `address`.
 #[inline(always)]
@@ -168,10 +159,9 @@ impl SlotTable {
 /// Follows the links from a child module to its `_modules` dict, ahead of the walk (and, through
 /// `follow`, any object's chain to a dict attribute: see `presence.rs`).
 pub struct Lookahead {
-    /// Whether the running CPython's layout is one whose links can be followed.
-    layout_known: bool,
-    /// Where a dict's values array starts after its `ma_values` pointer (3.13 puts a header first).
-    values_start: usize,
+    /// Where dicts keep their fields, when `layout_reads` allows reading them (else nothing is
+    /// read or asked for, and `modules_in_place` always answers `None`).
+    offsets: Option<DictOffsets>,
     /// Which slot holds `_modules`, per class.
     modules_slot: SlotTable,
     /// Whether the walk reads the modules it matches (then their objects are asked for too).
@@ -180,13 +170,13 @@ pub struct Lookahead {
 
 impl Lookahead {
     pub fn new(py: Python<'_>) -> Self {
-        let version = py.version_info();
+        Self::with_offsets(super::layout(py).and_then(|layout| layout.dict))
+    }
+
+    /// A look-ahead reading dicts with `offsets` (the self-check's, before they are confirmed).
+    pub(super) fn with_offsets(offsets: Option<DictOffsets>) -> Self {
         Lookahead {
-            // Elsewhere `prefetch` asks for nothing, so following the links would be wasted.
-            layout_known: cfg!(target_arch = "x86_64")
-                && version.major == 3
-                && (11..=13).contains(&version.minor),
-            values_start: if version.minor >= 13 { 8 } else { 0 },
+            offsets,
             modules_slot: SlotTable::default(),
             reads_matches: false,
         }
@@ -202,11 +192,12 @@ impl Lookahead {
     ///
     /// # Safety
     /// `object` must be alive.
-    unsafe fn instance_dict(&self, object: *mut ffi::PyObject) -> Option<*const u8> {
-        if !self.layout_known || ffi::PyType_GetFlags(ffi::Py_TYPE(object)) & MANAGED_DICT == 0 {
+    pub(super) unsafe fn instance_dict(&self, object: *mut ffi::PyObject) -> Option<*const u8> {
+        let offsets = self.offsets.as_ref()?;
+        if ffi::PyType_GetFlags(ffi::Py_TYPE(object)) & MANAGED_DICT == 0 {
             return None;
         }
-        let dict = *(object as *const *const u8).sub(MANAGED_DICT_WORDS_BEFORE);
+        let dict = *(object as *const *const u8).sub(offsets.managed_dict_words_before);
         // 3.12 tags a pointer to bare values (no dict made yet) with its low bit.
         (!dict.is_null() && dict as usize & 1 == 0).then_some(dict)
     }
@@ -216,8 +207,9 @@ impl Lookahead {
     /// # Safety
     /// `dict` must be a live dict.
     unsafe fn values_of(&self, dict: *const u8) -> Option<*const *const u8> {
-        let values = word(dict, DICT_VALUES);
-        (!values.is_null()).then(|| values.add(self.values_start) as *const *const u8)
+        let offsets = self.offsets.as_ref()?;
+        let values = word(dict, offsets.values);
+        (!values.is_null()).then(|| values.add(offsets.values_start) as *const *const u8)
     }
 
     /// Where `object`'s value at `slot` of its split instance dict sits, the slot checked against
@@ -233,7 +225,7 @@ impl Lookahead {
     ) -> Option<*const *const u8> {
         let dict = self.instance_dict(object)?;
         let values = self.values_of(dict)?;
-        (slot < word(dict, DICT_USED) as usize).then(|| values.add(slot))
+        (slot < self.used(dict)).then(|| values.add(slot))
     }
 
     /// The `_modules` dict of `object`, found through the layout.
@@ -274,8 +266,7 @@ impl Lookahead {
     ) -> Option<usize> {
         let dict = self.instance_dict(object)?;
         let values = self.values_of(dict)?;
-        let used = word(dict, DICT_USED) as usize;
-        (0..used).find(|&slot| *values.add(slot) == value as *const u8)
+        (0..self.used(dict)).find(|&slot| *values.add(slot) == value as *const u8)
     }
 
     /// The `_modules` dict of `object` read in place, as `getattr(object, "_modules")` would
@@ -292,14 +283,10 @@ impl Lookahead {
         let slot = self.modules_slot.get(ffi::Py_TYPE(object) as usize)?;
         let dict = self.instance_dict(object)?;
         let values = self.values_of(dict)?;
-        let keys = word(dict, DICT_KEYS);
-        let holds_name = *keys.add(KEYS_KIND) != KIND_GENERAL
-            && slot < word(keys, KEYS_ENTRY_COUNT) as usize
-            && slot < word(dict, DICT_USED) as usize
-            && word(
-                keys.add(KEYS_INDICES + (1 << *keys.add(KEYS_LOG2_INDEX_BYTES))),
-                slot * UNICODE_ENTRY,
-            ) == name as *const u8;
+        let (entries, entry_count) = self.keys_entries(dict)?;
+        let holds_name = slot < entry_count
+            && slot < self.used(dict)
+            && word(entries, slot * self.offsets.as_ref()?.entry_size) == name as *const u8;
         let modules = *values.add(slot) as *mut ffi::PyObject;
         (holds_name && !modules.is_null() && ffi::PyDict_Check(modules) != 0).then_some(modules)
     }
@@ -320,9 +307,10 @@ impl Lookahead {
         let Some((entries, entry_count)) = self.str_entries(dict as *const u8) else {
             return;
         };
+        let entry_size = self.offsets.as_ref().map_or(0, |o| o.entry_size);
         let entry = |distance: usize| {
             let index = position as usize + distance;
-            (index < entry_count).then(|| entries.add(index * UNICODE_ENTRY))
+            (index < entry_count).then(|| entries.add(index * entry_size))
         };
         if !entering {
             if let Some(entry) = entry(NAME_DISTANCE) {
@@ -334,7 +322,7 @@ impl Lookahead {
             let Some(entry) = entry(distance) else {
                 continue;
             };
-            let (key, child) = (word(entry, 0), word(entry, 8));
+            let (key, child) = (word(entry, 0), word(entry, entry_size / 2));
             // A deleted entry has no value.
             if !child.is_null() {
                 self.fetch(link, child as *mut ffi::PyObject, key);
@@ -346,17 +334,35 @@ impl Lookahead {
     ///
     /// # Safety
     /// `dict` must be a live dict.
-    unsafe fn str_entries(&self, dict: *const u8) -> Option<(*const u8, usize)> {
+    pub(super) unsafe fn str_entries(&self, dict: *const u8) -> Option<(*const u8, usize)> {
         // A split table's positions are not entry indices; module dicts are never split.
-        if !self.layout_known || !word(dict, DICT_VALUES).is_null() {
+        if !word(dict, self.offsets.as_ref()?.values).is_null() {
             return None;
         }
-        let keys = word(dict, DICT_KEYS);
-        if *keys.add(KEYS_KIND) == KIND_GENERAL {
+        self.keys_entries(dict)
+    }
+
+    /// The entries of a dict's str-keyed keys object (`None` for general keys), and how many.
+    ///
+    /// # Safety
+    /// `dict` must be a live dict.
+    unsafe fn keys_entries(&self, dict: *const u8) -> Option<(*const u8, usize)> {
+        let offsets = self.offsets.as_ref()?;
+        let keys = word(dict, offsets.keys);
+        if *keys.add(offsets.keys_kind) == KIND_GENERAL {
             return None;
         }
-        let entries = keys.add(KEYS_INDICES + (1 << *keys.add(KEYS_LOG2_INDEX_BYTES)));
-        Some((entries, word(keys, KEYS_ENTRY_COUNT) as usize))
+        let index_bytes = 1 << *keys.add(offsets.keys_log2_index_bytes);
+        let entries = keys.add(offsets.keys_indices + index_bytes);
+        Some((entries, word(keys, offsets.keys_entry_count) as usize))
+    }
+
+    /// A dict's item count (`ma_used`).
+    ///
+    /// # Safety
+    /// `dict` must be a live dict, and `offsets` known.
+    unsafe fn used(&self, dict: *const u8) -> usize {
+        self.offsets.as_ref().map_or(0, |o| word(dict, o.used) as usize)
     }
 
     /// Prefetches `link` of `child`'s chain.
@@ -382,8 +388,9 @@ impl Lookahead {
                     return;
                 };
                 if let Some((entries, count)) = self.str_entries(modules) {
+                    let (size, value) = self.offsets.as_ref().map_or((0, 0), |o| (o.entry_size, o.entry_value));
                     for index in 0..count.min(GRANDCHILDREN) {
-                        prefetch(word(entries.add(index * UNICODE_ENTRY), 8));
+                        prefetch(word(entries.add(index * size), value));
                     }
                 }
             }
@@ -404,17 +411,20 @@ impl Lookahead {
         slot: Option<usize>,
         entry_lines: usize,
     ) {
+        let Some(offsets) = self.offsets.as_ref() else {
+            return;
+        };
         let value = || slot.and_then(|slot| self.slot_value(object, slot));
         match link {
             DictChain::Object => {
                 let at = object as *const u8;
-                prefetch(at.wrapping_sub(8 * (MANAGED_DICT_WORDS_BEFORE + 1)));
+                prefetch(at.wrapping_sub(8 * (offsets.managed_dict_words_before + 1)));
                 prefetch(at);
             }
             DictChain::InstanceDict => {
                 if let Some(dict) = self.instance_dict(object) {
                     prefetch(dict);
-                    prefetch(dict.wrapping_add(DICT_VALUES));
+                    prefetch(dict.wrapping_add(offsets.values));
                 }
             }
             DictChain::Slot => {
@@ -426,14 +436,14 @@ impl Lookahead {
                 // Not yet known to be a dict (its type is on the line being asked for).
                 if let Some(value) = value() {
                     prefetch(*value);
-                    prefetch((*value).wrapping_add(DICT_KEYS));
+                    prefetch((*value).wrapping_add(offsets.keys));
                 }
             }
             DictChain::Entries => {
                 if let Some(value) = value() {
                     let dict = *value as *mut ffi::PyObject;
                     if !dict.is_null() && ffi::PyDict_Check(dict) != 0 {
-                        let keys = word(dict as *const u8, DICT_KEYS);
+                        let keys = word(dict as *const u8, offsets.keys);
                         for line in 0..entry_lines {
                             prefetch(keys.wrapping_add(64 * line));
                         }

@@ -1,9 +1,9 @@
 //! Reading the `str` items of a list in place, for names by the million.
 //!
 //! Asking CPython for each item (`PyList_GetItem`) and its UTF-8 text (`PyUnicode_AsUTF8AndSize`)
-//! costs two calls per name, as much as matching a name does. On the versions whose object
-//! layouts are known (3.10 to 3.13, as `lookahead` reads them), a list's item array and an ASCII
-//! `str`'s text are read where they lie; any other item goes through the API as before.
+//! costs two calls per name, as much as matching a name does. Where `layout_reads` allows it, a
+//! list's item array and an ASCII `str`'s text are read where they lie; any other item goes
+//! through the API.
 
 use std::marker::PhantomData;
 
@@ -11,14 +11,11 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::lookahead::prefetch;
+use super::lookahead::prefetch;
+use super::TextOffsets;
 
-/// `PyListObject.ob_item`, and `PyASCIIObject`'s `length` and `state` fields.
-const LIST_ITEMS: usize = 24;
-const STR_LENGTH: usize = 16;
-const STR_STATE: usize = 32;
 /// `state.compact` and `state.ascii`: the text follows the header, one byte per character.
-const COMPACT_ASCII: u32 = 1 << 5 | 1 << 6;
+pub const COMPACT_ASCII: u32 = 1 << 5 | 1 << 6;
 /// How many items ahead of the one read a string is asked for: a list's strings may lie anywhere
 /// in memory (allocated among a model's objects, say).
 const READ_AHEAD: usize = 16;
@@ -27,8 +24,7 @@ const READ_AHEAD: usize = 16;
 pub struct ListTexts<'l> {
     items: *const *mut ffi::PyObject,
     len: usize,
-    /// Where a compact ASCII `str`'s text starts.
-    text_offset: usize,
+    offsets: TextOffsets,
     list: PhantomData<&'l PyList>,
 }
 
@@ -36,29 +32,28 @@ pub struct ListTexts<'l> {
 unsafe impl Sync for ListTexts<'_> {}
 
 impl<'l> ListTexts<'l> {
-    /// The items of `list`, when the running CPython's layout is known.
+    /// The items of `list`, where `layout_reads` allows reading them in place.
     ///
     /// # Safety
     /// No Python code may run, and the list may not change, while the texts are read.
     pub unsafe fn new(list: &'l Bound<'_, PyList>) -> Option<Self> {
-        let version = list.py().version_info();
-        let text_offset = match (version.major, version.minor) {
-            // `PyASCIIObject` lost its `wstr` pointer in 3.12.
-            (3, 10 | 11) => 48,
-            (3, 12 | 13) => 40,
-            _ => return None,
-        };
-        if !cfg!(target_pointer_width = "64") {
-            return None;
-        }
-        Some(ListTexts {
+        let layout = super::layout(list.py())?;
+        Some(Self::with_offsets(list, layout.text))
+    }
+
+    /// The items of `list` read with `offsets` (the self-check's, before they are confirmed).
+    ///
+    /// # Safety
+    /// As for `new`; and `offsets.list_items` must give the list's item array.
+    pub(super) unsafe fn with_offsets(list: &'l Bound<'_, PyList>, offsets: TextOffsets) -> Self {
+        ListTexts {
             items: *(list.as_ptr() as *const u8)
-                .add(LIST_ITEMS)
+                .add(offsets.list_items)
                 .cast::<*const *mut ffi::PyObject>(),
             len: list.len(),
-            text_offset,
+            offsets,
             list: PhantomData,
-        })
+        }
     }
 
     /// The text of item `i` when it is exactly a `str` stored compact and ASCII (`None`: read
@@ -80,13 +75,13 @@ impl<'l> ListTexts<'l> {
                 return None;
             }
             let base = item as *const u8;
-            if *base.add(STR_STATE).cast::<u32>() & COMPACT_ASCII != COMPACT_ASCII {
+            if *base.add(self.offsets.str_state).cast::<u32>() & COMPACT_ASCII != COMPACT_ASCII {
                 return None;
             }
-            let length = *base.add(STR_LENGTH).cast::<ffi::Py_ssize_t>() as usize;
+            let length = *base.add(self.offsets.str_length).cast::<ffi::Py_ssize_t>() as usize;
             // ASCII is valid UTF-8.
             Some(std::str::from_utf8_unchecked(std::slice::from_raw_parts(
-                base.add(self.text_offset),
+                base.add(self.offsets.str_text),
                 length,
             )))
         }

@@ -1,0 +1,56 @@
+"""SPEC §4 ``unmatched``: a pattern that selects nothing, with "did you mean" among the names it
+could have meant, and the sources problems name.
+
+A request's pattern is suggested the model's FQNs; an override's, the planned modules' FQNs (the
+only ones it may select).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from meshbind._core import ModuleTree, PatternSet
+from meshbind.errors import PlanProblem
+from meshbind.resolution.candidates import Candidate, PlanPatterns
+from meshbind.resolution.overrides import Override, override_label
+
+
+def unmatched_problems(
+    tree: ModuleTree, patterns: PlanPatterns, candidates: Sequence[Candidate], model: nn.Module | Sequence[str]
+) -> list[PlanProblem]:
+    counts = tree.hit_counts()
+    overrides_used = {index for candidate in candidates for index in candidate.overrides}
+    every_name: ModuleTree | None = tree if tree.complete else None
+    planned_names: ModuleTree | None = None
+    problems = []
+    for index, (pattern, owner) in enumerate(zip(patterns.patterns, patterns.owners, strict=True)):
+        if owner >= 0 and counts[index] == 0:
+            if every_name is None:
+                every_name = _every_name(model)
+            nearest, source, what = every_name.nearest(pattern, 3), f"requests[{owner}]", "any module"
+        elif owner < 0 and -1 - owner not in overrides_used:
+            if planned_names is None:
+                planned_names = PatternSet([]).index_names([candidate.fqn for candidate in candidates], prune=False)
+            nearest, source, what = planned_names.nearest(pattern, 3), f"overrides[{pattern!r}]", "any planned module"
+        else:
+            continue
+        hint = f"; did you mean {', '.join(repr(n) for n in nearest)}?" if nearest else ""
+        problems.append(PlanProblem("unmatched", None, source, f"pattern {pattern!r} does not select {what}{hint}"))
+    return problems
+
+
+def _every_name(model: nn.Module | Sequence[str]) -> ModuleTree:
+    """An index of every FQN, for "did you mean" (a pruned walk recorded only matches)."""
+    every = PatternSet([])
+    if isinstance(model, nn.Module):
+        return every.walk(model, prune=False)
+    return every.index_names(model, prune=False)
+
+
+def reported_source(candidate: Candidate, overrides: Sequence[Override]) -> str:
+    """What a module's problems name: its source, and every override merged into its sharding."""
+    if not candidate.overrides:
+        return candidate.source
+    return ", ".join([candidate.source, *(override_label(overrides, index) for index in candidate.overrides)])

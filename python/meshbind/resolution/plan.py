@@ -1,0 +1,60 @@
+"""The resolved plan (SPEC §4): immutable, in tree order, with a table and a JSON form."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from meshbind.specs import LayoutContext, ModuleShardingSpec, ParallelModuleSpec
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A resolved, validated plan: immutable, in tree order."""
+
+    parallel_modules: Mapping[str, ParallelModuleSpec]
+    sharding: Mapping[str, ModuleShardingSpec]
+    context: LayoutContext
+    sources: Mapping[str, str]
+    """Which request (``requests[i]``) or family class put each module in the plan."""
+
+    def explain(self) -> str:
+        """A table: FQN, protocol, binding kind, source and parameter placements."""
+        header = ("FQN", "protocol", "kind", "source", "params")
+        rows = [
+            (
+                fqn or "<root>",
+                f"{spec.protocol} v{spec.version}",
+                spec.binding_kind,
+                self.sources[fqn],
+                ", ".join(
+                    f"{path}=" + "/".join(f"{axis}:{p}" for axis, p in named.items())
+                    for path, named in self.sharding[fqn].params.items()
+                )
+                or "-",
+            )
+            for fqn, spec in self.parallel_modules.items()
+        ]
+        widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows]]
+        axes = ", ".join(f"{axis}={size}" for axis, size in self.context.axis_sizes.items())
+        lines.append(f"{len(rows)} planned module{'s' if len(rows) != 1 else ''}; layout {axes or '(no axes)'}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the context and every planned module with its spec and sharding."""
+        return {
+            "context": dict(self.context.axis_sizes),
+            "modules": [
+                {
+                    "fqn": fqn,
+                    "protocol": spec.protocol,
+                    "version": spec.version,
+                    "binding_kind": spec.binding_kind,
+                    "source": self.sources[fqn],
+                    "sharding": self.sharding[fqn].to_dict(),
+                }
+                for fqn, spec in self.parallel_modules.items()
+            ],
+        }

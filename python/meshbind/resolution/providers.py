@@ -1,0 +1,100 @@
+"""The layout providers (SPEC §3): each planned module's ``ModuleShardingSpec``, from its
+request's ``sharding`` callable or its family class's ``parallel_sharding``.
+
+A provider that raises or returns something else is a ``layout`` problem of that module. Requests
+with equal specs share a module only when their providers give it one layout: otherwise which one
+binds it would depend on the order of the requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+from meshbind.errors import PlanProblem
+from meshbind.resolution.candidates import Candidate
+from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest
+from meshbind.validation.rules import placements_text
+
+Provider = Callable[[nn.Module | None, str, LayoutContext], ModuleShardingSpec]
+
+
+def family_sharding(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+    """A family member's layout provider: its own ``parallel_sharding``."""
+    provider = getattr(type(module), "parallel_sharding", None)
+    if provider is None:
+        raise TypeError(f"family class {type(module).__qualname__} defines no parallel_sharding(fqn, context)")
+    result: ModuleShardingSpec = provider(module, fqn, context)
+    return result
+
+
+def provide_layouts(
+    candidates: Sequence[Candidate], requests: Sequence[NativeParallelBindingRequest], context: LayoutContext
+) -> list[PlanProblem]:
+    """Sets every candidate's sharding from its provider (``None`` after a problem), then drops
+    the sharding of a module whose sharing requests' providers disagree."""
+    # Index FAMILY (-1) is the last entry: the family member's own method.
+    providers: list[Provider] = [request.sharding for request in requests] + [family_sharding]
+    problems: list[PlanProblem] = []
+    for candidate in candidates:
+        candidate.sharding = _provided(providers[candidate.request], candidate, candidate.source, context, problems)
+    shared = [(c, other) for c in candidates if c.shared_with and c.sharding is not None for other in c.shared_with]
+    if shared:
+        problems += _check_shared_layouts(shared, providers, requests, context)
+    return problems
+
+
+def _provided(
+    provider: Provider, candidate: Candidate, source: str, context: LayoutContext, problems: list[PlanProblem]
+) -> ModuleShardingSpec | None:
+    """The candidate's layout from ``provider``; ``None`` after a problem (named for ``source``)."""
+    try:
+        sharding = provider(candidate.module, candidate.fqn, context)
+    except Exception as error:
+        message = f"the layout provider raised {type(error).__name__}: {error}"
+        problems.append(PlanProblem("layout", candidate.fqn, source, message))
+        return None
+    if not isinstance(sharding, ModuleShardingSpec):
+        message = f"the layout provider returned {type(sharding).__name__}, not a ModuleShardingSpec"
+        problems.append(PlanProblem("layout", candidate.fqn, source, message))
+        return None
+    return sharding
+
+
+def _check_shared_layouts(
+    shared: Sequence[tuple[Candidate, int]],
+    providers: Sequence[Provider],
+    requests: Sequence[NativeParallelBindingRequest],
+    context: LayoutContext,
+) -> list[PlanProblem]:
+    """Every other sharing provider is called in one batch; a module whose layouts differ is a
+    conflict and loses its sharding."""
+    problems: list[PlanProblem] = []
+    theirs = [_provided(providers[other], candidate, f"requests[{other}]", context, problems) for candidate, other in shared]
+    for (candidate, other), layout in zip(shared, theirs, strict=True):
+        ours = candidate.sharding
+        if ours is None or layout is ours or layout == ours:  # dropped by an earlier pair, or agreeing
+            continue
+        if layout is None:  # that provider failed: its layout problem is reported
+            candidate.sharding = None
+            continue
+        mine, differing = _field_texts(ours), _field_texts(layout)
+        fields = "; ".join(f"{key} {mine[key]} against {differing[key]}" for key in mine if mine[key] != differing[key])
+        first = candidate.request
+        message = (
+            f"selected by requests[{first}] and requests[{other}] with equal specs "
+            f"({requests[first].parallel.describe()}) but different layouts: {fields}"
+        )
+        problems.append(PlanProblem("conflict", candidate.fqn, f"requests[{first}], requests[{other}]", message))
+        candidate.sharding = None
+    return problems
+
+
+def _field_texts(sharding: ModuleShardingSpec) -> dict[str, str]:
+    """Each field of a sharding as messages show it."""
+    texts = {"params": "{" + ", ".join(f"{path}: {placements_text(p)}" for path, p in sharding.params.items()) + "}"}
+    texts |= {field: placements_text(getattr(sharding, field)) for field in ("in_src", "in_dst", "out_src")}
+    texts["out_dst"] = "None" if sharding.out_dst is None else placements_text(sharding.out_dst)
+    texts["expert_stack"] = str(sharding.expert_stack)
+    return texts

@@ -1,0 +1,72 @@
+"""The error family: every meshbind error is a MeshbindError with a code, and the builtin a torch
+user would catch for it."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+import meshbind
+from meshbind import (
+    BindingError,
+    BindingRefusedError,
+    LayoutContext,
+    MaterializationError,
+    MeshbindError,
+    PatternError,
+    PatternSet,
+    PlanError,
+    resolve_plan,
+    validate_materialized_modules,
+)
+
+
+@pytest.mark.parametrize(
+    ("error", "builtin", "code"),
+    [
+        (PatternError, ValueError, "pattern"),
+        (PlanError, ValueError, "plan"),
+        (BindingRefusedError, ValueError, None),
+        (BindingError, RuntimeError, "bind_parallel"),
+        (MaterializationError, ValueError, "materialization"),
+    ],
+)
+def test_each_error_is_a_meshbind_error_and_its_builtin(error: type[Exception], builtin: type[Exception], code: str | None) -> None:
+    assert issubclass(error, MeshbindError) and issubclass(error, builtin)
+    if code is not None:
+        assert error.code == code  # type: ignore[attr-defined]
+
+
+def test_a_malformed_pattern_raises_the_family_error_from_rust() -> None:
+    with pytest.raises(MeshbindError) as caught:
+        PatternSet(["layers.{a,b"])
+    error = caught.value
+    assert isinstance(error, PatternError) and isinstance(error, ValueError) and error.code == "pattern"
+    assert (error.pattern, error.position) == ("layers.{a,b", 7) and "never closed" in error.reason
+
+
+def test_a_plan_error_carries_its_code_and_every_problem_its_own() -> None:
+    with pytest.raises(MeshbindError) as caught:
+        resolve_plan(["a", "b"], [meshbind.NativeParallelBindingRequest(("c",), meshbind.ParallelModuleSpec("p"), _none)], CONTEXT)
+    error = caught.value
+    assert isinstance(error, PlanError) and error.code == "plan" and [p.code for p in error.problems] == ["unmatched"]
+
+
+def test_a_model_with_no_recorded_plan_is_refused_with_a_code() -> None:
+    with pytest.raises(BindingRefusedError, match="no plan is recorded") as caught:
+        validate_materialized_modules(nn.Linear(2, 2))
+    assert caught.value.code == "unbound" and isinstance(caught.value, ValueError)
+
+
+def test_all_lists_entry_points_and_the_returned_types_stay_importable() -> None:
+    assert "ModuleTree" not in meshbind.__all__ and "IndexMatches" not in meshbind.__all__
+    assert "ParallelPlan" not in meshbind.__all__ and "PlanProblem" not in meshbind.__all__
+    assert meshbind.ModuleTree is meshbind._core.ModuleTree and meshbind.IndexMatches is meshbind._core.IndexMatches
+    assert all(hasattr(meshbind, name) for name in meshbind.__all__)
+
+
+CONTEXT = LayoutContext({"tp": 1})
+
+
+def _none(module: object, fqn: str, context: LayoutContext) -> meshbind.ModuleShardingSpec:
+    return meshbind.ModuleShardingSpec()
