@@ -1,5 +1,5 @@
 """How close `meshbind_validate` can come to `meshbind`: the least Python work any resolution must
-add to the match (see `validation_floor` in meshbind/bench.py), timed side by side with both.
+add to the match (`validation_floor` below), timed side by side with both.
 
     python benches/validation_floor.py --size 61x1024 --plan moe
 
@@ -9,30 +9,80 @@ of it. `required_calls_floor` is the bound for any resolution at all: the match 
 SPEC makes it call, nothing else, with the requests built before the clock starts.
 """
 
+from __future__ import annotations
+
 import argparse
 import functools
 import sys
+from collections.abc import Sequence
+from types import MappingProxyType
+from typing import cast
 
+from torch import nn
+
+from meshbind import ModuleShardingSpec, NativeParallelBindingRequest, PatternSet, bench
 from meshbind.bench import (
     FUSED_EXPERT_PLANS,
     PLANS,
     Size,
     meshbind_resolution,
     meshbind_validate,
-    required_calls_floor,
     time_method,
-    validation_floor,
     validation_requests,
 )
 from meshbind.examples.moe_tree import build_moe_tree
 
 
-def main() -> int:
+def validation_floor(target: nn.Module, plan: tuple[str, ...]) -> bench.Outcome:
+    """The least Python work any resolution must add to meshbind's match (SPEC §3-§5): one
+    layout-provider call per planned module; for each ``ep`` module, the ``shape[0]`` of its
+    ``Shard`` parameters and its spec's ``validate``; the plan's FQN → spec / sharding / source
+    mappings. No check, no report, no class rule: ``meshbind_validate`` cannot beat it."""
+    requests = bench.validation_requests(target, plan)
+    noticed, fqns, request_of, shardings = _match_and_required_calls(target, plan, requests)
+    specs = [requests[r].parallel for r in request_of]
+    sources = [f"requests[{r}]" for r in request_of]
+    plan_mappings = [MappingProxyType(dict(zip(fqns, values, strict=True))) for values in (specs, shardings, sources)]
+    return bench.Outcome(len(plan_mappings[0]), noticed)
+
+
+def required_calls_floor(
+    target: nn.Module, plan: tuple[str, ...], requests: Sequence[NativeParallelBindingRequest]
+) -> bench.Outcome:
+    """Tighter than ``validation_floor``: its match and user calls alone, with the requests built
+    beforehand and no plan built. Any resolution costs at least this."""
+    noticed, fqns, _, _ = _match_and_required_calls(target, plan, requests)
+    return bench.Outcome(len(fqns), noticed)
+
+
+def _match_and_required_calls(
+    target: nn.Module, plan: tuple[str, ...], requests: Sequence[NativeParallelBindingRequest]
+) -> tuple[bool, list[str], list[int], list[ModuleShardingSpec]]:
+    """meshbind's match, then the user code SPEC makes every resolution run: each provider, and each
+    ``ep`` module's ``shape[0]`` reads and ``validate``. Whether a pattern selected nothing, and
+    each planned FQN with its request and layout."""
+    index = PatternSet(plan).walk(target, prune=True, modules=True)
+    noticed = 0 in index.hit_counts()
+    rows, request_of, _ = index.owners(list(range(len(plan))))
+    fqns, modules = index.module_fqns(rows), cast(list[nn.Module], index.modules(rows))
+    shardings = []
+    for r, module, fqn in zip(request_of, modules, fqns, strict=True):
+        sharding = requests[r].sharding(module, fqn, bench.CONTEXT)
+        spec = requests[r].parallel
+        if spec.binding_kind == "ep" and spec.validate is not None:
+            parameters = module._parameters
+            [parameters[path].shape[0] for path, placements in sharding.params.items() if "ep" in placements]  # type: ignore[union-attr]
+            spec.validate(module=module, sharding=sharding, context=bench.CONTEXT)
+        shardings.append(sharding)
+    return noticed, fqns, request_of, shardings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="61x1024", type=Size.parse)
     parser.add_argument("--plan", default="moe", choices=sorted(PLANS))
     parser.add_argument("--repeat", type=int, default=50)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tree = build_moe_tree(args.size.layers, args.size.experts, fused_experts=args.plan in FUSED_EXPERT_PLANS)
     plan = PLANS[args.plan](args.size.layers)
     requests = validation_requests(tree, plan)

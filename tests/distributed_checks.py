@@ -328,7 +328,8 @@ def _expect(error_type: type[BaseException], text: str, call: Callable[[], Any],
     except error_type as error:
         if text not in str(error):
             raise AssertionError(f"{text!r} not in {error}") from error
-        if code is not None and not (isinstance(error, BindingRefusedError) and isinstance(error, ValueError) and error.code == code):
+        refused = isinstance(error, BindingRefusedError) and isinstance(error, ValueError)
+        if code is not None and not (refused and error.code == code):  # type: ignore[attr-defined]
             raise AssertionError(f"{error!r} is no BindingRefusedError of code {code!r}") from error
         return error
     raise AssertionError(f"no {error_type.__name__} ({text})")
@@ -387,7 +388,10 @@ def check_binding(context: MeshContext) -> None:
     if MeshContext(context.device_mesh, rebuilt.fsdp_moe_mesh).same_meshes(context):
         raise AssertionError("another expert mesh makes other meshes")
     _expect(
-        ValueError, "'blocks.0.attn' already has a communication owner", lambda: bind_parallel_modules(model, plan, rebuilt), "owner"
+        ValueError,
+        "'blocks.0.attn' already has a communication owner",
+        lambda: bind_parallel_modules(model, plan, rebuilt),
+        code="owner",
     )
     if bind_parallel_modules(model, plan, MeshContext(context.device_mesh, context.fsdp_moe_mesh)) != []:
         raise AssertionError("wrapping the same meshes again should be the same owner")

@@ -1,4 +1,5 @@
-"""The benchmark machinery (not its timings): `meshbind bench` runs, agrees across methods, plots."""
+"""The benchmark machinery (not its timings): `meshbind bench` and benches/ run, agree across
+methods, plot and rewrite the docs' table."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import json
 import re
 from pathlib import Path
 
+import binding as binding_bench
+import plan_resolution
 import pytest
+import validation_floor
 
-from meshbind import bench, binding_bench
+from meshbind import bench
 from meshbind.cli import main
 from meshbind.examples.moe_tree import build_moe_tree
 
@@ -34,8 +38,8 @@ def test_meshbind_bench_runs_the_quick_version_and_plots(tmp_path: Path, capsys:
         (["--sizes", "0x4"], "size '0x4' is neither LAYERSxEXPERTS"),
         (["--json", "{file}/rows.json"], "--json .*rows.json: cannot make its folder"),
         (["--plot", "{file}/plot.png"], "--plot .*plot.png: cannot make its folder"),
-        (["--readme", "{file}"], "--readme .* has no <!-- bench:start --> ... <!-- bench:end --> section"),
-        (["--readme", "{file}/README.md"], "--readme .*README.md: Not a directory"),
+        (["--docs", "{file}"], "--docs .* has no <!-- bench:start --> ... <!-- bench:end --> section"),
+        (["--docs", "{file}/benchmarks.md"], "--docs .*benchmarks.md: Not a directory"),
     ],
 )
 def test_bad_sizes_and_outputs_are_refused_before_the_run(
@@ -44,23 +48,25 @@ def test_bad_sizes_and_outputs_are_refused_before_the_run(
     file = tmp_path / "a_file"
     file.write_text("no markers")
     with pytest.raises(SystemExit) as exited:
-        main(["bench", "--plans", "deep", *(flag.format(file=file) for flag in flags)])
+        plan_resolution.main(["--plans", "deep", *(flag.format(file=file) for flag in flags)])
     assert exited.value.code == 2
     captured = capsys.readouterr()
     assert re.search(message, captured.err) and "machine:" not in captured.out
 
 
 def test_flat_names_are_matched_offline() -> None:
-    rows = bench.run([bench.Size("flat", 2, 4, True)], ["deep", "per_layer"], 5, ("one_regex", "meshbind", "meshbind_validate"))
+    methods = {name: bench.METHODS[name] for name in ("one_regex", "meshbind", "meshbind_validate")}
+    rows = bench.run([bench.Size("flat", 2, 4, True)], ["deep", "per_layer"], 5, methods)
     assert {row.matches for row in rows} == {2 * (4 * 3 + 4 + 1) + 2}
 
 
-def test_the_readme_section_is_rewritten_between_its_markers(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n{bench.README_START}\nold\n{bench.README_END}\ntail\n")
-    rows = bench.run([bench.Size.parse("4x4")], ["deep"], 5, ("one_regex", "meshbind"))
-    bench.update_readme(str(readme), rows, "python benches/plan_resolution.py --sizes 4x4", None)
-    text = readme.read_text()
+def test_the_docs_section_is_rewritten_between_its_markers(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"# title\n{plan_resolution.DOCS_START}\nold\n{plan_resolution.DOCS_END}\ntail\n")
+    methods = {name: plan_resolution.METHODS[name] for name in ("one_regex", "meshbind", "rust_walk_floor")}
+    rows = bench.run([bench.Size.parse("4x4")], ["deep"], 5, methods)
+    plan_resolution.update_docs(str(docs), rows, "python benches/plan_resolution.py --sizes 4x4", None)
+    text = docs.read_text()
     assert "old" not in text and text.endswith("tail\n") and "| 4x4 |" in text and "Machine:" in text
 
 
@@ -68,8 +74,8 @@ def test_the_readme_section_is_rewritten_between_its_markers(tmp_path: Path) -> 
 def test_the_validation_floors_plan_what_meshbind_validate_plans(plan: str, fused: bool) -> None:
     tree = build_moe_tree(4, 8, fused_experts=fused)
     patterns = bench.PLANS[plan](4)
-    floor, validated = bench.validation_floor(tree, patterns), bench.meshbind_validate(tree, patterns)
-    required = bench.required_calls_floor(tree, patterns, bench.validation_requests(tree, patterns))
+    floor, validated = validation_floor.validation_floor(tree, patterns), bench.meshbind_validate(tree, patterns)
+    required = validation_floor.required_calls_floor(tree, patterns, bench.validation_requests(tree, patterns))
     assert floor.noticed == validated.noticed == required.noticed == (plan == "typo")
     assert floor.matches == required.matches == bench.meshbind_resolution(tree, patterns).matches
     assert validated.matches == (None if plan == "typo" else floor.matches)

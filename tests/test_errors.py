@@ -31,7 +31,9 @@ from meshbind import (
         (MaterializationError, ValueError, "materialization"),
     ],
 )
-def test_each_error_is_a_meshbind_error_and_its_builtin(error: type[Exception], builtin: type[Exception], code: str | None) -> None:
+def test_each_error_is_a_meshbind_error_and_its_builtin(
+    error: type[Exception], builtin: type[Exception], code: str | None
+) -> None:
     assert issubclass(error, MeshbindError) and issubclass(error, builtin)
     if code is not None:
         assert error.code == code  # type: ignore[attr-defined]
@@ -47,7 +49,8 @@ def test_a_malformed_pattern_raises_the_family_error_from_rust() -> None:
 
 def test_a_plan_error_carries_its_code_and_every_problem_its_own() -> None:
     with pytest.raises(MeshbindError) as caught:
-        resolve_plan(["a", "b"], [meshbind.NativeParallelBindingRequest(("c",), meshbind.ParallelModuleSpec("p"), _none)], CONTEXT)
+        request = meshbind.NativeParallelBindingRequest(("c",), meshbind.ParallelModuleSpec("p"), _none)
+        resolve_plan(["a", "b"], [request], CONTEXT)
     error = caught.value
     assert isinstance(error, PlanError) and error.code == "plan" and [p.code for p in error.problems] == ["unmatched"]
 

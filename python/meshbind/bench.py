@@ -1,7 +1,7 @@
-"""Plan resolution against the field: how long each method takes to find what a plan selects.
+"""``meshbind bench``: plan resolution against the baselines, side by side, a table and a plot.
 
-    python benches/plan_resolution.py --sizes 8x16,61x256,61x1024,1M --plans deep,shallow,per_layer,globstar,typo,moe
-    meshbind bench                      # the quick version: two sizes, three plans, a plot
+    meshbind bench                      # two sizes, three plans, a plot in bench-results/
+    python benches/plan_resolution.py   # every size and plan, the floors, the docs' tables
 
 Every method runs on the same tree (or flat FQN list) in one process, each timed as the median of
 at least ``--repeat`` runs with the garbage collector paused (a fast method runs on until
@@ -11,6 +11,9 @@ otherwise); ``n/a`` marks a plan a method cannot state. Ratios are to ``meshbind
 in a fresh worker process, all its methods side by side there, so no size's numbers depend on
 which sizes ran before it (objects built after a freed 61x1024 tree lie scattered through its
 memory).
+
+This module is what an installed wheel needs for ``meshbind bench``; the command line imports
+it only for that command.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -245,67 +248,18 @@ def meshbind_validate(target: Target, plan: tuple[str, ...]) -> Outcome:
         return Outcome(None, True)
 
 
-def validation_floor(target: nn.Module, plan: tuple[str, ...]) -> Outcome:
-    """The least Python work any resolution must add to meshbind's match (SPEC §3-§5): one
-    layout-provider call per planned module; for each ``ep`` module, the ``shape[0]`` of its
-    ``Shard`` parameters and its spec's ``validate``; the plan's FQN → spec / sharding / source
-    mappings. No check, no report, no class rule: ``meshbind_validate`` cannot beat it."""
-    requests = validation_requests(target, plan)
-    noticed, fqns, request_of, shardings = _match_and_required_calls(target, plan, requests)
-    specs = [requests[r].parallel for r in request_of]
-    sources = [f"requests[{r}]" for r in request_of]
-    plan_mappings = [MappingProxyType(dict(zip(fqns, values, strict=True))) for values in (specs, shardings, sources)]
-    return Outcome(len(plan_mappings[0]), noticed)
-
-
-def required_calls_floor(target: nn.Module, plan: tuple[str, ...], requests: Sequence[NativeParallelBindingRequest]) -> Outcome:
-    """Tighter than ``validation_floor``: its match and user calls alone, with the requests built
-    beforehand and no plan built. Any resolution costs at least this."""
-    noticed, fqns, _, _ = _match_and_required_calls(target, plan, requests)
-    return Outcome(len(fqns), noticed)
-
-
-def _match_and_required_calls(
-    target: nn.Module, plan: tuple[str, ...], requests: Sequence[NativeParallelBindingRequest]
-) -> tuple[bool, list[str], list[int], list[ModuleShardingSpec]]:
-    """meshbind's match, then the user code SPEC makes every resolution run: each provider, and each
-    ``ep`` module's ``shape[0]`` reads and ``validate``. Whether a pattern selected nothing, and
-    each planned FQN with its request and layout."""
-    index = PatternSet(plan).walk(target, prune=True, modules=True)
-    noticed = 0 in index.hit_counts()
-    rows, request_of, _ = index.owners(list(range(len(plan))))
-    fqns, modules = index.module_fqns(rows), cast(list[nn.Module], index.modules(rows))
-    shardings = []
-    for r, module, fqn in zip(request_of, modules, fqns, strict=True):
-        sharding = requests[r].sharding(module, fqn, CONTEXT)
-        spec = requests[r].parallel
-        if spec.binding_kind == "ep" and spec.validate is not None:
-            parameters = module._parameters
-            [parameters[path].shape[0] for path, placements in sharding.params.items() if "ep" in placements]  # type: ignore[union-attr]
-            spec.validate(module=module, sharding=sharding, context=CONTEXT)
-        shardings.append(sharding)
-    return noticed, fqns, request_of, shardings
-
-
-def rust_walk_floor(target: Target, plan: tuple[str, ...]) -> Outcome:
-    """A Rust walk over every module that matches nothing: the floor of any full walk."""
-    if isinstance(target, list):
-        raise NotExpressible("no tree to walk")
-    return Outcome(len(PatternSet([]).walk(target, prune=False)), False)
-
-
-METHODS: dict[str, Callable[[Target, tuple[str, ...]], Outcome]] = {
+Method = Callable[[Target, tuple[str, ...]], Outcome]
+METHODS: dict[str, Method] = {
     "torch_parallelize_module": torch_parallelize_module,
     "fnmatch": fnmatch_baseline,
     "regex_per_pattern": regex_per_pattern,
     "one_regex": one_regex,
     "meshbind": meshbind_resolution,
     "meshbind_validate": meshbind_validate,
-    "rust_walk_floor": rust_walk_floor,
 }
 PYTHON_BASELINES = ("torch_parallelize_module", "fnmatch", "regex_per_pattern", "one_regex")
 UNCOUNTED = ("rust_walk_floor",)
-"""Methods whose count is not a selection (the floor counts every FQN it walked)."""
+"""Methods whose count is not a selection (``benches/``' floor counts every FQN it walked)."""
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -327,6 +281,11 @@ class Size:
         if not (layers.isdigit() and experts.isdigit() and int(layers) >= 1 and int(experts) >= 1):
             raise argparse.ArgumentTypeError(f"size {text!r} is neither LAYERSxEXPERTS (each at least 1) nor 1M")
         return Size(text, int(layers), int(experts), False)
+
+    @staticmethod
+    def parse_list(text: str) -> list[Size]:
+        """Comma-separated sizes."""
+        return [Size.parse(size) for size in text.split(",")]
 
 
 @dataclass
@@ -370,7 +329,9 @@ def _target(size: Size, fused: bool) -> Target:
     return build_moe_tree(size.layers, size.experts, fused_experts=fused)
 
 
-def run(sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Sequence[str] = tuple(METHODS)) -> list[Row]:
+def run(
+    sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Mapping[str, Method] = MappingProxyType(METHODS)
+) -> list[Row]:
     rows: list[Row] = []
     for size in sizes:
         targets: dict[bool, tuple[Target, int]] = {}
@@ -386,8 +347,7 @@ def run(sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Seque
             target, modules = targets[fused]
             plan = PLANS[plan_name](size.layers)
             counts: dict[str, int] = {}
-            for method in methods:
-                call = METHODS[method]
+            for method, call in methods.items():
                 try:
                     median, runs, outcome = time_method(functools.partial(call, target, plan), repeat)
                 except (NotExpressible, TooSlow) as reason:
@@ -403,7 +363,7 @@ def run(sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Seque
     return rows
 
 
-def run_each_size_apart(sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Sequence[str]) -> list[Row]:
+def run_each_size_apart(sizes: Sequence[Size], plans: Sequence[str], repeat: int, methods: Mapping[str, Method]) -> list[Row]:
     """``run`` for each size in a fresh worker process, one after another."""
     rows: list[Row] = []
     for size in sizes:
@@ -494,9 +454,10 @@ def plot(rows: Sequence[Row], path: str) -> None:
         figsize=(5 * columns, 4 * ((len(plans) + columns - 1) // columns)),
         squeeze=False,
     )
-    colors = dict(zip(METHODS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    methods = list(dict.fromkeys(r.method for r in rows))
+    colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for axes, plan in zip(grid.flat, plans, strict=False):
-        for method in METHODS:
+        for method in methods:
             points = sorted((r.modules, r.median_s) for r in rows if r.plan == plan and r.method == method and r.median_s)
             if points:
                 xs, ys = zip(*points, strict=True)
@@ -512,22 +473,7 @@ def plot(rows: Sequence[Row], path: str) -> None:
     plt.close(figure)
 
 
-README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
-
-
-def _readme_text(path: str) -> str:
-    """The README's text; a ``ValueError`` when it cannot be read or has no results section."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as error:
-        raise ValueError(f"--readme {path}: {error.strerror}") from None
-    if README_START not in text or README_END not in text:
-        raise ValueError(f"--readme {path} has no {README_START} ... {README_END} section")
-    return text
-
-
-def _make_output_folder(flag: str, path: str) -> None:
+def make_output_folder(flag: str, path: str) -> None:
     """The folder of an output file, made before the run rather than failing after it."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -535,55 +481,41 @@ def _make_output_folder(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path}: cannot make its folder: {error.strerror}") from None
 
 
-def update_readme(path: str, rows: Sequence[Row], command: str, plot_path: str | None) -> None:
-    """Replace the README's results section (between the bench markers) with this run's."""
-    text = _readme_text(path)
-    body = [f"Machine: {machine()}.", "", f"Regenerate: `{command}`", "", *table(rows, markdown=True), ""]
-    body += [f"- {line}" for line in summary(rows)]
-    if plot_path:
-        body += ["", f"![plan resolution, log-log]({os.path.relpath(plot_path, os.path.dirname(os.path.abspath(path)))})"]
-    head, rest = text.split(README_START, 1)
-    tail = rest.split(README_END, 1)[1]
-    with open(path, "w") as f:
-        f.write(head + README_START + "\n" + "\n".join(body) + "\n" + README_END + tail)
-
-
-def main(argv: Sequence[str] | None = None, *, quick: bool = False) -> int:
-    parser = argparse.ArgumentParser(
-        prog="meshbind bench" if quick else "plan_resolution.py",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    default_sizes = "8x16,61x256" if quick else "8x16,61x256,61x1024"
-    default_plans = "deep,shallow,typo" if quick else "deep,shallow"
-    parser.add_argument(
-        "--sizes", type=lambda t: [Size.parse(s) for s in t.split(",")], default=[Size.parse(s) for s in default_sizes.split(",")]
-    )
-    parser.add_argument("--plans", default=default_plans, help=f"comma-separated, of {sorted(PLANS)}")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {list(METHODS)}")
+def parser(
+    prog: str, description: str, sizes: str, plans: str, plot: str | None, methods: Sequence[str]
+) -> argparse.ArgumentParser:
+    """The flags ``meshbind bench`` and ``benches/plan_resolution.py`` share, with their defaults."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=Size.parse_list, default=Size.parse_list(sizes))
+    parser.add_argument("--plans", default=plans, help=f"comma-separated, of {sorted(PLANS)}")
+    parser.add_argument("--methods", default=",".join(methods), help=f"comma-separated, of {list(methods)}")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
-    parser.add_argument(
-        "--plot", metavar="PATH", default="bench-results/plan_resolution.png" if quick else None, help="write a log-log PNG"
-    )
-    parser.add_argument("--readme", metavar="PATH", help="rewrite the results section of this README")
+    parser.add_argument("--plot", metavar="PATH", default=plot, help="write a log-log PNG")
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None, methods: Mapping[str, Method]) -> argparse.Namespace:
+    """The arguments, checked before anything runs: plans, methods, repeat and output folders."""
     args = parser.parse_args(argv)
-    plans = args.plans.split(",")
-    methods = args.methods.split(",")
-    unknown = [p for p in plans if p not in PLANS] + [m for m in methods if m not in METHODS]
+    args.plans = args.plans.split(",")
+    args.methods = args.methods.split(",")
+    unknown = [p for p in args.plans if p not in PLANS] + [m for m in args.methods if m not in methods]
     if unknown:
-        parser.error(f"unknown plans or methods {unknown}; plans: {sorted(PLANS)}, methods: {list(METHODS)}")
+        parser.error(f"unknown plans or methods {unknown}; plans: {sorted(PLANS)}, methods: {list(methods)}")
     if args.repeat < 5:
         parser.error("--repeat must be at least 5 (medians of fewer runs are noise)")
     try:
         for flag, path in (("--json", args.json), ("--plot", args.plot)):
             if path:
-                _make_output_folder(flag, path)
-        if args.readme:
-            _readme_text(args.readme)
+                make_output_folder(flag, path)
     except ValueError as error:
         parser.error(str(error))
-    rows = run_each_size_apart(args.sizes, plans, args.repeat, methods)
+    return args
+
+
+def report(args: argparse.Namespace, rows: Sequence[Row]) -> None:
+    """The table and the ratios on stdout; the rows as JSON and the plot where asked."""
     print(f"machine: {machine()}")
     print("\n".join(table(rows)))
     print("\n".join(summary(rows)))
@@ -593,7 +525,13 @@ def main(argv: Sequence[str] | None = None, *, quick: bool = False) -> int:
     if args.plot:
         plot(rows, args.plot)
         print(f"plot: {os.path.abspath(args.plot)}")
-    if args.readme:
-        command = "python benches/plan_resolution.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        update_readme(args.readme, rows, command, args.plot)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``meshbind bench``: the quick version (two sizes, three plans, a plot)."""
+    plot = "bench-results/plan_resolution.png"
+    flags = parser("meshbind bench", __doc__ or "", "8x16,61x256", "deep,shallow,typo", plot, list(METHODS))
+    args = parse(flags, argv, METHODS)
+    rows = run_each_size_apart(args.sizes, args.plans, args.repeat, {name: METHODS[name] for name in args.methods})
+    report(args, rows)
     return 0
