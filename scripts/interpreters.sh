@@ -29,7 +29,8 @@ for version in 3.10 3.11 3.12 3.13; do
     key="py$version-$(sha256sum requirements-dev.txt | cut -c1-12)"
     if [ ! -f "${XDG_CACHE_HOME:-$HOME/.cache}/meshbind/venv-$key/.complete" ]; then
         if ! why=$("$interpreter" -m pip install --dry-run --quiet --disable-pip-version-check -r requirements-dev.txt 2>&1); then
-            echo "interpreters: skipped CPython $version: requirements-dev.txt cannot be installed there ($(printf '%s\n' "$why" | grep -m1 'ERROR' || printf '%s\n' "$why" | tail -n 1))"
+            reason=$(printf '%s\n' "$why" | grep -m1 'No matching distribution' || printf '%s\n' "$why" | tail -n 1)
+            echo "interpreters: skipped CPython $version: requirements-dev.txt cannot be installed there (${reason#ERROR: })"
             continue
         fi
     fi

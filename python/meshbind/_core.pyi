@@ -5,7 +5,16 @@ from typing import Any, Literal, final
 
 from typing_extensions import Self
 
-__all__ = ["IndexMatches", "ModuleTree", "PatternSet", "PlacementTable", "check_patterns", "layout_reads", "modules_lacking"]
+__all__ = [
+    "IndexMatches",
+    "ModuleTree",
+    "PatternSet",
+    "PlacementTable",
+    "_layout_self_check",
+    "check_patterns",
+    "layout_reads",
+    "modules_lacking",
+]
 
 # Malformed patterns raise meshbind.errors.PatternError (a MeshbindError and a ValueError).
 
@@ -88,7 +97,7 @@ class PlacementTable:
 
     Axes and labels are interned; each unit stands for modules whose checks give one answer."""
 
-    def __init__(self, axis_sizes: Sequence[tuple[str, int]]) -> None:
+    def __new__(cls, axis_sizes: Sequence[tuple[str, int]]) -> Self:
         """A table over the context's axes; a size below 1 is a ``ValueError``."""
     def axis(self, name: str) -> int:
         """The id of an axis (added without a size, as one the context lacks, when new)."""
