@@ -25,6 +25,8 @@ pub struct PlacementRow {
     /// The parameter's rank and `shape[0]`, when the row is a parameter whose shape is known.
     pub rank: Option<i64>,
     pub first_dim: Option<i64>,
+    /// For a `Shard(d)` of a parameter whose shape is known, the size of dimension `d`.
+    pub dim_size: Option<i64>,
     /// Whether the row places a parameter (rule 5 looks only at parameters).
     pub is_param: bool,
 }
@@ -130,6 +132,20 @@ pub fn check_placements(
             }
         }
     }
+    for row in rows {
+        if row.is_param && row.kind == PlacementKind::Partial {
+            problems.push(Problem {
+                module: row.module,
+                code: ProblemCode::Layout,
+                message: format!(
+                    "{} is Partial on axis '{}': a parameter holds values, not a pending sum (Shard or Replicate it)",
+                    label(row),
+                    axis_name(row.axis)
+                ),
+            });
+        }
+    }
+    problems.extend(indivisible_shards(axes, rows, &label, &axis_name));
     // Rows come in any order; rule 5 needs each module's rows together.
     let mut order: Vec<&PlacementRow> = rows.iter().collect();
     order.sort_by_key(|row| row.module);
@@ -151,6 +167,70 @@ pub fn check_placements(
             }
         }
         start = end;
+    }
+    problems
+}
+
+/// SPEC §8's balanced layouts: the size of each dimension a parameter is `Shard` on must be
+/// divisible by the product of the sizes of every axis sharding that dimension.
+/// A parameter's dimension: `(unit, label, dimension)`.
+type ShardedDim = (u32, u32, i64);
+
+fn indivisible_shards<'r>(
+    axes: &AxisTable<'_>,
+    rows: &'r [PlacementRow],
+    label: &dyn Fn(&'r PlacementRow) -> &'r str,
+    axis_name: &dyn Fn(u32) -> &'r str,
+) -> Vec<Problem> {
+    // (module, label, dimension) → the rows sharding it, in row order.
+    let mut sharding: Vec<(ShardedDim, Vec<&'r PlacementRow>)> = Vec::new();
+    let mut seen: rustc_hash::FxHashMap<ShardedDim, usize> = rustc_hash::FxHashMap::default();
+    for row in rows {
+        let (PlacementKind::Shard, true, Some(rank), Some(_)) =
+            (row.kind, row.is_param, row.rank, row.dim_size)
+        else {
+            continue;
+        };
+        let dim = if row.dim < 0 { row.dim + rank } else { row.dim };
+        let key = (row.module, row.label, dim);
+        let slot = *seen.entry(key).or_insert_with(|| {
+            sharding.push((key, Vec::new()));
+            sharding.len() - 1
+        });
+        sharding[slot].1.push(row);
+    }
+    let mut problems = Vec::new();
+    for ((module, _, dim), group) in sharding {
+        let sizes: Option<Vec<i64>> = group
+            .iter()
+            .map(|row| axes.sizes.get(row.axis as usize).copied().flatten())
+            .collect();
+        // An axis the context lacks is reported on its own.
+        let Some(sizes) = sizes else { continue };
+        let product = sizes
+            .iter()
+            .try_fold(1i64, |acc, &size| acc.checked_mul(size));
+        let Some(size) = group[0].dim_size else {
+            continue;
+        };
+        if product.is_some_and(|product| size % product == 0) {
+            continue;
+        }
+        let named: Vec<String> = group
+            .iter()
+            .zip(&sizes)
+            .map(|(row, size)| format!("'{}'={size}", axis_name(row.axis)))
+            .collect();
+        let product = product.map_or_else(|| "over 2**63".to_owned(), |p| p.to_string());
+        problems.push(Problem {
+            module,
+            code: ProblemCode::Layout,
+            message: format!(
+                "{} dimension {dim} of size {size} is not divisible by {product}, the product of the sizes of the axes sharding it ({}): shards would be uneven",
+                label(group[0]),
+                named.join(", ")
+            ),
+        });
     }
     problems
 }
@@ -233,7 +313,9 @@ impl PlacementTable {
         let mut table = PlacementTable::default();
         for (name, size) in axes {
             if *size < 1 {
-                return Err(TableError(format!("axis size {size} of {name:?} must be positive")));
+                return Err(TableError(format!(
+                    "axis size {size} of {name:?} must be positive"
+                )));
             }
             table.axis_names.push(name.clone());
             table.axis_sizes.push(Some(*size));
@@ -290,7 +372,11 @@ impl PlacementTable {
         let axes = AxisTable {
             names: &self.axis_names,
             sizes: &self.axis_sizes,
-            ep: self.axis_names.iter().position(|n| n == "ep").map(|p| p as u32),
+            ep: self
+                .axis_names
+                .iter()
+                .position(|n| n == "ep")
+                .map(|p| p as u32),
         };
         check_placements(&axes, &self.labels, &self.rows, &self.num_experts)
     }
@@ -309,6 +395,10 @@ mod tests {
     ) -> PlacementRow {
         let rank = shape.as_ref().map(|s| s.len() as i64);
         let first_dim = shape.as_ref().and_then(|s| s.first().copied());
+        let dim_size = shape.as_ref().and_then(|s| {
+            let d = if dim < 0 { dim + s.len() as i64 } else { dim };
+            usize::try_from(d).ok().and_then(|d| s.get(d).copied())
+        });
         PlacementRow {
             module,
             label: 0,
@@ -317,6 +407,7 @@ mod tests {
             dim,
             rank,
             first_dim,
+            dim_size,
             is_param: true,
         }
     }
@@ -409,6 +500,7 @@ mod tests {
             dim: 0,
             rank: Some(2),
             first_dim: Some(3),
+            dim_size: Some(3),
             is_param: false,
         };
         table.row(row(0)).unwrap();
@@ -418,5 +510,26 @@ mod tests {
         let codes: Vec<_> = table.check().iter().map(|p| p.code).collect();
         assert_eq!(codes, vec![ProblemCode::Layout, ProblemCode::Expert]);
         assert!(PlacementTable::new(&[("tp".to_owned(), 0)]).is_err());
+    }
+
+    #[test]
+    fn a_partial_parameter_and_uneven_shards_are_layout_problems() {
+        let first = |p: Vec<Problem>| p.into_iter().next().map(|p| p.message).unwrap_or_default();
+        let partial = [row(0, 1, PlacementKind::Partial, 0, Some(vec![8, 6]))];
+        assert!(first(check(&[Some(4), Some(2)], &partial, &[None]))
+            .contains("is Partial on axis 'tp'"));
+        // Dimension 1 of size 6 sharded by ep=4 and tp=2 (8 does not divide 6); dimension 0 fine.
+        let both = [
+            row(0, 0, PlacementKind::Shard, 1, Some(vec![8, 6])),
+            row(0, 1, PlacementKind::Shard, -1, Some(vec![8, 6])),
+        ];
+        let message = first(check(&[Some(4), Some(2)], &both, &[None]));
+        assert!(
+            message.contains("dimension 1 of size 6 is not divisible by 8"),
+            "{message}"
+        );
+        assert!(message.contains("'ep'=4, 'tp'=2"), "{message}");
+        let even = [row(0, 1, PlacementKind::Shard, 0, Some(vec![8, 6]))];
+        assert!(check(&[Some(4), Some(2)], &even, &[None]).is_empty());
     }
 }

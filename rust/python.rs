@@ -7,9 +7,9 @@ use pyo3::types::{PyBytes, PyList, PyString, PyType};
 use pyo3::{ffi, intern, Borrowed};
 
 use crate::checks::{PlacementKind, PlacementRow, PlacementTable, TableError};
+use crate::layout_reads::ListTexts;
 use crate::matcher::{BuildError, MatchError, PatternSet};
 use crate::sequence::{IndexHits, NameIndexer};
-use crate::layout_reads::ListTexts;
 use crate::suggest::nearest_names;
 use crate::walk::{not_utf8_error, walk_tree, TreeIndex, WalkError, WalkMode};
 
@@ -515,10 +515,10 @@ impl PyPlacementTable {
         self.inner.unit(num_experts).map_err(table_error)
     }
 
-    /// One row: `kind` is `"shard"`, `"replicate"` or `"partial"`; `rank` and `first_dim` give
-    /// the parameter's shape where it is known.
+    /// One row: `kind` is `"shard"`, `"replicate"` or `"partial"`; `rank`, `first_dim` and (for a
+    /// `Shard(dim)`) `dim_size` give the parameter's shape where it is known.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (unit, label, axis, kind, dim = 0, rank = None, first_dim = None))]
+    #[pyo3(signature = (unit, label, axis, kind, dim = 0, rank = None, first_dim = None, dim_size = None))]
     fn row(
         &mut self,
         unit: u32,
@@ -528,6 +528,7 @@ impl PyPlacementTable {
         dim: i64,
         rank: Option<i64>,
         first_dim: Option<i64>,
+        dim_size: Option<i64>,
     ) -> PyResult<()> {
         let kind = match kind {
             "shard" => PlacementKind::Shard,
@@ -547,6 +548,7 @@ impl PyPlacementTable {
             dim,
             rank,
             first_dim,
+            dim_size,
             is_param: false,
         };
         self.inner.row(row).map_err(table_error)
@@ -581,9 +583,9 @@ fn layout_reads(py: Python<'_>) -> String {
 fn _layout_self_check(py: Python<'_>, field: Option<&str>) -> PyResult<Option<String>> {
     let layout = match field {
         None => crate::layout_reads::known(py),
-        Some(field) => crate::layout_reads::perturbed(py, field).map(|layout| {
-            layout.ok_or_else(|| format!("no offset {field:?} on this interpreter"))
-        }).and_then(|layout| layout),
+        Some(field) => crate::layout_reads::perturbed(py, field)
+            .map(|layout| layout.ok_or_else(|| format!("no offset {field:?} on this interpreter")))
+            .and_then(|layout| layout),
     };
     let layout = layout.map_err(PyValueError::new_err)?;
     Ok(crate::layout_reads::self_check(py, &layout).err())

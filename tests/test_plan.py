@@ -16,7 +16,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import meshbind
 from meshbind import (
@@ -397,6 +397,31 @@ def test_unknown_axes_and_shards_beyond_rank_are_layout_problems() -> None:
     assert "axis 'tp', which the layout context lacks (axes: cp, dp, ep)" in messages[1]
 
 
+def test_a_partial_parameter_and_an_uneven_shard_are_layout_problems() -> None:
+    """SPEC §8: a parameter is never a pending sum, and each dimension it is Shard on divides by
+    the product of the sizes of the axes sharding it."""
+
+    def sharding(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        return ModuleShardingSpec(
+            params={"w1": {"ep": Shard(0)}, "w2": {"ep": Shard(0), "tp": Shard(-1)}, "router": {"tp": Partial()}}
+        )
+
+    model = nn.Module()
+    model.mlp = Experts(num_experts=4)
+    model.mlp.w2 = nn.Parameter(torch.empty(4, 6, 5, device="meta"))
+    model.mlp.router = nn.Parameter(torch.empty(4, 8, device="meta"))
+    request = NativeParallelBindingRequest(("mlp",), EP_SPEC, sharding)
+    problems = problems_of(model, [request], context=LayoutContext({"ep": 2, "tp": 2}))
+    messages = sorted(p.message for p in problems)
+    assert [(p.code, p.fqn) for p in problems] == [("layout", "mlp")] * 2
+    assert messages[0].startswith("params['router'] is Partial on axis 'tp'")
+    assert messages[1].startswith("params['w2'] dimension 2 of size 5 is not divisible by 2, the product of the sizes")
+    assert "('tp'=2)" in messages[1]
+    assert problems_of(model, [request], context=LayoutContext({"ep": 2, "tp": 1}))[0].message.startswith(
+        "params['router'] is Partial"
+    )
+
+
 def test_every_problem_of_the_model_comes_back_at_once_sorted_by_fqn() -> None:
     def bad_head(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
         raise RuntimeError("no layout for heads")
@@ -409,9 +434,17 @@ def test_every_problem_of_the_model_comes_back_at_once_sorted_by_fqn() -> None:
     with pytest.raises(PlanError) as caught:
         resolve_plan(Model(), requests, LayoutContext({"dp": 1, "cp": 2, "ep": 3}))
     codes = [(p.code, p.fqn) for p in caught.value.problems]
-    assert codes == [("unmatched", None), ("layout", "head"), ("expert", "layers.0.mlp"), ("expert", "layers.1.mlp")]
+    # ep=3 splits neither the 4 experts (rule 5) nor dimension 0 of w1 (balanced layouts, SPEC §8).
+    assert codes == [
+        ("unmatched", None),
+        ("layout", "head"),
+        ("expert", "layers.0.mlp"),
+        ("layout", "layers.0.mlp"),
+        ("expert", "layers.1.mlp"),
+        ("layout", "layers.1.mlp"),
+    ]
     text = str(caught.value)
-    assert text.startswith("the plan has 4 problems:")
+    assert text.startswith("the plan has 6 problems:")
     assert text.index("'head'") < text.index("'layers.0.mlp'") < text.index("'layers.1.mlp'")
     assert isinstance(caught.value, ValueError)
 

@@ -114,10 +114,14 @@ class PlacementTable:
         dim: int = 0,
         rank: int | None = None,
         first_dim: int | None = None,
+        dim_size: int | None = None,
     ) -> None:
-        """One named placement of a unit; ``rank`` and ``first_dim`` where the parameter's shape is known."""
+        """One named placement of a unit; ``rank``, ``first_dim`` and (for ``Shard(dim)``) ``dim_size``
+        where the parameter's shape is known."""
     def check(self) -> list[tuple[int, str, str]]:
-        """``(unit, code, message)`` for every ``layout`` problem and each unit's first ``expert`` problem."""
+        """``(unit, code, message)`` for every ``layout`` problem (an axis the context lacks, ``Shard(d)``
+        beyond the rank or over a dimension its axes do not divide, ``Partial`` on a parameter) and
+        each unit's first ``expert`` problem."""
 
 def check_patterns(patterns: Sequence[str]) -> None:
     """Parse every pattern without building a set; raises ``PatternError`` for the first malformed one."""

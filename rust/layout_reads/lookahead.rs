@@ -362,7 +362,9 @@ impl Lookahead {
     /// # Safety
     /// `dict` must be a live dict, and `offsets` known.
     unsafe fn used(&self, dict: *const u8) -> usize {
-        self.offsets.as_ref().map_or(0, |o| word(dict, o.used) as usize)
+        self.offsets
+            .as_ref()
+            .map_or(0, |o| word(dict, o.used) as usize)
     }
 
     /// Prefetches `link` of `child`'s chain.
@@ -388,7 +390,10 @@ impl Lookahead {
                     return;
                 };
                 if let Some((entries, count)) = self.str_entries(modules) {
-                    let (size, value) = self.offsets.as_ref().map_or((0, 0), |o| (o.entry_size, o.entry_value));
+                    let (size, value) = self
+                        .offsets
+                        .as_ref()
+                        .map_or((0, 0), |o| (o.entry_size, o.entry_value));
                     for index in 0..count.min(GRANDCHILDREN) {
                         prefetch(word(entries.add(index * size), value));
                     }

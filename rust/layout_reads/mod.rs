@@ -75,9 +75,14 @@ pub fn known(py: Python<'_>) -> Result<Layout, String> {
         return Err("not a little-endian machine (the str state bits are read as a little-endian bit field)".to_owned());
     }
     let version = py.version_info();
-    let known = (version.major == 3).then(|| offsets::for_version(version.minor)).flatten();
+    let known = (version.major == 3)
+        .then(|| offsets::for_version(version.minor))
+        .flatten();
     let Some((text, dict)) = known else {
-        return Err(format!("CPython {}.{} has no known layout", version.major, version.minor));
+        return Err(format!(
+            "CPython {}.{} has no known layout",
+            version.major, version.minor
+        ));
     };
     let dict = dict.filter(|_| cfg!(target_arch = "x86_64"));
     Ok(Layout { text, dict })
@@ -150,17 +155,25 @@ fn check_texts(py: Python<'_>, text: &TextOffsets) -> Result<(), String> {
         // SAFETY: the array pointer passed the check above; the list holds two items.
         let read = unsafe { *(items as *const *mut ffi::PyObject).add(index) };
         if read != items_read(&list, index) {
-            return Err(format!("list item {index} read in place is not PyList_GetItem's"));
+            return Err(format!(
+                "list item {index} read in place is not PyList_GetItem's"
+            ));
         }
     }
     let ascii = items_read(&list, 0);
     // SAFETY: the item is a live str, larger than its header.
     let (length, state) = unsafe {
         let base = ascii as *const u8;
-        (word_at(base, text.str_length) as usize, *base.add(text.str_state).cast::<u32>())
+        (
+            word_at(base, text.str_length) as usize,
+            *base.add(text.str_state).cast::<u32>(),
+        )
     };
     if length != ASCII_PROBE.len() {
-        return Err(format!("an ASCII str's length reads {length}, not {}", ASCII_PROBE.len()));
+        return Err(format!(
+            "an ASCII str's length reads {length}, not {}",
+            ASCII_PROBE.len()
+        ));
     }
     // Compact, ASCII, and of kind 1 (one byte per character).
     if state & COMPACT_ASCII != COMPACT_ASCII || (state >> 2) & 0b111 != 1 {
@@ -186,20 +199,29 @@ fn items_read(list: &Bound<'_, PyList>, index: usize) -> *mut ffi::PyObject {
 fn check_dicts(py: Python<'_>, offsets: &DictOffsets) -> Result<(), String> {
     let children = PyDict::new(py);
     for (key, value) in [("alpha", 1), ("beta", 2), ("gamma", 3)] {
-        children.set_item(key, value).map_err(failed("building a dict"))?;
+        children
+            .set_item(key, value)
+            .map_err(failed("building a dict"))?;
     }
     check_combined(&children, offsets)?;
     // A class whose instances keep their attributes in a managed dict, as `nn.Module` does.
-    let bases = PyTuple::new(py, [py.get_type::<pyo3::types::PyAny>()]).map_err(failed("building a class"))?;
+    let bases = PyTuple::new(py, [py.get_type::<pyo3::types::PyAny>()])
+        .map_err(failed("building a class"))?;
     let class = py
         .get_type::<PyType>()
         .call1(("MeshbindLayoutProbe", bases, PyDict::new(py)))
         .map_err(failed("building a class"))?;
     let probe = class.call0().map_err(failed("building an instance"))?;
-    probe.setattr("_parameters", PyDict::new(py)).map_err(failed("setting an attribute"))?;
-    probe.setattr(intern!(py, "_modules"), &children).map_err(failed("setting an attribute"))?;
+    probe
+        .setattr("_parameters", PyDict::new(py))
+        .map_err(failed("setting an attribute"))?;
+    probe
+        .setattr(intern!(py, "_modules"), &children)
+        .map_err(failed("setting an attribute"))?;
     // Reading `__dict__` makes the dict, as `nn.Module.__setattr__` does for every module.
-    let instance_dict = probe.getattr("__dict__").map_err(failed("reading __dict__"))?;
+    let instance_dict = probe
+        .getattr("__dict__")
+        .map_err(failed("reading __dict__"))?;
     let mut lookahead = Lookahead::with_offsets(Some(*offsets));
     // SAFETY: the probe is alive.
     let read = unsafe { lookahead.instance_dict(probe.as_ptr()) };
@@ -214,7 +236,8 @@ fn check_dicts(py: Python<'_>, offsets: &DictOffsets) -> Result<(), String> {
     // SAFETY: the probe is alive and `children` is its `_modules` dict.
     unsafe { lookahead.learn(&probe, children.as_ptr()) };
     // SAFETY: the probe is alive and the name is the interned "_modules".
-    let in_place = unsafe { lookahead.modules_in_place(probe.as_ptr(), intern!(py, "_modules").as_ptr()) };
+    let in_place =
+        unsafe { lookahead.modules_in_place(probe.as_ptr(), intern!(py, "_modules").as_ptr()) };
     if in_place != Some(children.as_ptr()) {
         return Err("an instance's _modules read in place is not what getattr gives".to_owned());
     }
@@ -233,7 +256,10 @@ fn check_combined(dict: &Bound<'_, PyDict>, offsets: &DictOffsets) -> Result<(),
         )
     };
     if used != dict.len() {
-        return Err(format!("a dict's item count reads {used}, not {}", dict.len()));
+        return Err(format!(
+            "a dict's item count reads {used}, not {}",
+            dict.len()
+        ));
     }
     if !values.is_null() || !plausible(keys) {
         return Err("a combined dict's keys and values are not where the layout says".to_owned());
@@ -244,7 +270,10 @@ fn check_combined(dict: &Bound<'_, PyDict>, offsets: &DictOffsets) -> Result<(),
         return Err("a str-keyed dict's keys read as general keys".to_owned());
     };
     if count != dict.len() {
-        return Err(format!("a dict's entry count reads {count}, not {}", dict.len()));
+        return Err(format!(
+            "a dict's entry count reads {count}, not {}",
+            dict.len()
+        ));
     }
     for (index, (key, value)) in dict.iter().enumerate() {
         // SAFETY: `index` is below the entry count just confirmed.
@@ -253,7 +282,9 @@ fn check_combined(dict: &Bound<'_, PyDict>, offsets: &DictOffsets) -> Result<(),
             (word_at(entry, 0), word_at(entry, offsets.entry_value))
         };
         if read_key != key.as_ptr() as *const u8 || read_value != value.as_ptr() as *const u8 {
-            return Err(format!("dict entry {index} read in place is not PyDict_Next's"));
+            return Err(format!(
+                "dict entry {index} read in place is not PyDict_Next's"
+            ));
         }
     }
     Ok(())

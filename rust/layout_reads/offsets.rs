@@ -166,11 +166,30 @@ mod tests {
             return;
         }
         let (text, dict) = for_version(11).unwrap();
-        assert_eq!((text.list_items, text.str_length, text.str_state, text.str_text), (24, 16, 32, 48));
+        assert_eq!(
+            (
+                text.list_items,
+                text.str_length,
+                text.str_state,
+                text.str_text
+            ),
+            (24, 16, 32, 48)
+        );
         assert_eq!(for_version(12).unwrap().0.str_text, 40);
         let dict = dict.unwrap();
-        assert_eq!((dict.used, dict.keys, dict.values, dict.values_start), (16, 32, 40, 0));
-        assert_eq!((dict.keys_log2_index_bytes, dict.keys_kind, dict.keys_entry_count, dict.keys_indices), (9, 10, 24, 32));
+        assert_eq!(
+            (dict.used, dict.keys, dict.values, dict.values_start),
+            (16, 32, 40, 0)
+        );
+        assert_eq!(
+            (
+                dict.keys_log2_index_bytes,
+                dict.keys_kind,
+                dict.keys_entry_count,
+                dict.keys_indices
+            ),
+            (9, 10, 24, 32)
+        );
         assert_eq!(for_version(13).unwrap().1.unwrap().values_start, 8);
         assert!(for_version(10).unwrap().1.is_none());
         assert!(for_version(14).is_none());

@@ -33,7 +33,6 @@ _SHARD: Kind = "shard"
 _REPLICATE: Kind = "replicate"
 _PARTIAL: Kind = "partial"
 _PARAMETERS = attrgetter("_parameters")
-_NDIM = attrgetter("ndim")
 _SHAPE = attrgetter("shape")
 
 
@@ -66,7 +65,8 @@ class _Unit:
 
     template: _ShardingTemplate
     num_experts: int | None
-    shapes: Mapping[str, tuple[int | None, int | None]]
+    shapes: Mapping[str, tuple[int, ...] | None]
+    """The shape of each ``Shard`` parameter (``None``: not known)."""
     rows: list[int]
 
 
@@ -159,34 +159,36 @@ class ValidationBatch:
     ) -> list[_Unit]:
         """Split the modules of one group by the shapes of their ``Shard`` parameters, reporting
         every parameter a module lacks."""
-        sharded: list[tuple[str, list[tuple[int | None, int | None]]]] = []
+        sharded: list[tuple[str, list[tuple[int, ...] | None]]] = []
         for path, need_shape in template.parameters:
-            ranks, first_dims = self._parameter_shapes(rows, modules, fqns, path, need_shape=need_shape)
-            if any(map(is_, ranks, repeat(None))) and (modules[rows[0]] is not None or self.param_shapes is not None):
-                for row, rank in zip(rows, ranks, strict=True):
-                    if rank is None:
+            shapes = self._parameter_shapes(rows, modules, fqns, path, need_shape=need_shape)
+            if any(map(is_, shapes, repeat(None))) and (modules[rows[0]] is not None or self.param_shapes is not None):
+                for row, shape in zip(rows, shapes, strict=True):
+                    if shape is None:
                         layout.setdefault(row, []).append(self._missing(modules[row], fqns[row], path))
             if need_shape:
-                sharded.append((path, list(zip(ranks, first_dims, strict=True))))
+                sharded.append((path, shapes))
         if not sharded:
             return [_Unit(template, num_experts, {}, rows)]
         paths = [path for path, _ in sharded]
-        by_shapes: dict[tuple[tuple[int | None, int | None], ...], list[int]] = {}
-        for row, shapes in zip(rows, zip(*(shapes for _, shapes in sharded), strict=True), strict=True):
-            by_shapes.setdefault(shapes, []).append(row)
-        return [
-            _Unit(template, num_experts, dict(zip(paths, shapes, strict=True)), members) for shapes, members in by_shapes.items()
-        ]
+        by_shapes: dict[tuple[tuple[int, ...] | None, ...], list[int]] = {}
+        for row, row_shapes in zip(rows, zip(*(column for _, column in sharded), strict=True), strict=True):
+            by_shapes.setdefault(row_shapes, []).append(row)
+        return [_Unit(template, num_experts, dict(zip(paths, key, strict=True)), members) for key, members in by_shapes.items()]
 
     def _fill_table(self, units: list[_Unit]) -> None:
         """One unit of the table per unit, one row per placement of its sharding."""
         table = self._table
-        no_shape = (None, None)
         for unit in units:
             unit_id = table.unit(unit.num_experts)
             for label, axis, kind, dim, path in unit.template.rows:
-                rank, first_dim = unit.shapes.get(path, no_shape) if kind == _SHARD and path is not None else no_shape
-                table.row(unit_id, label, axis, kind, dim, rank, first_dim)
+                shape = unit.shapes.get(path) if kind == _SHARD and path is not None else None
+                if shape is None:
+                    table.row(unit_id, label, axis, kind, dim)
+                    continue
+                sharded = dim + len(shape) if dim < 0 else dim
+                dim_size = shape[sharded] if 0 <= sharded < len(shape) else None
+                table.row(unit_id, label, axis, kind, dim, len(shape), shape[0] if shape else None, dim_size)
 
     @staticmethod
     def _class_failures(
@@ -227,35 +229,33 @@ class ValidationBatch:
 
     def _parameter_shapes(
         self, rows: list[int], modules: Sequence[nn.Module | None], fqns: Sequence[str], path: str, *, need_shape: bool
-    ) -> tuple[list[int | None], list[int | None]]:
-        """The rank and ``shape[0]`` of parameter ``path`` of each module (rank ``None``: not found).
+    ) -> list[tuple[int, ...] | None]:
+        """The shape of parameter ``path`` of each module (``None``: not found).
 
-        Without ``need_shape`` (no placement of it is ``Shard``) only presence matters: rank 0 then
+        Without ``need_shape`` (no placement of it is ``Shard``) only presence matters: ``()`` then
         stands for "present", so no parameter is touched for nothing."""
         if modules[rows[0]] is None:
             if self.param_shapes is None:
-                return [None] * len(rows), [None] * len(rows)
+                return [None] * len(rows)
             given = self.param_shapes
-            shapes = [given.get(f"{fqns[row]}.{path}" if fqns[row] else path) for row in rows]
-            return [None if s is None else len(s) for s in shapes], [s[0] if s else None for s in shapes]
+            return [_tuple(given.get(f"{fqns[row]}.{path}" if fqns[row] else path)) for row in rows]
         selected: list[Any] = (
             modules if isinstance(modules, list) and len(rows) == len(modules) else [modules[row] for row in rows]
         )
         if "." in path:
             parameters = [_get_parameter(module, path) for module in selected]
         elif not need_shape:
-            ranks: list[int | None] = [0] * len(rows)
+            present: list[tuple[int, ...] | None] = [()] * len(rows)
             for index in _core.modules_lacking(selected, path):
-                ranks[index] = None
-            return ranks, [None] * len(rows)
+                present[index] = None
+            return present
         else:
             parameters = list(map(dict.get, map(_PARAMETERS, selected), repeat(path)))
         missing = any(map(is_, parameters, repeat(None)))  # not `None in`: that calls Tensor.__eq__
-        if need_shape:  # one `shape` read per parameter gives both (a tensor attribute costs ~0.1 µs)
-            shapes = [None if p is None else p.shape for p in parameters] if missing else list(map(_SHAPE, parameters))
-            return [None if s is None else len(s) for s in shapes], [s[0] if s else None for s in shapes]
-        ranks = [None if p is None else p.ndim for p in parameters] if missing else list(map(_NDIM, parameters))
-        return ranks, [None] * len(rows)
+        if not need_shape:
+            return [None if p is None else () for p in parameters]
+        # A torch.Size is a tuple: one `shape` read per parameter (a tensor attribute costs ~0.1 µs).
+        return [None if p is None else p.shape for p in parameters] if missing else list(map(_SHAPE, parameters))
 
     @staticmethod
     def _missing(module: nn.Module | None, fqn: str, path: str) -> str:
@@ -306,6 +306,10 @@ class ValidationBatch:
             if path is not None:
                 parameters[path] = parameters.get(path, False) or placement_kind == _SHARD
         return _ShardingTemplate(sharding_failure(sharding), tuple(rows), tuple(parameters.items()), tuple(problems))
+
+
+def _tuple(shape: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if shape is None else tuple(shape)
 
 
 def _get_parameter(module: nn.Module | None, path: str) -> Any:
