@@ -19,6 +19,7 @@ from meshbind.ep import RoutedTokens as RoutedTokens
 from meshbind.errors import (
     BindingError,
     BindingRefusedError,
+    LayoutError,
     MaterializationError,
     MeshbindError,
     PatternError,
@@ -28,6 +29,7 @@ from meshbind.errors import PlanProblem as PlanProblem
 from meshbind.family import FamilyBuildInfo as FamilyBuildInfo
 from meshbind.family import FamilyLayout as FamilyLayout
 from meshbind.family import get_family_build_info
+from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshBinding, MeshContext
 from meshbind.resolution import ParallelPlan as ParallelPlan
 from meshbind.resolution import resolve_plan
@@ -45,6 +47,7 @@ __all__ = [
     "CPContext",
     "EPContext",
     "LayoutContext",
+    "LayoutError",
     "MaterializationError",
     "MeshBinding",
     "MeshContext",
@@ -56,6 +59,7 @@ __all__ = [
     "PatternError",
     "PatternSet",
     "PlanError",
+    "apply_layouts",
     "bind_parallel_modules",
     "bound_modules",
     "get_family_build_info",

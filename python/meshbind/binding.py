@@ -16,7 +16,7 @@ from meshbind.cp import CPContext
 from meshbind.ep import EPContext
 from meshbind.errors import BindingError, BindingRefusedError, MaterializationError
 from meshbind.family import family_spec, record_family_binding
-from meshbind.mesh import MeshBinding, MeshContext
+from meshbind.mesh import MeshBinding, MeshContext, check_resolved_for
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
 from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure
@@ -73,7 +73,7 @@ def bind_parallel_modules(model: nn.Module, plan: ParallelPlan, mesh_context: Me
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"plan must be a ParallelPlan, got {type(plan).__name__}")
     mesh_binding = MeshBinding(mesh_context)
-    _check_layout(plan, mesh_context)
+    check_resolved_for(plan.context, mesh_context)
     prepared, unchanged = _prepare(model, plan, mesh_binding)
     bound: list[_Prepared] = []
     for entry in prepared:
@@ -91,23 +91,11 @@ def bind_parallel_modules(model: nn.Module, plan: ParallelPlan, mesh_context: Me
         if isinstance(family_spec(type(entry.module)), ParallelModuleSpec):
             record_family_binding(entry.module, entry.fqn, entry.spec, plan.sharding[entry.fqn], mesh_context)
     bindings = {entry.fqn: entry.binding for entry in owned}
-    root = _unwrapped(model)
+    root = unwrapped(model)
     records = {record.fqn: record for record in root.__dict__.get(_RECORDS, ())}
     records |= {fqn: BoundModule(fqn, spec, bindings.get(fqn)) for fqn, spec in plan.parallel_modules.items()}
     root.__dict__[_RECORDS] = tuple(records.values())
     return [entry.fqn for entry in bound]
-
-
-def _check_layout(plan: ParallelPlan, mesh_context: MeshContext) -> None:
-    """The plan was checked against its context's axis sizes: every axis it names must be the
-    meshes' own, at that size (axes it does not name place nothing in a valid plan)."""
-    sizes = mesh_context.axis_sizes()
-    differing = {axis: size for axis, size in plan.context.axis_sizes.items() if sizes.get(axis) != size}
-    if differing:
-        planned = ", ".join(f"{axis}={size}" for axis, size in differing.items())
-        actual = ", ".join(f"{axis}={sizes[axis]}" if axis in sizes else f"no {axis}" for axis in differing)
-        message = f"the plan was resolved for {planned}, but the meshes have {actual}: resolve it for these meshes"
-        raise BindingRefusedError("mesh", message)
 
 
 def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) -> tuple[list[_Prepared], list[_Prepared]]:
@@ -123,7 +111,7 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
     for fqn, spec in plan.parallel_modules.items():
         if spec.binding_kind == "none":
             continue
-        module = _submodule(model, fqn)
+        module = submodule(model, fqn)
         owner = module.__dict__.get(_OWNER)
         if isinstance(owner, _Owner):
             if owner.spec == spec and owner.sharding == plan.sharding[fqn] and owner.mesh_context.same_meshes(mesh_context):
@@ -153,10 +141,10 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
     return prepared, unchanged
 
 
-def _submodule(model: nn.Module, fqn: str) -> nn.Module:
+def submodule(model: nn.Module, fqn: str) -> nn.Module:
     """The module at ``fqn``, found by the ``_modules`` lookups ``named_modules()`` made (cheaper
     than ``get_submodule``'s attribute access at every level), through any torch wrapper."""
-    module = _unwrapped(model)
+    module = unwrapped(model)
     for depth, name in enumerate(fqn.split(".") if fqn else ()):
         child = module._modules.get(name)
         if child is None:
@@ -164,11 +152,11 @@ def _submodule(model: nn.Module, fqn: str) -> nn.Module:
             where = repr(parent) if parent else "the root"
             message = f"the plan names {fqn!r}, which this model does not have: {where} has no child {name!r}"
             raise BindingRefusedError("module", message)
-        module = _unwrapped(child)
+        module = unwrapped(child)
     return module
 
 
-def _unwrapped(module: nn.Module) -> nn.Module:
+def unwrapped(module: nn.Module) -> nn.Module:
     """The module a chain of torch wrappers (``WRAPPED_MODULE_CHILDREN``) holds; ``module`` itself when none wraps it."""
     while len(module._modules) == 1:
         name, inner = next(iter(module._modules.items()))
@@ -196,7 +184,7 @@ def _restore(bound: list[_Prepared]) -> list[str]:
 def validate_materialized_modules(model: nn.Module) -> None:
     """Run every recorded spec's ``validate_materialized(module=, binding=)``; raise one
     ``MaterializationError`` listing every failure."""
-    records = _unwrapped(model).__dict__.get(_RECORDS)
+    records = unwrapped(model).__dict__.get(_RECORDS)
     if records is None:
         raise BindingRefusedError("unbound", "no plan is recorded on this model: call bind_parallel_modules first")
     failures: list[tuple[str, BaseException]] = []
@@ -205,7 +193,7 @@ def validate_materialized_modules(model: nn.Module) -> None:
         if check is None:
             continue
         try:
-            returned = check(module=_submodule(model, record.fqn), binding=record.binding)
+            returned = check(module=submodule(model, record.fqn), binding=record.binding)
             if returned is not None:
                 raise ValueError(f"validate_materialized returned {returned!r}: {RAISE_TO_REJECT}")
         except Exception as error:
@@ -216,5 +204,5 @@ def validate_materialized_modules(model: nn.Module) -> None:
 
 def bound_modules(model: nn.Module) -> tuple[BoundModule, ...]:
     """The plan entries recorded on the model by ``bind_parallel_modules`` (empty before)."""
-    records: tuple[BoundModule, ...] = _unwrapped(model).__dict__.get(_RECORDS, ())
+    records: tuple[BoundModule, ...] = unwrapped(model).__dict__.get(_RECORDS, ())
     return records

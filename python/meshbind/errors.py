@@ -9,6 +9,7 @@ error                  builtin         ``.code``
 PatternError           ValueError      ``pattern``
 PlanError              ValueError      ``plan`` (each of its ``problems`` has a code of SPEC §4)
 BindingRefusedError    ValueError      ``owner``, ``class``, ``mesh``, ``module``, ``unbound``
+LayoutError            ValueError      ``layout`` (``apply_layouts``: every problem in ``problems``)
 BindingError           RuntimeError    ``bind_parallel``
 MaterializationError   ValueError      ``materialization``
 =====================  ==============  ==========================================================
@@ -72,6 +73,20 @@ class BindingRefusedError(MeshbindError, ValueError):
     def __init__(self, code: str, message: str) -> None:
         self.code = code
         super().__init__(message)
+
+
+class LayoutError(MeshbindError, ValueError):
+    """``apply_layouts`` refused the plan before any parameter changed; ``problems`` names each
+    parameter FQN and what is wrong with it (an axis no mesh has, axes of both meshes, a tie
+    given two layouts, a parameter distributed with another layout, one the model lacks)."""
+
+    code = "layout"
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        count = len(self.problems)
+        lines = "\n".join(f"  {problem}" for problem in self.problems)
+        super().__init__(f"cannot apply the layouts: {count} problem{'s' if count != 1 else ''}:\n{lines}")
 
 
 class BindingError(MeshbindError, RuntimeError):

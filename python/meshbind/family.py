@@ -16,6 +16,7 @@ from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
 
 _BUILD_INFO = "_meshbind_family_build_info"
 _BOUND = "_meshbind_family_bound"
+_DISTRIBUTED = "_meshbind_family_distributed"
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class FamilyLayout:
     sharding: ModuleShardingSpec
     applied_on: object | None = None
     """The ``MeshContext`` the layout was bound on; ``None`` while un-applied."""
+    distributed_on: object | None = None
+    """The ``MeshContext`` whose meshes ``apply_layouts`` distributed its parameters on."""
 
     @property
     def applied(self) -> bool:
@@ -76,12 +79,17 @@ def get_family_build_info(module: nn.Module) -> FamilyBuildInfo:
 
 
 def record_family_layout(module: nn.Module, fqn: str, spec: ParallelModuleSpec, sharding: ModuleShardingSpec) -> None:
-    """Record a resolved layout: applied when the module is bound with this very spec and sharding."""
-    bound = module.__dict__.get(_BOUND)
-    applied_on = None
-    if isinstance(bound, FamilyLayout) and bound.spec == spec and bound.sharding == sharding:
-        applied_on = bound.applied_on
-    module.__dict__[_BUILD_INFO] = FamilyBuildInfo(spec=spec, fqn=fqn, layout=FamilyLayout(spec, sharding, applied_on))
+    """Record a resolved layout: applied when the module is bound with this very spec and sharding,
+    distributed when ``apply_layouts`` made its parameters DTensors with it."""
+
+    def same_layout(record_name: str) -> FamilyLayout | None:
+        record = module.__dict__.get(record_name)
+        same = isinstance(record, FamilyLayout) and record.spec == spec and record.sharding == sharding
+        return record if same else None
+
+    bound, distributed = same_layout(_BOUND), same_layout(_DISTRIBUTED)
+    layout = FamilyLayout(spec, sharding, bound and bound.applied_on, distributed and distributed.distributed_on)
+    module.__dict__[_BUILD_INFO] = FamilyBuildInfo(spec=spec, fqn=fqn, layout=layout)
 
 
 def record_family_binding(
@@ -89,4 +97,12 @@ def record_family_binding(
 ) -> None:
     """Record that the module is bound with this layout on this mesh; its build info now shows it applied."""
     module.__dict__[_BOUND] = FamilyLayout(spec, sharding, mesh_context)
+    record_family_layout(module, fqn, spec, sharding)
+
+
+def record_family_distribution(
+    module: nn.Module, fqn: str, spec: ParallelModuleSpec, sharding: ModuleShardingSpec, mesh_context: object
+) -> None:
+    """Record that ``apply_layouts`` distributed the module's parameters with this layout on this mesh."""
+    module.__dict__[_DISTRIBUTED] = FamilyLayout(spec, sharding, distributed_on=mesh_context)
     record_family_layout(module, fqn, spec, sharding)

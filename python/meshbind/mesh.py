@@ -132,3 +132,15 @@ class MeshBinding:
             available = list(names) + (["ep"] if context.fsdp_moe_mesh is not None else [])
             raise BindingRefusedError("mesh", f"the mesh context has no {axis!r} axis (axes: {', '.join(available)})")
         return context.device_mesh[axis]
+
+
+def check_resolved_for(plan_context: LayoutContext, mesh_context: MeshContext) -> None:
+    """A plan was checked against its context's axis sizes: every axis it names must be the
+    meshes' own, at that size (axes it does not name place nothing in a valid plan)."""
+    sizes = mesh_context.axis_sizes()
+    differing = {axis: size for axis, size in plan_context.axis_sizes.items() if sizes.get(axis) != size}
+    if differing:
+        planned = ", ".join(f"{axis}={size}" for axis, size in differing.items())
+        actual = ", ".join(f"{axis}={sizes[axis]}" if axis in sizes else f"no {axis}" for axis in differing)
+        message = f"the plan was resolved for {planned}, but the meshes have {actual}: resolve it for these meshes"
+        raise BindingRefusedError("mesh", message)

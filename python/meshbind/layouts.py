@@ -1,0 +1,172 @@
+"""Applying layouts (SPEC §8): the plan's placements become torch ``DTensor`` parameters on the
+prebuilt meshes, between resolution and binding ("bind after layout").
+
+``apply_layouts`` first finds every planned parameter, every attribute that holds it (ties), its
+mesh (the prebuilt mesh sliced to the named axes) and its placements, and checks them all; only
+then does it distribute anything, and only once every new parameter exists does it swap them in,
+so a failure leaves every parameter as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+
+from meshbind.binding import submodule, unwrapped
+from meshbind.errors import LayoutError
+from meshbind.family import family_spec, record_family_distribution
+from meshbind.mesh import DEVICE_MESH_DIMS, EXPERT_MESH_DIMS, MeshContext, check_resolved_for
+from meshbind.resolution.plan import ParallelPlan
+from meshbind.specs import ParallelModuleSpec
+from meshbind.validation.rules import placements_text
+
+
+@dataclass
+class _Planned:
+    """One planned parameter: where it is, every attribute holding it, and where it goes."""
+
+    fqn: str
+    parameter: nn.Parameter
+    named: Mapping[str, Placement]
+    mesh: DeviceMesh
+    """The prebuilt mesh sliced to the named axes, in its own dim order."""
+    placements: tuple[Placement, ...]
+    whole_mesh: DeviceMesh
+    """The prebuilt mesh it is sliced from, on which the values are scattered from rank 0."""
+    whole_placements: tuple[Placement, ...]
+    holders: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+def apply_layouts(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext) -> list[str]:
+    """Make every ``params`` entry of every planned module an ``nn.Parameter`` holding a
+    ``DTensor`` with the plan's placements; returns the FQNs of the parameters distributed by
+    this call (one already distributed with the same layout is left alone). Raises
+    ``LayoutError`` listing every problem before any parameter changes."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan must be a ParallelPlan, got {type(plan).__name__}")
+    if not isinstance(mesh_context, MeshContext):
+        raise TypeError(f"mesh_context must be a MeshContext, got {type(mesh_context).__name__}")
+    check_resolved_for(plan.context, mesh_context)
+    planned = _planned_parameters(model, plan, mesh_context)
+    pending = [entry for entry in planned if not _already_there(entry)]
+    # Every new parameter exists before any attribute changes.
+    replacements = [nn.Parameter(_distributed(entry), entry.parameter.requires_grad) for entry in pending]
+    for entry, replacement in zip(pending, replacements, strict=True):
+        for module, name in entry.holders:
+            module._parameters[name] = replacement
+    _record_families(model, plan, mesh_context)
+    return [entry.fqn for entry in pending]
+
+
+def _planned_parameters(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext) -> list[_Planned]:
+    """Every planned parameter once (ties keyed by their first planned FQN), checked; raises one
+    ``LayoutError`` naming every problem."""
+    problems: list[str] = []
+    by_identity: dict[int, _Planned] = {}
+    for module_fqn, sharding in plan.sharding.items():
+        if not sharding.params:
+            continue
+        try:
+            module = submodule(model, module_fqn)
+        except ValueError as error:
+            problems.append(str(error))
+            continue
+        for path, named in sharding.params.items():
+            fqn = f"{module_fqn}.{path}" if module_fqn else path
+            parameter = _parameter(module, path)
+            if parameter is None:
+                problems.append(f"{fqn!r}: the plan places a parameter this model does not have")
+                continue
+            seen = by_identity.get(id(parameter))
+            if seen is not None:
+                if dict(seen.named) != dict(named):
+                    problems.append(
+                        f"{fqn!r} is the parameter {seen.fqn!r} (tied), given two layouts: "
+                        f"{placements_text(seen.named)} and {placements_text(named)}"
+                    )
+                continue
+            mesh_and_placements = _mesh_and_placements(fqn, named, mesh_context, problems)
+            if mesh_and_placements is not None:
+                by_identity[id(parameter)] = _Planned(fqn, parameter, named, *mesh_and_placements)
+    for entry in by_identity.values():
+        if isinstance(entry.parameter, DTensor) and not _already_there(entry):
+            problems.append(
+                f"{entry.fqn!r} is already distributed as {entry.parameter.placements} on {entry.parameter.device_mesh}, "
+                f"not as {placements_text(entry.named)}: redistribute it or resolve the plan it was applied with"
+            )
+    if problems:
+        raise LayoutError(problems)
+    # Every attribute holding a planned parameter, so ties survive as one parameter.
+    for module in unwrapped(model).modules():
+        for name, parameter in module._parameters.items():
+            holder = by_identity.get(id(parameter)) if parameter is not None else None
+            if holder is not None:
+                holder.holders.append((module, name))
+    return list(by_identity.values())
+
+
+def _distributed(entry: _Planned) -> DTensor:
+    """The parameter as a DTensor on its sliced mesh, its values from global rank 0: scattered over
+    the whole prebuilt mesh (``Replicate`` on the axes the mapping does not name), whose first
+    rank is rank 0, then viewed on the slice (a sliced mesh's own first rank differs per slice)."""
+    whole = distribute_tensor(entry.parameter.detach(), entry.whole_mesh, entry.whole_placements)
+    if entry.whole_mesh is entry.mesh:
+        return whole
+    local = whole.to_local()
+    return DTensor.from_local(local, entry.mesh, entry.placements, run_check=False, shape=whole.shape, stride=whole.stride())
+
+
+def _mesh_and_placements(
+    fqn: str, named: Mapping[str, Placement], mesh_context: MeshContext, problems: list[str]
+) -> tuple[DeviceMesh, tuple[Placement, ...], DeviceMesh, tuple[Placement, ...]] | None:
+    """The prebuilt mesh sliced to the named axes, in its own dim order, and the placement of each;
+    then the whole mesh and its placements (``Replicate`` where the mapping names no axis)."""
+    expert = [axis for axis in named if axis in EXPERT_MESH_DIMS and mesh_context.fsdp_moe_mesh is not None]
+    device = [axis for axis in named if axis in (mesh_context.device_mesh.mesh_dim_names or ())]
+    missing = [axis for axis in named if axis not in expert and axis not in device]
+    if missing:
+        available = [*(mesh_context.device_mesh.mesh_dim_names or ()), *(EXPERT_MESH_DIMS if mesh_context.fsdp_moe_mesh else ())]
+        problems.append(f"{fqn!r} is placed on {missing}, which no mesh has (axes: {', '.join(available)})")
+        return None
+    if expert and device:
+        problems.append(
+            f"{fqn!r} is placed on {expert} of the expert mesh and {device} of the device mesh at once: "
+            "one parameter lives on one mesh"
+        )
+        return None
+    mesh, order = (mesh_context.fsdp_moe_mesh, EXPERT_MESH_DIMS) if expert else (mesh_context.device_mesh, DEVICE_MESH_DIMS)
+    assert mesh is not None
+    whole = tuple(named.get(axis, Replicate()) for axis in order)
+    axes = tuple(axis for axis in order if axis in named)
+    if not axes:  # a mapping that names no axis replicates over the whole device mesh
+        return mesh, whole, mesh, whole
+    return mesh[axes], tuple(named[axis] for axis in axes), mesh, whole
+
+
+def _parameter(module: nn.Module, path: str) -> nn.Parameter | None:
+    owner_path, _, name = path.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_path) if owner_path else module
+    except AttributeError:
+        return None
+    parameter = owner._parameters.get(name)
+    return parameter if isinstance(parameter, nn.Parameter) else None
+
+
+def _already_there(entry: _Planned) -> bool:
+    """Whether the parameter already is a DTensor on this mesh with these placements."""
+    parameter = entry.parameter
+    return isinstance(parameter, DTensor) and parameter.device_mesh == entry.mesh and parameter.placements == entry.placements
+
+
+def _record_families(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext) -> None:
+    for fqn, spec in plan.parallel_modules.items():
+        module = submodule(model, fqn)
+        if isinstance(family_spec(type(module)), ParallelModuleSpec):
+            record_family_distribution(module, fqn, spec, plan.sharding[fqn], mesh_context)

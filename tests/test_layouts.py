@@ -1,0 +1,27 @@
+"""SPEC §8 on real process groups: 2- and 4-rank gloo worlds with tp and ep axes, every check on
+every rank (see layout_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshbind.launch import run_local_world
+
+WORLDS = {
+    "2 ranks tp2 ep2": (2, {"dp": 1, "cp": 1, "tp": 2, "ep": 2}),
+    "4 ranks dp2 tp2 ep4": (4, {"dp": 2, "cp": 1, "tp": 2, "ep": 4}),
+}
+CHECKS = ("meta", "values", "all_or_nothing", "family")
+
+
+@pytest.fixture(scope="module", params=list(WORLDS))
+def world_results(request: pytest.FixtureRequest) -> list[dict[str, str | None]]:
+    world_size, sizes = WORLDS[request.param]
+    results: list[dict[str, str | None]] = run_local_world(world_size, "layout_checks:run_checks", sizes)
+    return results
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_check_passes_on_every_rank(world_results: list[dict[str, str | None]], check: str) -> None:
+    failures = {rank: result[check] for rank, result in enumerate(world_results) if result[check] is not None}
+    assert not failures, "\n".join(f"rank {rank}:\n{trace}" for rank, trace in failures.items())
