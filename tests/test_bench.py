@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import apply_layouts as apply_layouts_bench
 import binding as binding_bench
 import plan_resolution
 import pytest
@@ -125,3 +126,18 @@ def test_the_binding_benchmark_fails_when_a_method_binds_other_modules_or_create
     for wrong in ((0.001, 4, 0), (0.001, 5, 1)):
         with pytest.raises(AssertionError, match="by_hand at 2 layers"):
             binding_bench.rows_of(2, [good, {**good, "by_hand": wrong}])
+
+
+def test_the_layouts_benchmark_places_the_same_parameters_by_both_methods(capsys: pytest.CaptureFixture[str]) -> None:
+    assert apply_layouts_bench.main(["--layers", "2", "--experts", "4", "--world-size", "2", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    # Per layer: qkv and out on tp, three fused expert weights and the router on ep.
+    assert "| 2 | 4 | 12 | meshbind |" in out and "| 2 | 4 | 12 | torch |" in out
+
+
+def test_the_layouts_benchmark_fails_when_torch_places_other_parameters() -> None:
+    placed = [("blocks.0.attn.qkv.weight", ("S(0)",), (6, 4))]
+    good = {"meshbind": (0.1, placed), "torch": (0.2, placed)}
+    assert [row["x_meshbind"] for row in apply_layouts_bench.rows_of([good, good], 1, 4)] == [1.0, 2.0]
+    with pytest.raises(AssertionError, match="torch on rank 1 placed other parameters"):
+        apply_layouts_bench.rows_of([good, {**good, "torch": (0.2, [])}], 1, 4)

@@ -44,6 +44,11 @@ def test_the_distributed_run_matches_one_process(config: DemoConfig, bound: floa
     assert report["max_rel_grad_diff"] <= bound
     assert report["max_abs_loss_diff"] <= bound * 10
     assert isinstance(report["seconds_total"], float)
+    # Each rank holds E / ep of every fused expert weight: exactly those bytes are saved.
+    transformer = config.transformer
+    expert_bytes = 3 * transformer.layers * transformer.experts * transformer.intermediate * transformer.hidden
+    expert_bytes *= 4 if config.dtype == "float32" else 8
+    assert report["param_bytes_full"] - report["param_bytes_per_rank"] == expert_bytes - expert_bytes // config.ep
     assert set(report["phases"]) >= {"mesh", "build", "plan", "bind", "materialise", "validate", "forward", "backward"}
 
 

@@ -4,8 +4,8 @@ on a real world, checked against the same model in one process.
     meshbind demo [flags]                                  # spawns a local gloo world (4 ranks)
     torchrun --nproc-per-node 4 -m meshbind.demo [flags]   # the distributed half, under torchrun
 
-On every rank: ``MeshContext.build`` → build on ``meta`` → ``resolve_plan`` →
-``bind_parallel_modules`` → materialise (``to_empty`` + deterministic init) →
+On every rank: ``MeshContext.build`` → build on ``meta`` → ``resolve_plan`` → ``apply_layouts``
+(parameters become DTensors on the meshes) → ``bind_parallel_modules`` → materialise (``to_empty`` + deterministic init) →
 ``validate_materialized_modules`` → forward and backward on a seeded batch → gradient reduction.
 Rank 0 then runs the single-process reference and reports the largest differences.
 """
@@ -24,13 +24,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from meshbind.binding import bind_parallel_modules, validate_materialized_modules
-from meshbind.examples.moe_transformer import MoELayer, MoETransformer, TransformerConfig, batch, initialize, loss_head_request
+from meshbind.examples.moe_transformer import (
+    MoELayer,
+    MoETransformer,
+    TransformerConfig,
+    batch,
+    initialize,
+    local,
+    loss_head_request,
+)
 from meshbind.launch import run_local_world
-from meshbind.mesh import EXPERT_MESH_DIMS, MeshBinding, MeshContext, process_group_count, waited
+from meshbind.layouts import apply_layouts
+from meshbind.mesh import EXPERT_MESH_DIMS, MeshContext, process_group_count
 from meshbind.resolution import resolve_plan
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -131,8 +140,10 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         model = MoETransformer(config.transformer)
     with phases("plan"):
         plan = resolve_plan(model, [loss_head_request()], mesh_context.layout_context())
-    with phases("bind"):
+    with phases("layout"):
         groups_before = process_group_count()
+        apply_layouts(model, plan, mesh_context)
+    with phases("bind"):
         bound = bind_parallel_modules(model, plan, mesh_context)
         new_groups = process_group_count() - groups_before
     with phases("materialise"):
@@ -155,12 +166,13 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         total_loss = loss.detach().clone()
         dist.all_reduce(total_loss)
     with phases("compare"):
-        gradients = _full_gradients(gradients, experts, mesh_context)
+        local_bytes = parameter_bytes(model)
+        gradients = _full_gradients(gradients)
         worst = torch.tensor([float(new_groups)], device=device)  # NCCL reduces device tensors only
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if rank != 0:
             return None
-        reference_loss, reference_gradients = _reference(config, dtype, tokens, targets)
+        reference_loss, reference_gradients, full_bytes = _reference(config, dtype, tokens, targets)
         loss_diff = abs(float(total_loss) - float(reference_loss))
         grad_diff = max(_relative_difference(gradients[name].cpu(), reference) for name, reference in reference_gradients.items())
     return {
@@ -175,6 +187,8 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         "reference_loss": float(reference_loss),
         "max_abs_loss_diff": loss_diff,
         "max_rel_grad_diff": grad_diff,
+        "param_bytes_per_rank": local_bytes,
+        "param_bytes_full": full_bytes,
         "phases": phases.seconds,
     }
 
@@ -204,31 +218,36 @@ def _reduce_gradients(gradients: dict[str, torch.Tensor], experts: set[str], mes
         expert_mesh.get_group(dim) for dim in ("edp_replicate", "edp_shard") if expert_mesh.size(EXPERT_MESH_DIMS.index(dim)) > 1
     ]
     for name, gradient in gradients.items():
+        # A DTensor's local gradient is its storage: reduced in place.
+        local = gradient.to_local() if isinstance(gradient, DTensor) else gradient
         if name in experts:
             for group in replica_groups:
-                dist.all_reduce(gradient, group=group)
+                dist.all_reduce(local, group=group)
         else:
-            dist.all_reduce(gradient)
+            dist.all_reduce(local)
 
 
-def _full_gradients(gradients: dict[str, torch.Tensor], experts: set[str], mesh_context: MeshContext) -> dict[str, torch.Tensor]:
-    """Every gradient at its full shape: expert slices are gathered over the ep group."""
-    ep_group = MeshBinding(mesh_context).axis_mesh("ep").get_group()
-    return {
-        name: waited(funcol.all_gather_single(gradient.contiguous(), 0, ep_group)) if name in experts else gradient
-        for name, gradient in gradients.items()
-    }
+def _full_gradients(gradients: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every gradient at its full shape: a DTensor parameter's is gathered as a full tensor."""
+    return {name: g.full_tensor() if isinstance(g, DTensor) else g for name, g in gradients.items()}
 
 
 def _reference(
     config: DemoConfig, dtype: torch.dtype, tokens: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The same model, seed and batch in this one process, without any parallelism."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """The same model, seed and batch in this one process, without any parallelism; its loss,
+    gradients and parameter bytes."""
     model = MoETransformer(config.transformer).to(dtype)
     initialize(model, config.seed)
     loss = model(tokens, targets)
     loss.backward()
-    return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    gradients = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), gradients, parameter_bytes(model)
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """The bytes this rank's parameters hold (a DTensor's local shard; a tied parameter once)."""
+    return sum(local(p).numel() * p.element_size() for p in model.parameters())
 
 
 def _relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -262,6 +281,7 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
         f"max |loss diff| {report['max_abs_loss_diff']:.3e}"
     )
     print(f"max relative gradient difference over all parameters: {report['max_rel_grad_diff']:.3e}")
+    print(f"parameter bytes: {report['param_bytes_per_rank']} on rank 0, {report['param_bytes_full']} in one process")
     if as_json:
         print(json.dumps({key: value for key, value in report.items() if key != "plan"}))
 

@@ -6,11 +6,14 @@ their protocols.
   position and restores the full sequence. Everything around it sees the whole sequence.
 - ``MoELayer`` is a family module owning the ``ep`` protocol: it routes each token to its top-k
   experts, dispatches them to the ranks owning those experts, runs its local experts over fused
-  ``[E, ...]`` weights (``Shard(0)`` on ``ep``) and combines the results.
+  ``[E, ...]`` weights (``Shard(0)`` on ``ep``: after ``apply_layouts`` each rank's local tensor
+  holds its ``E / ep`` experts) and combines the results.
 - ``LossHead`` is bound by FQN pattern through a ``NativeParallelBindingRequest`` (kind ``mesh``):
   it takes the ``dp`` axis mesh to normalise the loss by the global token count.
 
-Unbound, the same modules compute the single-process reference.
+Explicit modules compute on their parameters' local tensors (``local``): a ``DTensor``
+parameter's own shard, a plain parameter itself. Unbound and undistributed, the same modules
+compute the single-process reference.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from meshbind.binding import ParallelBinding
 from meshbind.cp import CPContext
@@ -41,6 +44,11 @@ class TransformerConfig:
     intermediate: int = 64
     vocab: int = 96
     top_k: int = 2
+
+
+def local(parameter: torch.Tensor) -> torch.Tensor:
+    """The tensor a module computes with: a ``DTensor``'s local shard (differentiably), else itself."""
+    return parameter.to_local() if isinstance(parameter, DTensor) else parameter
 
 
 def _require_binding(module: nn.Module, binding: object, field: str) -> Any:
@@ -112,10 +120,10 @@ class CPAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        local = self.shard_inputs(x=x)
-        q, k, v = (
-            t.reshape(batch, -1, self.heads, self.hidden // self.heads).transpose(1, 2) for t in self.qkv(local).chunk(3, dim=-1)
-        )
+        local_x = self.shard_inputs(x=x)
+        projected = nn.functional.linear(local_x, local(self.qkv.weight))
+        head_size = self.hidden // self.heads
+        q, k, v = (t.reshape(batch, -1, self.heads, head_size).transpose(1, 2) for t in projected.chunk(3, dim=-1))
         if self.cp is None:
             query_positions = key_positions = torch.arange(seq_len, device=x.device)
         else:
@@ -123,7 +131,7 @@ class CPAttention(nn.Module):
             query_positions = self.cp.positions(seq_len, device=x.device)
             key_positions = self.cp.gathered_positions(seq_len, device=x.device)
         attended = self.attend(q=q, k=k, v=v, query_positions=query_positions, key_positions=key_positions)
-        out = self.out(attended.transpose(1, 2).reshape(batch, -1, self.hidden))
+        out = nn.functional.linear(attended.transpose(1, 2).reshape(batch, -1, self.hidden), local(self.out.weight))
         return self.restore(out=out)
 
 
@@ -137,9 +145,9 @@ def _experts_materialized(*, module: nn.Module, binding: ParallelBinding | None)
     assert isinstance(module, MoELayer)
     expected = module.num_experts if module.ep is None else module.ep.num_local_experts
     for name in MoELayer.EXPERT_WEIGHTS:
-        parameter = getattr(module, name)
-        if parameter.is_meta or parameter.size(0) != expected:
-            raise ValueError(f"{name} holds {parameter.size(0)} experts on {parameter.device}, expected {expected} materialised")
+        weight = local(getattr(module, name))
+        if weight.is_meta or weight.size(0) != expected:
+            raise ValueError(f"{name} holds {weight.size(0)} local experts on {weight.device}, expected {expected} materialised")
 
 
 class MoELayer(nn.Module):
@@ -158,7 +166,6 @@ class MoELayer(nn.Module):
         self.w_up = nn.Parameter(torch.empty(self.num_experts, intermediate, hidden))
         self.w_down = nn.Parameter(torch.empty(self.num_experts, hidden, intermediate))
         self.ep: EPContext | None = None
-        self._all_experts: dict[str, nn.Parameter] = {}
 
     def parallel_sharding(self, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
         params: dict[str, dict[str, Any]] = {name: {"ep": Shard(0)} for name in self.EXPERT_WEIGHTS}
@@ -166,22 +173,15 @@ class MoELayer(nn.Module):
         return ModuleShardingSpec(params=params)
 
     def bind_parallel(self, binding: ParallelBinding) -> None:
-        """Own only the local experts: each fused weight becomes its ``[E / ep, ...]`` slice."""
-        ep: EPContext = _require_binding(self, binding, "ep_context")
-        self._all_experts = {name: getattr(self, name) for name in self.EXPERT_WEIGHTS}
-        for name, full in self._all_experts.items():
-            local = full.detach()[ep.local_expert_start : ep.local_expert_stop].clone()
-            setattr(self, name, nn.Parameter(local, requires_grad=full.requires_grad))
-        self.ep = ep
+        """The experts this rank owns are its weights' local shards (``apply_layouts`` made them)."""
+        self.ep = _require_binding(self, binding, "ep_context")
 
     def unbind_parallel(self) -> None:
-        for name, full in self._all_experts.items():
-            setattr(self, name, full)
-        self._all_experts, self.ep = {}, None
+        self.ep = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k experts of each token and their renormalised weights."""
-        weights, expert_ids = torch.softmax(self.router(x), dim=-1).topk(self.top_k, dim=-1)
+        weights, expert_ids = torch.softmax(nn.functional.linear(x, local(self.router.weight)), dim=-1).topk(self.top_k, dim=-1)
         return expert_ids, weights / weights.sum(dim=-1, keepdim=True)
 
     def dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor) -> Any:
@@ -189,10 +189,10 @@ class MoELayer(nn.Module):
         return self.ep.dispatch(tokens, expert_ids)
 
     def compute(self, tokens: torch.Tensor, local_expert_ids: torch.Tensor) -> torch.Tensor:
-        """Each token through its local expert, a SwiGLU over the fused weights."""
-        gate = torch.einsum("th,tih->ti", tokens, self.w_gate[local_expert_ids])
-        up = torch.einsum("th,tih->ti", tokens, self.w_up[local_expert_ids])
-        return torch.einsum("ti,thi->th", nn.functional.silu(gate) * up, self.w_down[local_expert_ids])
+        """Each token through its local expert, a SwiGLU over the fused weights' local experts."""
+        gate = torch.einsum("th,tih->ti", tokens, local(self.w_gate)[local_expert_ids])
+        up = torch.einsum("th,tih->ti", tokens, local(self.w_up)[local_expert_ids])
+        return torch.einsum("ti,thi->th", nn.functional.silu(gate) * up, local(self.w_down)[local_expert_ids])
 
     def combine(self, expert_out: torch.Tensor, routed: Any, weights: torch.Tensor) -> torch.Tensor:
         assert self.ep is not None
@@ -247,7 +247,7 @@ class LossHead(nn.Module):
         self.binding = None
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.proj(hidden)
+        logits = nn.functional.linear(hidden, local(self.proj.weight))
         total = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
         if self.binding is None:
             return total / targets.numel()
@@ -264,7 +264,8 @@ def loss_head_request() -> NativeParallelBindingRequest:
     spec = ParallelModuleSpec("mesh_loss_head", "mesh", stages={"loss": ("hidden", "targets")}, validate=_accept)
 
     def replicated(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
-        return ModuleShardingSpec(params={"proj.weight": {axis: Replicate() for axis in context.axis_sizes}})
+        # Whole on every rank of the device mesh (a parameter lives on one mesh: not on ep's).
+        return ModuleShardingSpec(params={"proj.weight": {axis: Replicate() for axis in context.axis_sizes if axis != "ep"}})
 
     return NativeParallelBindingRequest(("head",), spec, replicated)
 
@@ -305,15 +306,13 @@ class MoETransformer(nn.Module):
 
 def initialize(model: MoETransformer, seed: int) -> None:
     """Deterministic values from the seed and each parameter's FQN, the same with or without
-    parallelism: an expert-sharded weight takes its slice of the full tensor."""
+    parallelism: a ``DTensor`` parameter takes its shard of the full tensor (every rank makes the
+    same full tensor, so no rank needs another's)."""
     with torch.no_grad():
         for module_fqn, module in model.named_modules():
             for name, parameter in module.named_parameters(recurse=False):
                 fqn = f"{module_fqn}.{name}" if module_fqn else name
                 shape = tuple(parameter.shape)
-                ep = module.ep if isinstance(module, MoELayer) and name in MoELayer.EXPERT_WEIGHTS else None
-                if ep is not None:
-                    shape = (ep.num_experts, *shape[1:])
                 generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
                 if name == "weight" and isinstance(module, nn.LayerNorm):
                     full = 1.0 + 0.1 * torch.randn(shape, generator=generator, dtype=torch.float64)
@@ -321,9 +320,9 @@ def initialize(model: MoETransformer, seed: int) -> None:
                     full = 0.1 * torch.randn(shape, generator=generator, dtype=torch.float64)
                 else:
                     full = torch.randn(shape, generator=generator, dtype=torch.float64) / (shape[-1] ** 0.5)
-                if ep is not None:
-                    full = full[ep.local_expert_start : ep.local_expert_stop]
-                parameter.copy_(full.to(parameter.dtype))
+                if isinstance(parameter, DTensor):
+                    full = distribute_tensor(full, parameter.device_mesh, parameter.placements, src_data_rank=None).to_local()
+                local(parameter).copy_(full.to(parameter.dtype))
 
 
 def batch(config: TransformerConfig, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
