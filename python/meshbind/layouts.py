@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from meshbind.binding import submodule, unwrapped
 from meshbind.errors import LayoutError
@@ -69,6 +70,7 @@ def _planned_parameters(model: nn.Module, plan: ParallelPlan, mesh_context: Mesh
     ``LayoutError`` naming every problem."""
     problems: list[str] = []
     by_identity: dict[int, _Planned] = {}
+    slices: dict[tuple[str, ...], DeviceMesh] = {}  # slicing a mesh builds a new object each time
     for module_fqn, sharding in plan.sharding.items():
         if not sharding.params:
             continue
@@ -91,7 +93,7 @@ def _planned_parameters(model: nn.Module, plan: ParallelPlan, mesh_context: Mesh
                         f"{placements_text(seen.named)} and {placements_text(named)}"
                     )
                 continue
-            mesh_and_placements = _mesh_and_placements(fqn, named, mesh_context, problems)
+            mesh_and_placements = _mesh_and_placements(fqn, named, mesh_context, slices, problems)
             if mesh_and_placements is not None:
                 by_identity[id(parameter)] = _Planned(fqn, parameter, named, *mesh_and_placements)
     for entry in by_identity.values():
@@ -114,16 +116,42 @@ def _planned_parameters(model: nn.Module, plan: ParallelPlan, mesh_context: Mesh
 def _distributed(entry: _Planned) -> DTensor:
     """The parameter as a DTensor on its sliced mesh, its values from global rank 0: scattered over
     the whole prebuilt mesh (``Replicate`` on the axes the mapping does not name), whose first
-    rank is rank 0, then viewed on the slice (a sliced mesh's own first rank differs per slice)."""
-    whole = distribute_tensor(entry.parameter.detach(), entry.whole_mesh, entry.whole_placements)
-    if entry.whole_mesh is entry.mesh:
-        return whole
+    rank is rank 0, then viewed on the slice (a sliced mesh's own first rank differs per slice).
+    A meta tensor has no values to send: its even shard is made on the slice directly."""
+    tensor = entry.parameter.detach()
+    if tensor.is_meta:
+        local_shape = _even_local_shape(tensor.shape, entry.mesh, entry.placements)
+        if local_shape is not None:
+            local = torch.empty(local_shape, dtype=tensor.dtype, device="meta")
+            return DTensor.from_local(
+                local, entry.mesh, entry.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+            )
+    if tensor.is_meta or entry.whole_mesh is entry.mesh:
+        return distribute_tensor(tensor, entry.mesh, entry.placements)
+    whole = distribute_tensor(tensor, entry.whole_mesh, entry.whole_placements)
     local = whole.to_local()
     return DTensor.from_local(local, entry.mesh, entry.placements, run_check=False, shape=whole.shape, stride=whole.stride())
 
 
+def _even_local_shape(shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> list[int] | None:
+    """Each rank's shard shape when every ``Shard`` divides its dimension (``None``: torch's uneven
+    chunks, left to ``distribute_tensor``)."""
+    local = list(shape)
+    for placement, size in zip(placements, mesh.shape, strict=True):
+        if isinstance(placement, Shard):
+            dim = placement.dim % len(local)
+            if local[dim] % size:
+                return None
+            local[dim] //= size
+    return local
+
+
 def _mesh_and_placements(
-    fqn: str, named: Mapping[str, Placement], mesh_context: MeshContext, problems: list[str]
+    fqn: str,
+    named: Mapping[str, Placement],
+    mesh_context: MeshContext,
+    slices: dict[tuple[str, ...], DeviceMesh],
+    problems: list[str],
 ) -> tuple[DeviceMesh, tuple[Placement, ...], DeviceMesh, tuple[Placement, ...]] | None:
     """The prebuilt mesh sliced to the named axes, in its own dim order, and the placement of each;
     then the whole mesh and its placements (``Replicate`` where the mapping names no axis)."""
@@ -146,7 +174,9 @@ def _mesh_and_placements(
     axes = tuple(axis for axis in order if axis in named)
     if not axes:  # a mapping that names no axis replicates over the whole device mesh
         return mesh, whole, mesh, whole
-    return mesh[axes], tuple(named[axis] for axis in axes), mesh, whole
+    if axes not in slices:
+        slices[axes] = mesh[axes]
+    return slices[axes], tuple(named[axis] for axis in axes), mesh, whole
 
 
 def _parameter(module: nn.Module, path: str) -> nn.Parameter | None:
