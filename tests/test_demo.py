@@ -26,6 +26,7 @@ from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig,
         (DemoConfig(dp=2, cp=2, tp=1, ep=4, dtype="float64", batch=2), 1e-10),
         (DemoConfig(world_size=2, dp=1, cp=2, tp=1, ep=2, dtype="float64", layers=3), 1e-10),
         (DemoConfig(dp=4, cp=1, tp=1, ep=1, dtype="float64"), 1e-10),  # no expert mesh built: the demo wraps one
+        (DemoConfig(dp=1, cp=1, tp=4, ep=4, dtype="float64"), 1e-10),  # one head per tp rank
     ],
     ids=[
         "4-ranks-float32",
@@ -33,6 +34,7 @@ from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig,
         "4-ranks-dp2-ep4-b2-float64",
         "2-ranks-float64",
         "4-ranks-dp4-ep1-float64",
+        "4-ranks-tp4-ep4-float64",
     ],
 )
 def test_the_distributed_run_matches_one_process(config: DemoConfig, bound: float) -> None:
@@ -44,11 +46,13 @@ def test_the_distributed_run_matches_one_process(config: DemoConfig, bound: floa
     assert report["max_rel_grad_diff"] <= bound
     assert report["max_abs_loss_diff"] <= bound * 10
     assert isinstance(report["seconds_total"], float)
-    # Each rank holds E / ep of every fused expert weight: exactly those bytes are saved.
-    transformer = config.transformer
-    expert_bytes = 3 * transformer.layers * transformer.experts * transformer.intermediate * transformer.hidden
-    expert_bytes *= 4 if config.dtype == "float32" else 8
-    assert report["param_bytes_full"] - report["param_bytes_per_rank"] == expert_bytes - expert_bytes // config.ep
+    # Each rank holds E / ep of every fused expert weight and heads / tp of every attention
+    # projection: exactly those bytes are saved.
+    transformer, element = config.transformer, 4 if config.dtype == "float32" else 8
+    expert_bytes = 3 * transformer.layers * transformer.experts * transformer.intermediate * transformer.hidden * element
+    attention_bytes = 4 * transformer.layers * transformer.hidden**2 * element  # qkv (3h x h) and out (h x h)
+    saved = expert_bytes - expert_bytes // config.ep + attention_bytes - attention_bytes // config.tp
+    assert report["param_bytes_full"] - report["param_bytes_per_rank"] == saved
     assert set(report["phases"]) >= {"mesh", "build", "plan", "bind", "materialise", "validate", "forward", "backward"}
 
 
@@ -102,6 +106,10 @@ def test_torchrun_runs_the_distributed_half() -> None:
         (["--dp", "1", "--cp", "2", "--tp", "1"], "--dp 1 x --cp 2 x --tp 1 = 2, not the world size 4"),
         (["--experts", "6", "--ep", "4", "--tp", "2"], "--experts 6 is not divisible by --ep 4"),
         (["--ep", "3"], "--ep 3 does not divide the world size 4"),
+        (
+            ["--world-size", "3", "--cp", "1", "--tp", "3", "--ep", "1", "--experts", "6"],
+            "--tp 3 does not divide the 4 attention heads",
+        ),
         (["--seq-len", "30"], "--seq-len 30 is not divisible by 2 x --cp = 4"),
         (["--world-size", "4096", "--dp", "1024", "--cp", "2", "--tp", "2"], "more than this machine can sensibly run"),
         (["--batch", "3", "--dp", "2", "--cp", "2", "--tp", "1"], "--batch 3 is not divisible by --dp 2"),

@@ -29,7 +29,6 @@ from torch.distributed.tensor import DTensor
 
 from meshbind.binding import bind_parallel_modules, validate_materialized_modules
 from meshbind.examples.moe_transformer import (
-    MoELayer,
     MoETransformer,
     TransformerConfig,
     batch,
@@ -93,6 +92,8 @@ def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
         raise FlagError(
             f"--experts {config.experts} is fewer than the {config.transformer.top_k} experts each token is routed to"
         )
+    if config.transformer.heads % config.tp:
+        raise FlagError(f"--tp {config.tp} does not divide the {config.transformer.heads} attention heads")
     if config.seq_len % (2 * config.cp):
         raise FlagError(f"--seq-len {config.seq_len} is not divisible by 2 x --cp = {2 * config.cp} (head-tail CP chunks)")
     if config.batch % config.dp:
@@ -161,8 +162,7 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         loss.backward()
     with phases("reduce"):
         gradients = _local_gradients(model, rank)
-        experts = _expert_weight_names(model)
-        _reduce_gradients(gradients, experts, mesh_context)
+        _reduce_gradients(gradients, mesh_context)
         total_loss = loss.detach().clone()
         dist.all_reduce(total_loss)
     with phases("compare"):
@@ -204,27 +204,27 @@ def _local_gradients(model: MoETransformer, rank: int) -> dict[str, torch.Tensor
     return gradients
 
 
-def _expert_weight_names(model: MoETransformer) -> set[str]:
-    layers = [fqn for fqn, module in model.named_modules() if isinstance(module, MoELayer)]
-    return {f"{fqn}.{name}" for fqn in layers for name in MoELayer.EXPERT_WEIGHTS}
-
-
-def _reduce_gradients(gradients: dict[str, torch.Tensor], experts: set[str], mesh_context: MeshContext) -> None:
-    """Sum each gradient over the ranks holding a copy of its parameter: expert weights over the
-    expert mesh's data-parallel dims, everything else over the whole world. Existing groups only."""
-    expert_mesh = mesh_context.fsdp_moe_mesh
-    assert expert_mesh is not None
-    replica_groups = [
-        expert_mesh.get_group(dim) for dim in ("edp_replicate", "edp_shard") if expert_mesh.size(EXPERT_MESH_DIMS.index(dim)) > 1
-    ]
-    for name, gradient in gradients.items():
+def _reduce_gradients(gradients: dict[str, torch.Tensor], mesh_context: MeshContext) -> None:
+    """Sum each gradient over the ranks holding the same values of its parameter: every dim of its
+    mesh (the expert mesh for a parameter on ``ep``, else the device mesh) that it is not ``Shard``
+    on. A plain parameter is whole on every rank of the device mesh. Existing groups only."""
+    for gradient in gradients.values():
         # A DTensor's local gradient is its storage: reduced in place.
-        local = gradient.to_local() if isinstance(gradient, DTensor) else gradient
-        if name in experts:
-            for group in replica_groups:
-                dist.all_reduce(local, group=group)
-        else:
-            dist.all_reduce(local)
+        local_gradient = gradient.to_local() if isinstance(gradient, DTensor) else gradient
+        for group in _replica_groups(mesh_context, gradient):
+            dist.all_reduce(local_gradient, group=group)
+
+
+def _replica_groups(mesh_context: MeshContext, gradient: torch.Tensor) -> list[Any]:
+    sharded: set[str] = set()
+    whole = mesh_context.device_mesh
+    if isinstance(gradient, DTensor):
+        names = gradient.device_mesh.mesh_dim_names or ()
+        sharded = {name for name, placement in zip(names, gradient.placements, strict=True) if placement.is_shard()}
+        if set(names) <= set(EXPERT_MESH_DIMS) and mesh_context.fsdp_moe_mesh is not None:
+            whole = mesh_context.fsdp_moe_mesh
+    dims = whole.mesh_dim_names or ()
+    return [whole.get_group(dim) for index, dim in enumerate(dims) if dim not in sharded and whole.size(index) > 1]
 
 
 def _full_gradients(gradients: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -3,7 +3,11 @@ their protocols.
 
 - ``CPAttention`` is a family module owning the ``cp`` protocol: it shards the sequence
   head-tail, gathers keys and values from the other CP ranks, attends causally by global
-  position and restores the full sequence. Everything around it sees the whole sequence.
+  position and restores the full sequence. Everything around it sees the whole sequence. Over
+  ``tp`` it splits the heads: ``qkv`` is ``Shard(0)`` (its rows are laid out head by head, so each
+  rank's shard holds whole heads' queries, keys and values), ``out`` is ``Shard(1)`` (the input
+  dimension), and the partial sums of ``out`` are reduced over the prebuilt ``tp`` mesh, forward
+  and backward.
 - ``MoELayer`` is a family module owning the ``ep`` protocol: it routes each token to its top-k
   experts, dispatches them to the ranks owning those experts, runs its local experts over fused
   ``[E, ...]`` weights (``Shard(0)`` on ``ep``: after ``apply_layouts`` each rank's local tensor
@@ -62,6 +66,23 @@ def _check_attention(*, module: nn.Module, sharding: ModuleShardingSpec, context
     assert isinstance(module, CPAttention)
     if module.hidden % module.heads:
         raise ValueError(f"hidden size {module.hidden} is not divisible by {module.heads} heads")
+    tp = context.axis_sizes.get("tp", 1)
+    if module.heads % tp:
+        raise ValueError(f"{module.heads} heads are not divisible by the 'tp' axis size {tp}")
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """The sum of every rank's partial tensor over a group; backward sums the gradients too, since
+    every rank's loss depends on each rank's partial through the sum."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return waited(funcol.all_reduce(partial, "sum", group))
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return waited(funcol.all_reduce(gradient.contiguous(), "sum", ctx.group)), None
 
 
 def _attention_materialized(*, module: nn.Module, binding: ParallelBinding | None) -> None:
@@ -84,14 +105,19 @@ class CPAttention(nn.Module):
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
         self.hidden, self.heads = hidden, heads
+        # qkv's rows are head by head: (head, q/k/v, head_dim), so a Shard(0) holds whole heads.
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.out = nn.Linear(hidden, hidden, bias=False)
         self.cp: CPContext | None = None
+        self.tp_group: Any = None
 
     def parallel_sharding(self, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
-        # Weights replicated over cp; the module takes and returns the whole sequence.
+        # Weights replicated over cp and split by heads over tp; the module takes and returns the
+        # whole sequence, replicated over tp.
+        heads = {"tp": Shard(0)} if "tp" in context.axis_sizes else {}
+        heads_in = {"tp": Shard(1)} if "tp" in context.axis_sizes else {}
         return ModuleShardingSpec(
-            params={"qkv.weight": {"cp": Replicate()}, "out.weight": {"cp": Replicate()}},
+            params={"qkv.weight": {"cp": Replicate(), **heads}, "out.weight": {"cp": Replicate(), **heads_in}},
             in_src={"cp": Replicate()},
             in_dst={"cp": Replicate()},
             out_src={"cp": Replicate()},
@@ -100,9 +126,11 @@ class CPAttention(nn.Module):
 
     def bind_parallel(self, binding: ParallelBinding) -> None:
         self.cp = _require_binding(self, binding, "cp_context")
+        tp = binding.mesh_binding.axis_mesh("tp")
+        self.tp_group = tp.get_group() if tp.size() > 1 else None
 
     def unbind_parallel(self) -> None:
-        self.cp = None
+        self.cp, self.tp_group = None, None
 
     def shard_inputs(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.cp is None else self.cp.shard_sequence(x, 1)
@@ -123,7 +151,9 @@ class CPAttention(nn.Module):
         local_x = self.shard_inputs(x=x)
         projected = nn.functional.linear(local_x, local(self.qkv.weight))
         head_size = self.hidden // self.heads
-        q, k, v = (t.reshape(batch, -1, self.heads, head_size).transpose(1, 2) for t in projected.chunk(3, dim=-1))
+        # This rank's heads (all of them without tp), each with its query, key and value.
+        per_head = projected.reshape(batch, local_x.size(1), -1, 3, head_size)
+        q, k, v = (per_head.select(3, part).transpose(1, 2) for part in range(3))
         if self.cp is None:
             query_positions = key_positions = torch.arange(seq_len, device=x.device)
         else:
@@ -131,7 +161,10 @@ class CPAttention(nn.Module):
             query_positions = self.cp.positions(seq_len, device=x.device)
             key_positions = self.cp.gathered_positions(seq_len, device=x.device)
         attended = self.attend(q=q, k=k, v=v, query_positions=query_positions, key_positions=key_positions)
-        out = nn.functional.linear(attended.transpose(1, 2).reshape(batch, -1, self.hidden), local(self.out.weight))
+        heads_out = attended.transpose(1, 2).reshape(batch, attended.size(2), -1)
+        out = nn.functional.linear(heads_out, local(self.out.weight))
+        if self.tp_group is not None:  # each rank's heads give a partial sum of the projection
+            out = _SumOverGroup.apply(out, self.tp_group)
         return self.restore(out=out)
 
 
