@@ -114,6 +114,7 @@ def test_torchrun_runs_the_distributed_half() -> None:
         (["--world-size", "4096", "--dp", "1024", "--cp", "2", "--tp", "2"], "more than this machine can sensibly run"),
         (["--batch", "3", "--dp", "2", "--cp", "2", "--tp", "1"], "--batch 3 is not divisible by --dp 2"),
         (["--layers", "0"], "--layers must be at least 1"),
+        (["--load", "/nonexistent/checkpoint"], "--load /nonexistent/checkpoint is not a checkpoint written by --save"),
         (["--experts", "1", "--ep", "1"], "fewer than the 2 experts each token is routed to"),
     ],
 )

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from meshbind.binding import bind_parallel_modules, validate_materialized_modules
+from meshbind.checkpoints import load_checkpoint, save_checkpoint
 from meshbind.examples.moe_transformer import (
     MoETransformer,
     TransformerConfig,
@@ -58,6 +59,11 @@ class DemoConfig:
     dtype: str = "float32"
     seed: int = 0
     json: bool = False
+    save: str | None = None
+    """A directory: after the backward, one SGD step, then the model's state saved there."""
+    load: str | None = None
+    """A directory saved by ``--save`` (at any layout): the model's state, in place of the seeded init."""
+    lr: float = 0.1
 
     @property
     def transformer(self) -> TransformerConfig:
@@ -98,6 +104,13 @@ def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
         raise FlagError(f"--seq-len {config.seq_len} is not divisible by 2 x --cp = {2 * config.cp} (head-tail CP chunks)")
     if config.batch % config.dp:
         raise FlagError(f"--batch {config.batch} is not divisible by --dp {config.dp}")
+    if config.load is not None and not os.path.isfile(os.path.join(config.load, ".metadata")):
+        raise FlagError(f"--load {config.load} is not a checkpoint written by --save (no .metadata in it)")
+    if config.save is not None:
+        try:
+            os.makedirs(config.save, exist_ok=True)
+        except OSError as error:
+            raise FlagError(f"--save {config.save}: cannot make the directory: {error.strerror}") from None
 
 
 @dataclass
@@ -150,7 +163,10 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     with phases("materialise"):
         model.to_empty(device=device)
         model.to(dtype)
-        initialize(model, config.seed)
+        if config.load is None:
+            initialize(model, config.seed)
+        else:
+            load_checkpoint(model, config.load)
     with phases("validate"):
         validate_materialized_modules(model)
     tokens, targets = batch(config.transformer, config.batch, config.seq_len, config.seed)
@@ -170,6 +186,11 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         gradients = _full_gradients(gradients)
         worst = torch.tensor([float(new_groups)], device=device)  # NCCL reduces device tensors only
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    after_step = None
+    if config.save is not None:
+        with phases("step and save"):
+            after_step = _step_save_and_evaluate(model, config, tokens[rows].to(device), targets[rows].to(device))
+    with phases("reference"):
         if rank != 0:
             return None
         reference_loss, reference_gradients, full_bytes = _reference(config, dtype, tokens, targets)
@@ -189,6 +210,7 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         "max_rel_grad_diff": grad_diff,
         "param_bytes_per_rank": local_bytes,
         "param_bytes_full": full_bytes,
+        **({} if after_step is None else {"loss_after_step": after_step, "saved_to": config.save}),
         "phases": phases.seconds,
     }
 
@@ -227,6 +249,21 @@ def _replica_groups(mesh_context: MeshContext, gradient: torch.Tensor) -> list[A
     return [whole.get_group(dim) for index, dim in enumerate(dims) if dim not in sharded and whole.size(index) > 1]
 
 
+def _step_save_and_evaluate(model: MoETransformer, config: DemoConfig, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    """One SGD step with the reduced gradients, the updated state saved (every rank writes its
+    own shards), and the updated model's loss on the same batch, summed over the ranks."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            assert parameter.grad is not None
+            local(parameter).sub_(config.lr * local(parameter.grad))
+    assert config.save is not None
+    save_checkpoint(model, config.save)
+    with torch.no_grad():
+        loss = model(tokens, targets).detach().clone()
+    dist.all_reduce(loss)
+    return float(loss)
+
+
 def _full_gradients(gradients: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every gradient at its full shape: a DTensor parameter's is gathered as a full tensor."""
     return {name: g.full_tensor() if isinstance(g, DTensor) else g for name, g in gradients.items()}
@@ -238,7 +275,10 @@ def _reference(
     """The same model, seed and batch in this one process, without any parallelism; its loss,
     gradients and parameter bytes."""
     model = MoETransformer(config.transformer).to(dtype)
-    initialize(model, config.seed)
+    if config.load is None:
+        initialize(model, config.seed)
+    else:
+        load_checkpoint(model, config.load, no_dist=True)
     loss = model(tokens, targets)
     loss.backward()
     gradients = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -282,6 +322,8 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
     )
     print(f"max relative gradient difference over all parameters: {report['max_rel_grad_diff']:.3e}")
     print(f"parameter bytes: {report['param_bytes_per_rank']} on rank 0, {report['param_bytes_full']} in one process")
+    if "loss_after_step" in report:
+        print(f"after one SGD step: loss {report['loss_after_step']:.10g}; state saved to {report['saved_to']}")
     if as_json:
         print(json.dumps({key: value for key, value in report.items() if key != "plan"}))
 
@@ -299,6 +341,9 @@ def add_flags(parser: argparse.ArgumentParser, *, world_size: bool) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+    parser.add_argument("--save", metavar="DIR", help="after the backward, one SGD step, then save the state to DIR")
+    parser.add_argument("--load", metavar="DIR", help="load the state saved by --save (at any layout) instead of the seeded init")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="the learning rate of --save's step")
 
 
 def config_from(args: argparse.Namespace, world_size: int) -> DemoConfig:

@@ -10,6 +10,7 @@ PatternError           ValueError      ``pattern``
 PlanError              ValueError      ``plan`` (each of its ``problems`` has a code of SPEC §4)
 BindingRefusedError    ValueError      ``owner``, ``class``, ``mesh``, ``module``, ``unbound``
 LayoutError            ValueError      ``layout`` (``apply_layouts``: every problem in ``problems``)
+CheckpointError        ValueError      ``checkpoint`` (every misfit key in ``problems``)
 BindingError           RuntimeError    ``bind_parallel``
 MaterializationError   ValueError      ``materialization``
 =====================  ==============  ==========================================================
@@ -87,6 +88,19 @@ class LayoutError(MeshbindError, ValueError):
         count = len(self.problems)
         lines = "\n".join(f"  {problem}" for problem in self.problems)
         super().__init__(f"cannot apply the layouts: {count} problem{'s' if count != 1 else ''}:\n{lines}")
+
+
+class CheckpointError(MeshbindError, ValueError):
+    """A checkpoint that does not fit the model; ``problems`` names every key (missing, or at
+    another shape). Nothing was loaded."""
+
+    code = "checkpoint"
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        count = len(self.problems)
+        lines = "\n".join(f"  {problem}" for problem in self.problems)
+        super().__init__(f"the checkpoint does not fit the model ({count} key{'s' if count != 1 else ''}):\n{lines}")
 
 
 class BindingError(MeshbindError, RuntimeError):
