@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +41,8 @@ from meshbind import (
     validate_materialized_modules,
 )
 from meshbind.mesh import process_group_count
+
+from rank_checks import Results, attempt_each
 
 TOLERANCE = 1e-10
 
@@ -535,28 +536,22 @@ def check_wrappers(context: MeshContext) -> None:
         raise AssertionError("binding the same plan again through the wrappers bound modules again")
 
 
-def run_checks(sizes: dict[str, int]) -> dict[str, str | None]:
+def run_checks(sizes: dict[str, int]) -> Results:
     """Every check on this rank: ``{name: None}`` when it passed, else its traceback."""
-    results: dict[str, str | None] = {}
-
-    def attempt(name: str, check: Callable[[], None]) -> None:
-        try:
-            check()
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-
-    attempt("mesh_sizes", lambda: check_mesh_sizes(sizes))
+    results = attempt_each({"mesh_sizes": lambda: check_mesh_sizes(sizes)})
     context = MeshContext.build(**sizes)
-    attempt("axis_mesh", lambda: check_axis_mesh(context))
-    attempt("cp", lambda: check_cp(context))
-    attempt("ep_random", lambda: check_ep(context, "random"))
-    attempt("ep_skewed", lambda: check_ep(context, "skewed"))
-    attempt("binding", lambda: check_binding(context))
-    attempt("binding_all_or_nothing", lambda: check_binding_is_all_or_nothing(context))
-    attempt("validate_materialized", lambda: check_validate_materialized(context))
-    attempt("wrappers", lambda: check_wrappers(context))
-    return results
+    return results | attempt_each(
+        {
+            "axis_mesh": lambda: check_axis_mesh(context),
+            "cp": lambda: check_cp(context),
+            "ep_random": lambda: check_ep(context, "random"),
+            "ep_skewed": lambda: check_ep(context, "skewed"),
+            "binding": lambda: check_binding(context),
+            "binding_all_or_nothing": lambda: check_binding_is_all_or_nothing(context),
+            "validate_materialized": lambda: check_validate_materialized(context),
+            "wrappers": lambda: check_wrappers(context),
+        }
+    )
 
 
 def exit_on_rank_one() -> None:

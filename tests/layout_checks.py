@@ -3,8 +3,6 @@ plan's placements DTensor parameters on the prebuilt meshes, all or nothing, cre
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +23,8 @@ from meshbind import (
     resolve_plan,
 )
 from meshbind.mesh import process_group_count
+
+from rank_checks import Results, attempt_each
 
 SPEC = ParallelModuleSpec("layout_test")
 
@@ -186,19 +186,13 @@ def check_all_or_nothing(context: MeshContext) -> None:
     expect(model, resolve_plan(model, [other], layout), "'qkv.weight' is already distributed as (Shard(dim=0),)")
 
 
-def run_checks(sizes: dict[str, int]) -> dict[str, str | None]:
-    results: dict[str, str | None] = {}
-
-    def attempt(name: str, check: Callable[[], None]) -> None:
-        try:
-            check()
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-
+def run_checks(sizes: dict[str, int]) -> Results:
     context = MeshContext.build(**sizes)
-    attempt("meta", lambda: check_meta(context))
-    attempt("values", lambda: check_values(context))
-    attempt("all_or_nothing", lambda: check_all_or_nothing(context))
-    attempt("family", lambda: check_family(context))
-    return results
+    return attempt_each(
+        {
+            "meta": lambda: check_meta(context),
+            "values": lambda: check_values(context),
+            "all_or_nothing": lambda: check_all_or_nothing(context),
+            "family": lambda: check_family(context),
+        }
+    )

@@ -7,6 +7,8 @@ import pytest
 from meshbind import MeshContext
 from meshbind.launch import run_local_world
 
+from rank_checks import failures_of
+
 WORLDS = {
     "2 ranks dp1 cp2 tp1 ep2": (2, {"dp": 1, "cp": 2, "tp": 1, "ep": 2}),
     "4 ranks dp2 cp2 tp1 ep4": (4, {"dp": 2, "cp": 2, "tp": 1, "ep": 4}),
@@ -33,8 +35,8 @@ def world_results(request: pytest.FixtureRequest) -> list[dict[str, str | None]]
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_check_passes_on_every_rank(world_results: list[dict[str, str | None]], check: str) -> None:
-    failures = {rank: result[check] for rank, result in enumerate(world_results) if result[check] is not None}
-    assert not failures, "\n".join(f"rank {rank}:\n{trace}" for rank, trace in failures.items())
+    failures = failures_of(world_results, check)
+    assert not failures, failures
 
 
 def test_a_rank_that_dies_fails_the_run_at_once_naming_it() -> None:

@@ -7,6 +7,8 @@ import pytest
 
 from meshbind.launch import run_local_world
 
+from rank_checks import failures_of
+
 WORLDS = {
     "2 ranks tp2 ep2": (2, {"dp": 1, "cp": 1, "tp": 2, "ep": 2}),
     "4 ranks dp2 tp2 ep4": (4, {"dp": 2, "cp": 1, "tp": 2, "ep": 4}),
@@ -23,5 +25,5 @@ def world_results(request: pytest.FixtureRequest) -> list[dict[str, str | None]]
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_check_passes_on_every_rank(world_results: list[dict[str, str | None]], check: str) -> None:
-    failures = {rank: result[check] for rank, result in enumerate(world_results) if result[check] is not None}
-    assert not failures, "\n".join(f"rank {rank}:\n{trace}" for rank, trace in failures.items())
+    failures = failures_of(world_results, check)
+    assert not failures, failures

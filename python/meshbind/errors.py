@@ -76,7 +76,17 @@ class BindingRefusedError(MeshbindError, ValueError):
         super().__init__(message)
 
 
-class LayoutError(MeshbindError, ValueError):
+class _ListedProblems(MeshbindError, ValueError):
+    """An error whose ``problems`` are lines of text, one per FQN or key, all shown."""
+
+    def __init__(self, title: str, noun: str, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        count = len(self.problems)
+        lines = "\n".join(f"  {problem}" for problem in self.problems)
+        super().__init__(f"{title} ({count} {noun}{'s' if count != 1 else ''}):\n{lines}")
+
+
+class LayoutError(_ListedProblems):
     """``apply_layouts`` refused the plan before any parameter changed; ``problems`` names each
     parameter FQN and what is wrong with it (an axis no mesh has, axes of both meshes, a tie
     given two layouts, a parameter distributed with another layout, one the model lacks)."""
@@ -84,23 +94,17 @@ class LayoutError(MeshbindError, ValueError):
     code = "layout"
 
     def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = tuple(problems)
-        count = len(self.problems)
-        lines = "\n".join(f"  {problem}" for problem in self.problems)
-        super().__init__(f"cannot apply the layouts: {count} problem{'s' if count != 1 else ''}:\n{lines}")
+        super().__init__("cannot apply the layouts", "problem", problems)
 
 
-class CheckpointError(MeshbindError, ValueError):
+class CheckpointError(_ListedProblems):
     """A checkpoint that does not fit the model; ``problems`` names every key (missing, or at
     another shape). Nothing was loaded."""
 
     code = "checkpoint"
 
     def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = tuple(problems)
-        count = len(self.problems)
-        lines = "\n".join(f"  {problem}" for problem in self.problems)
-        super().__init__(f"the checkpoint does not fit the model ({count} key{'s' if count != 1 else ''}):\n{lines}")
+        super().__init__("the checkpoint does not fit the model", "key", problems)
 
 
 class BindingError(MeshbindError, RuntimeError):

@@ -1,0 +1,27 @@
+"""Running named checks on every rank of a local world, and reading their results in pytest."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+
+Results = dict[str, str | None]
+"""Check name → ``None`` when it passed on this rank, else its traceback."""
+
+
+def attempt_each(checks: Mapping[str, Callable[[], None]]) -> Results:
+    """Every check, in order, each failure caught as its traceback so the others still run."""
+    results: Results = {}
+    for name, check in checks.items():
+        try:
+            check()
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+def failures_of(world_results: Sequence[Results], check: str) -> str:
+    """The tracebacks of ``check`` on every rank where it failed (empty when it passed everywhere)."""
+    failed = {rank: result[check] for rank, result in enumerate(world_results) if result[check] is not None}
+    return "\n".join(f"rank {rank}:\n{trace}" for rank, trace in failed.items())
