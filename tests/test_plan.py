@@ -604,7 +604,7 @@ def test_offline_resolution_over_fqns_with_shapes() -> None:
     [problem] = caught.value.problems
     assert (problem.code, problem.fqn) == ("expert", "layers.1.mlp") and "shape[0] is 6" in problem.message
     plan = resolve_plan(names, [EXPERTS_REQUEST], CONTEXT)
-    assert list(plan.parallel_modules) == ["layers.0.mlp", "layers.1.mlp"]
+    assert [fqn for fqn in plan.parallel_modules if fqn.endswith("mlp")] == ["layers.0.mlp", "layers.1.mlp"]
     problems = problems_of(names, [EXPERTS_REQUEST], param_shapes={"layers.0.mlp.w1": (EXPERTS, 8)})
     assert [(p.code, p.fqn) for p in problems] == [("layout", "layers.1.mlp")]
     assert "no shape was given for parameter 'layers.1.mlp.w1'" in problems[0].message
@@ -790,3 +790,18 @@ def test_pruning_the_walk_changes_no_plan_and_no_problem(
         assert outcome(_tree_of(fqns)) == pruned
     if all(request.sharding is PROVIDERS[0] for request in requests):
         assert outcome([name for name, _ in _tree_of(fqns).named_modules()]) == pruned
+
+
+def test_an_optional_request_that_selects_nothing_is_a_warning_not_a_problem() -> None:
+    optional = NativeParallelBindingRequest(("layers.*.mlp.expertz",), EP_SPEC, experts_sharding, required=False)
+    plan = resolve_plan(Model(), [EXPERTS_REQUEST, optional], CONTEXT)
+    assert [fqn for fqn in plan.parallel_modules if fqn.endswith("mlp")] == ["layers.0.mlp", "layers.1.mlp"]
+    [warning] = plan.warnings
+    assert (warning.code, warning.fqn, warning.request) == ("unmatched", None, "requests[1]")
+    assert "pattern 'layers.*.mlp.expertz' does not select any module; did you mean" in warning.message
+    assert "warning: unmatched (pattern): pattern 'layers.*.mlp.expertz'" in plan.explain()
+    assert json.loads(json.dumps(plan.to_dict()))["warnings"][0]["request"] == "requests[1]"
+    # Required (the default), the same pattern is a problem.
+    required = dataclasses.replace(optional, required=True)
+    assert [p.code for p in problems_of(Model(), [EXPERTS_REQUEST, required])] == ["unmatched"]
+    assert resolve_plan(Model(), [EXPERTS_REQUEST], CONTEXT).warnings == ()

@@ -140,3 +140,9 @@ def test_layout_context_is_read_only_and_names_a_missing_axis() -> None:
     assert context.size("ep") == 4
     with pytest.raises(ValueError, match="no 'cp' axis"):
         context.size("cp")
+
+
+def test_required_must_be_a_bool() -> None:
+    spec = ParallelModuleSpec("p")
+    with pytest.raises(ValueError, match=r"NativeParallelBindingRequest\.required must be a bool, got .no."):
+        NativeParallelBindingRequest(("a",), spec, lambda m, f, c: ModuleShardingSpec(), required="no")  # type: ignore[arg-type]

@@ -172,11 +172,15 @@ SHARDING_FIELDS = ("params", "in_src", "in_dst", "out_src", "out_dst")
 
 @dataclass(frozen=True)
 class NativeParallelBindingRequest:
-    """Binds existing components, selected by FQN patterns, to a parallel spec and a layout."""
+    """Binds existing components, selected by FQN patterns, to a parallel spec and a layout.
+
+    A pattern of a ``required`` request that selects nothing is an ``unmatched`` problem; of an
+    optional one (``required=False``), a warning in ``ParallelPlan.warnings``."""
 
     match: tuple[str, ...]
     parallel: ParallelModuleSpec
     sharding: ShardingProvider
+    required: bool = True
 
     def __post_init__(self) -> None:
         owner = "NativeParallelBindingRequest"
@@ -195,6 +199,8 @@ class NativeParallelBindingRequest:
             raise ValueError(
                 f"{owner}.sharding must be a callable sharding(module, fqn, context), got {type(self.sharding).__name__}"
             )
+        if not isinstance(self.required, bool):
+            raise ValueError(f"{owner}.required must be a bool, got {self.required!r}")
 
 
 @dataclass(frozen=True)

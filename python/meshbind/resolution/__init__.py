@@ -75,7 +75,8 @@ def resolve_plan(
         for candidate, hits in by_index(candidates, override_hits(tree, patterns)):
             candidate.overrides = tuple(hits)
 
-    problems += unmatched_problems(tree, patterns, candidates, model)
+    unmatched, warnings = unmatched_problems(tree, patterns, requests, candidates, model)
+    problems += unmatched
     problems += nested_problems(candidates, tree)
     problems += provide_layouts(candidates, requests, context)
     problems += merge_overrides(candidates, override_items)
@@ -93,6 +94,7 @@ def resolve_plan(
         sharding=MappingProxyType(dict(zip(fqns, shardings, strict=True))),
         context=context,
         sources=MappingProxyType(dict(zip(fqns, sources, strict=True))),
+        warnings=tuple(warnings),
     )
     if families:
         for candidate in laid_out:

@@ -2,7 +2,8 @@
 could have meant, and the sources problems name.
 
 A request's pattern is suggested the model's FQNs; an override's, the planned modules' FQNs (the
-only ones it may select).
+only ones it may select). An optional request's pattern that selects nothing is a warning of the
+plan (SPEC §9), not a problem.
 """
 
 from __future__ import annotations
@@ -15,16 +16,23 @@ from meshbind._core import ModuleTree, PatternSet
 from meshbind.errors import PlanProblem
 from meshbind.resolution.candidates import Candidate, PlanPatterns
 from meshbind.resolution.overrides import Override, override_label
+from meshbind.specs import NativeParallelBindingRequest
 
 
 def unmatched_problems(
-    tree: ModuleTree, patterns: PlanPatterns, candidates: Sequence[Candidate], model: nn.Module | Sequence[str]
-) -> list[PlanProblem]:
+    tree: ModuleTree,
+    patterns: PlanPatterns,
+    requests: Sequence[NativeParallelBindingRequest],
+    candidates: Sequence[Candidate],
+    model: nn.Module | Sequence[str],
+) -> tuple[list[PlanProblem], list[PlanProblem]]:
+    """The unmatched problems, and the warnings of optional requests' patterns that select nothing."""
     counts = tree.hit_counts()
     overrides_used = {index for candidate in candidates for index in candidate.overrides}
     every_name: ModuleTree | None = tree if tree.complete else None
     planned_names: ModuleTree | None = None
-    problems = []
+    problems: list[PlanProblem] = []
+    warnings: list[PlanProblem] = []
     for index, (pattern, owner) in enumerate(zip(patterns.patterns, patterns.owners, strict=True)):
         if owner >= 0 and counts[index] == 0:
             if every_name is None:
@@ -37,8 +45,9 @@ def unmatched_problems(
         else:
             continue
         hint = f"; did you mean {', '.join(repr(n) for n in nearest)}?" if nearest else ""
-        problems.append(PlanProblem("unmatched", None, source, f"pattern {pattern!r} does not select {what}{hint}"))
-    return problems
+        found = PlanProblem("unmatched", None, source, f"pattern {pattern!r} does not select {what}{hint}")
+        (problems if owner < 0 or requests[owner].required else warnings).append(found)
+    return problems, warnings
 
 
 def _every_name(model: nn.Module | Sequence[str]) -> ModuleTree:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from meshbind.errors import PlanProblem
 from meshbind.specs import LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 
 
@@ -18,6 +19,8 @@ class ParallelPlan:
     context: LayoutContext
     sources: Mapping[str, str]
     """Which request (``requests[i]``) or family class put each module in the plan."""
+    warnings: tuple[PlanProblem, ...] = ()
+    """What is worth knowing but no problem: an optional request's pattern that selects nothing."""
 
     def explain(self) -> str:
         """A table: FQN, protocol, binding kind, source and parameter placements."""
@@ -40,12 +43,14 @@ class ParallelPlan:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows]]
         axes = ", ".join(f"{axis}={size}" for axis, size in self.context.axis_sizes.items())
         lines.append(f"{len(rows)} planned module{'s' if len(rows) != 1 else ''}; layout {axes or '(no axes)'}")
+        lines += [f"warning: {warning.line()}" for warning in self.warnings]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the context and every planned module with its spec and sharding."""
         return {
             "context": dict(self.context.axis_sizes),
+            "warnings": [{"code": w.code, "fqn": w.fqn, "request": w.request, "message": w.message} for w in self.warnings],
             "modules": [
                 {
                     "fqn": fqn,
