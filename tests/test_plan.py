@@ -445,7 +445,9 @@ def test_every_problem_of_the_model_comes_back_at_once_sorted_by_fqn() -> None:
     ]
     text = str(caught.value)
     assert text.startswith("the plan has 6 problems:")
-    assert text.index("'head'") < text.index("'layers.0.mlp'") < text.index("'layers.1.mlp'")
+    # The two layers' problems read as one line each: they differ only in the layer index.
+    assert text.index("'head'") < text.index("expert    2 modules 'layers.<0-1>.mlp': num_experts 4 is not divisible")
+    assert "layout    2 modules 'layers.<0-1>.mlp': params['w1'] dimension 0 of size 4" in text
     assert isinstance(caught.value, ValueError)
 
 
@@ -805,3 +807,28 @@ def test_an_optional_request_that_selects_nothing_is_a_warning_not_a_problem() -
     required = dataclasses.replace(optional, required=True)
     assert [p.code for p in problems_of(Model(), [EXPERTS_REQUEST, required])] == ["unmatched"]
     assert resolve_plan(Model(), [EXPERTS_REQUEST], CONTEXT).warnings == ()
+
+
+def test_problems_sort_numbers_numerically_and_the_text_groups_them_by_layer_index() -> None:
+    model = Model(12)
+    problems = problems_of(model, [EXPERTS_REQUEST], context=LayoutContext({"dp": 1, "cp": 2, "ep": 3}))
+    expert = [p for p in problems if p.code == "expert"]
+    assert [p.fqn for p in expert] == [f"layers.{i}.mlp" for i in range(12)]  # layers.2 before layers.10
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(model, [EXPERTS_REQUEST], LayoutContext({"dp": 1, "cp": 2, "ep": 3}))
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "the plan has 24 problems:"
+    grouped = "  expert    12 modules 'layers.<0-11>.mlp': num_experts 4 is not divisible by the 'ep' axis size 3 [requests[0]]"
+    assert grouped in lines
+    assert len(lines) == 3  # the expert and the layout problems, one line each
+
+
+def test_indices_that_are_no_run_are_listed_and_different_messages_stay_apart() -> None:
+    found = [
+        meshbind.PlanProblem("expert", f"layers.{i}.mlp", "requests[0]", "too few experts") for i in (0, 2, 7)
+    ] + [meshbind.PlanProblem("expert", "layers.3.mlp", "requests[0]", "another reason")]
+    text = str(PlanError(found))
+    assert "expert    3 modules 'layers.{0,2,7}.mlp': too few experts [requests[0]]" in text
+    assert "expert    'layers.3.mlp': another reason [requests[0]]" in text
+    assert [p.fqn for p in PlanError(found).problems] == ["layers.0.mlp", "layers.2.mlp", "layers.3.mlp", "layers.7.mlp"]
+

@@ -18,6 +18,7 @@ MaterializationError   ValueError      ``materialization``
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,15 +55,53 @@ class PlanProblem:
 
 
 class PlanError(MeshbindError, ValueError):
-    """Every problem of a plan, sorted by FQN; ``problems`` holds them as ``PlanProblem``."""
+    """Every problem of a plan; ``problems`` holds them as ``PlanProblem``, one per module, sorted
+    by FQN with numbers in numeric order (``layers.2`` before ``layers.10``). The text shows
+    problems that differ only in one index of their FQN as one line (``12 modules
+    'layers.<0-11>.mlp': ...``)."""
 
     code = "plan"
 
     def __init__(self, problems: Sequence[PlanProblem]) -> None:
-        self.problems = tuple(sorted(problems, key=lambda p: (p.fqn is not None, p.fqn or "", p.code)))
+        self.problems = tuple(sorted(problems, key=lambda p: (p.fqn is not None, natural_key(p.fqn or ""), p.code)))
         count = len(self.problems)
-        lines = "\n".join("  " + p.line() for p in self.problems)
+        lines = "\n".join("  " + line for line in grouped_lines(self.problems))
         super().__init__(f"the plan has {count} problem{'s' if count != 1 else ''}:\n{lines}")
+
+
+def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
+    """A sort key reading runs of digits as numbers: ``layers.2`` before ``layers.10``."""
+    return tuple((0, int(run)) if run.isdigit() else (1, run) for run in re.findall(r"\d+|\D+", text))
+
+
+def grouped_lines(problems: Sequence[PlanProblem]) -> list[str]:
+    """One line per problem, but one line for the problems of the same code, request and message
+    whose FQNs differ in a single numeric segment, that segment written as the indices' pattern
+    (``<0-47>`` for a run, ``{0,2,7}`` otherwise). In the order of ``problems``."""
+    groups: dict[tuple[object, ...], list[PlanProblem]] = {}
+    for problem in problems:
+        segments = None if problem.fqn is None else problem.fqn.split(".")
+        shape = None if segments is None else tuple("#" if s.isdigit() else s for s in segments)
+        groups.setdefault((problem.code, problem.request, problem.message, shape), []).append(problem)
+    lines: list[str] = []
+    for members in groups.values():
+        if len(members) == 1 or members[0].fqn is None:
+            lines += [member.line() for member in members]
+            continue
+        split = [member.fqn.split(".") for member in members if member.fqn is not None]
+        varying = [i for i in range(len(split[0])) if len({segments[i] for segments in split}) > 1]
+        if len(varying) != 1:
+            lines += [member.line() for member in members]
+            continue
+        index = varying[0]
+        numbers = sorted({int(segments[index]) for segments in split})
+        contiguous = numbers == list(range(numbers[0], numbers[-1] + 1)) and len(numbers) == len(split)
+        written = f"<{numbers[0]}-{numbers[-1]}>" if contiguous else "{" + ",".join(map(str, numbers)) + "}"
+        fqn = ".".join([*split[0][:index], written, *split[0][index + 1 :]])
+        first = members[0]
+        source = f" [{first.request}]" if first.request else ""
+        lines.append(f"{first.code:<9} {len(members)} modules {fqn!r}: {first.message}{source}")
+    return lines
 
 
 class BindingRefusedError(MeshbindError, ValueError):
