@@ -10,7 +10,9 @@ import meshbind
 from meshbind import (
     BindingError,
     BindingRefusedError,
+    CheckpointError,
     LayoutContext,
+    LayoutError,
     MaterializationError,
     MeshbindError,
     PatternError,
@@ -29,6 +31,8 @@ from meshbind import (
         (BindingRefusedError, ValueError, None),
         (BindingError, RuntimeError, "bind_parallel"),
         (MaterializationError, ValueError, "materialization"),
+        (LayoutError, ValueError, "layout"),
+        (CheckpointError, ValueError, "checkpoint"),
     ],
 )
 def test_each_error_is_a_meshbind_error_and_its_builtin(

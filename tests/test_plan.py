@@ -824,11 +824,10 @@ def test_problems_sort_numbers_numerically_and_the_text_groups_them_by_layer_ind
 
 
 def test_indices_that_are_no_run_are_listed_and_different_messages_stay_apart() -> None:
-    found = [
-        meshbind.PlanProblem("expert", f"layers.{i}.mlp", "requests[0]", "too few experts") for i in (0, 2, 7)
-    ] + [meshbind.PlanProblem("expert", "layers.3.mlp", "requests[0]", "another reason")]
+    found = [meshbind.PlanProblem("expert", f"layers.{i}.mlp", "requests[0]", "too few experts") for i in (0, 2, 7)] + [
+        meshbind.PlanProblem("expert", "layers.3.mlp", "requests[0]", "another reason")
+    ]
     text = str(PlanError(found))
     assert "expert    3 modules 'layers.{0,2,7}.mlp': too few experts [requests[0]]" in text
     assert "expert    'layers.3.mlp': another reason [requests[0]]" in text
     assert [p.fqn for p in PlanError(found).problems] == ["layers.0.mlp", "layers.2.mlp", "layers.3.mlp", "layers.7.mlp"]
-

@@ -19,6 +19,7 @@ from meshbind.ep import RoutedTokens as RoutedTokens
 from meshbind.errors import (
     BindingError,
     BindingRefusedError,
+    CheckpointError,
     LayoutError,
     MaterializationError,
     MeshbindError,
@@ -45,6 +46,7 @@ __all__ = [
     "BindingError",
     "BindingRefusedError",
     "CPContext",
+    "CheckpointError",
     "EPContext",
     "LayoutContext",
     "LayoutError",
