@@ -30,6 +30,7 @@ from meshbind.errors import PlanProblem as PlanProblem
 from meshbind.family import FamilyBuildInfo as FamilyBuildInfo
 from meshbind.family import FamilyLayout as FamilyLayout
 from meshbind.family import get_family_build_info
+from meshbind.interop.torch_plans import from_torch_plan, parallelize_checked
 from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshBinding, MeshContext
 from meshbind.resolution import ParallelPlan as ParallelPlan
@@ -64,7 +65,9 @@ __all__ = [
     "apply_layouts",
     "bind_parallel_modules",
     "bound_modules",
+    "from_torch_plan",
     "get_family_build_info",
+    "parallelize_checked",
     "resolve_plan",
     "validate_materialized_modules",
     "validate_parallel_module",
