@@ -163,3 +163,38 @@ def test_the_demo_model_is_checked_offline(capsys: pytest.CaptureFixture[str]) -
     assert "5 planned modules" in capsys.readouterr().out
     assert main(["check", model, plan, "--axis", "dp=1", "--axis", "cp=2", "--axis", "ep=3"]) == 1
     assert "num_experts 8 is not divisible by the 'ep' axis size 3" in capsys.readouterr().err
+
+
+@pytest.fixture
+def torch_plans(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A module ``torch_plans`` of parallelize_module dicts for the small MoE tree."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    module = types.ModuleType("torch_plans")
+    module.good = {"layers.*.self_attn.q_proj": ColwiseParallel(), "layers.*.self_attn.o_proj": RowwiseParallel()}  # type: ignore[attr-defined]
+    module.typo = {"layers.*.self_attn.qproj": ColwiseParallel()}  # type: ignore[attr-defined]
+    module.not_a_plan = lambda: ["q_proj"]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch_plans", module)
+    return module.__name__
+
+
+def test_a_torch_plan_is_checked_against_the_axes(torch_plans: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", MODEL, "--torch-plan", f"{torch_plans}:good", "--axis", "tp=2"]) == 0
+    assert "layers.3.self_attn.q_proj" in capsys.readouterr().out
+    assert main(["check", MODEL, "--torch-plan", f"{torch_plans}:typo", "--axis", "tp=2"]) == 1
+    assert "pattern 'layers.*.self_attn.qproj' does not select any module; did you mean" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["check", MODEL, "--torch-plan", "torch_plans:not_a_plan"], "--torch-plan torch_plans:not_a_plan: a torch plan maps"),
+        (["check", MODEL, PLAN, "--torch-plan", "torch_plans:good"], "give a PLAN or --torch-plan, not both"),
+        (["check", MODEL], "give a PLAN (module:attribute) or --torch-plan module:attribute"),
+    ],
+)
+def test_a_torch_plan_reference_that_cannot_work_is_a_usage_error(
+    torch_plans: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

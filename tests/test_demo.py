@@ -53,6 +53,10 @@ def test_the_distributed_run_matches_one_process(config: DemoConfig, bound: floa
     attention_bytes = 4 * transformer.layers * transformer.hidden**2 * element  # qkv (3h x h) and out (h x h)
     saved = expert_bytes - expert_bytes // config.ep + attention_bytes - attention_bytes // config.tp
     assert report["param_bytes_full"] - report["param_bytes_per_rank"] == saved
+    parts = report["param_bytes_by_part"]
+    assert parts["experts"] == [expert_bytes // config.ep, expert_bytes]
+    assert parts["attention"] == [attention_bytes // config.tp, attention_bytes]
+    assert parts["other"][0] == parts["other"][1]
     assert set(report["phases"]) >= {"mesh", "build", "plan", "bind", "materialise", "validate", "forward", "backward"}
 
 

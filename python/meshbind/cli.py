@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from meshbind import LayoutContext, NativeParallelBindingRequest, PlanError, resolve_plan
+from meshbind import LayoutContext, NativeParallelBindingRequest, PlanError, from_torch_plan, resolve_plan
 
 
 def _demo(arguments: list[str]) -> int:
@@ -51,16 +51,9 @@ def _check(args: argparse.Namespace) -> int:
     factory = _load(args.model_factory, "MODEL_FACTORY")
     if not callable(factory):
         raise _UsageError(f"MODEL_FACTORY {args.model_factory} is not callable")
-    plan_object = _load(args.plan, "PLAN")
-    requests = _user_code(f"PLAN {args.plan}", plan_object) if callable(plan_object) else plan_object
-    if isinstance(requests, NativeParallelBindingRequest):
-        requests = (requests,)
-    if (
-        isinstance(requests, str)
-        or not isinstance(requests, Sequence)
-        or not all(isinstance(r, NativeParallelBindingRequest) for r in requests)
-    ):
-        raise _UsageError(f"PLAN {args.plan} must be, or return, a sequence of NativeParallelBindingRequest")
+    if args.torch_plan and args.plan:
+        raise _UsageError("give a PLAN or --torch-plan, not both")
+    requests = _torch_plan_requests(args.torch_plan) if args.torch_plan else _plan_requests(args.plan)
     names = [name for name, _ in args.axis]
     twice = next((name for name in names if names.count(name) > 1), None)
     if twice is not None:
@@ -87,6 +80,33 @@ def _check(args: argparse.Namespace) -> int:
         print(plan.explain())
         print(f"resolved and validated in {elapsed * 1e3:.1f} ms", file=sys.stderr)
     return 0
+
+
+def _plan_requests(reference: str | None) -> Sequence[NativeParallelBindingRequest]:
+    """PLAN: a sequence of requests, or a function returning one."""
+    if reference is None:
+        raise _UsageError("give a PLAN (module:attribute) or --torch-plan module:attribute")
+    plan_object = _load(reference, "PLAN")
+    requests = _user_code(f"PLAN {reference}", plan_object) if callable(plan_object) else plan_object
+    if isinstance(requests, NativeParallelBindingRequest):
+        requests = (requests,)
+    if (
+        isinstance(requests, str)
+        or not isinstance(requests, Sequence)
+        or not all(isinstance(r, NativeParallelBindingRequest) for r in requests)
+    ):
+        raise _UsageError(f"PLAN {reference} must be, or return, a sequence of NativeParallelBindingRequest")
+    return requests
+
+
+def _torch_plan_requests(reference: str) -> Sequence[NativeParallelBindingRequest]:
+    """--torch-plan: a parallelize_module dict (FQN key → ParallelStyle), or a function returning one."""
+    plan_object = _load(reference, "--torch-plan")
+    plan = _user_code(f"--torch-plan {reference}", plan_object) if callable(plan_object) else plan_object
+    try:
+        return from_torch_plan(plan)
+    except TypeError as error:
+        raise _UsageError(f"--torch-plan {reference}: {error}") from None
 
 
 class _UsageError(Exception):
@@ -137,7 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check = commands.add_parser("check", help="offline pre-flight of a plan against a model built on meta")
     check.add_argument("model_factory", metavar="MODEL_FACTORY", help="module:function returning the nn.Module")
-    check.add_argument("plan", metavar="PLAN", help="module:attribute, a sequence of requests or a function returning one")
+    check.add_argument(
+        "plan", metavar="PLAN", nargs="?", help="module:attribute, a sequence of requests or a function returning one"
+    )
+    check.add_argument(
+        "--torch-plan",
+        metavar="MODULE:ATTR",
+        help="instead of PLAN: a torch parallelize_module dict (FQN key -> ParallelStyle), or a function returning one",
+    )
     check.add_argument("--axis", type=_axis, action="append", default=[], metavar="NAME=SIZE", help="a mesh axis (repeatable)")
     check.add_argument("--json", action="store_true", help="one JSON object on stdout")
     check.set_defaults(run=_check)

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from meshbind.binding import bind_parallel_modules, validate_materialized_modules
 from meshbind.checkpoints import load_checkpoint, save_checkpoint
 from meshbind.examples.moe_transformer import (
+    MoELayer,
     MoETransformer,
     TransformerConfig,
     batch,
@@ -208,8 +209,9 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         "reference_loss": float(reference_loss),
         "max_abs_loss_diff": loss_diff,
         "max_rel_grad_diff": grad_diff,
-        "param_bytes_per_rank": local_bytes,
-        "param_bytes_full": full_bytes,
+        "param_bytes_per_rank": local_bytes["total"],
+        "param_bytes_full": full_bytes["total"],
+        "param_bytes_by_part": {part: [local_bytes[part], full_bytes[part]] for part in local_bytes if part != "total"},
         **({} if after_step is None else {"loss_after_step": after_step, "saved_to": config.save}),
         "phases": phases.seconds,
     }
@@ -271,7 +273,7 @@ def _full_gradients(gradients: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def _reference(
     config: DemoConfig, dtype: torch.dtype, tokens: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, int]]:
     """The same model, seed and batch in this one process, without any parallelism; its loss,
     gradients and parameter bytes."""
     model = MoETransformer(config.transformer).to(dtype)
@@ -285,9 +287,16 @@ def _reference(
     return loss.detach(), gradients, parameter_bytes(model)
 
 
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """The bytes this rank's parameters hold (a DTensor's local shard; a tied parameter once)."""
-    return sum(local(p).numel() * p.element_size() for p in model.parameters())
+def parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """The bytes this rank's parameters hold (a DTensor's local shard; a tied parameter once), by
+    part of the model: the attention projections, the experts' fused weights, and the rest."""
+    parts = dict.fromkeys(("attention", "experts", "other", "total"), 0)
+    for name, parameter in model.named_parameters():
+        size = local(parameter).numel() * parameter.element_size()
+        part = "attention" if ".attn." in name else "experts" if name.rsplit(".", 1)[-1] in MoELayer.EXPERT_WEIGHTS else "other"
+        parts[part] += size
+        parts["total"] += size
+    return parts
 
 
 def _relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -321,7 +330,8 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
         f"max |loss diff| {report['max_abs_loss_diff']:.3e}"
     )
     print(f"max relative gradient difference over all parameters: {report['max_rel_grad_diff']:.3e}")
-    print(f"parameter bytes: {report['param_bytes_per_rank']} on rank 0, {report['param_bytes_full']} in one process")
+    parts = ", ".join(f"{part} {mine} of {full}" for part, (mine, full) in report["param_bytes_by_part"].items())
+    print(f"parameter bytes: {report['param_bytes_per_rank']} on rank 0 of {report['param_bytes_full']} in one process ({parts})")
     if "loss_after_step" in report:
         print(f"after one SGD step: loss {report['loss_after_step']:.10g}; state saved to {report['saved_to']}")
     if as_json:
