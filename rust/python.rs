@@ -9,6 +9,7 @@ use pyo3::{ffi, intern, Borrowed};
 use crate::checks::{PlacementKind, PlacementRow, PlacementTable, TableError};
 use crate::layout_reads::ListTexts;
 use crate::matcher::{BuildError, MatchError, PatternSet};
+use crate::names::NameTable;
 use crate::sequence::{IndexHits, NameIndexer};
 use crate::suggest::nearest_names;
 use crate::walk::{not_utf8_error, walk_tree, TreeIndex, WalkError, WalkMode};
@@ -174,8 +175,17 @@ impl PyPatternSet {
     /// included). With `prune`, subtrees no pattern can reach are not entered and only matching
     /// FQNs are recorded (with `modules`, also the module and class behind each); without it,
     /// every FQN, module and class is indexed.
-    #[pyo3(signature = (root, *, prune = true, modules = false))]
-    fn walk(&self, root: &Bound<'_, PyAny>, prune: bool, modules: bool) -> PyResult<ModuleTree> {
+    /// With `parameters`, each entered module's `_parameters` are matched too, as FQNs of their
+    /// own (`parameter_names`, `parameter_matches`): a pruned walk enters a module only when a
+    /// pattern can reach below it, so it meets every parameter a pattern can select.
+    #[pyo3(signature = (root, *, prune = true, modules = false, parameters = false))]
+    fn walk(
+        &self,
+        root: &Bound<'_, PyAny>,
+        prune: bool,
+        modules: bool,
+        parameters: bool,
+    ) -> PyResult<ModuleTree> {
         let mode = match (prune, modules) {
             (false, _) => WalkMode::Full,
             (true, false) => WalkMode::Pruned,
@@ -183,7 +193,7 @@ impl PyPatternSet {
         };
         let index = self
             .inner
-            .with_matcher(|m| walk_tree(root, m, mode))
+            .with_matcher(|m| walk_tree(root, m, mode, parameters))
             .map_err(walk_error)?;
         Ok(self.tree(index))
     }
@@ -268,6 +278,22 @@ impl IndexMatches {
     fn counts(&self) -> Vec<u32> {
         self.counts.clone()
     }
+}
+
+/// `(name, [pattern indices])` for every name that `hits` (in name order) match.
+fn grouped_hits<'t>(names: &'t NameTable, hits: &[(u32, u32)]) -> Vec<(&'t str, Vec<u32>)> {
+    let mut out: Vec<(&str, Vec<u32>)> = Vec::new();
+    let mut last = u32::MAX;
+    for &(name, pattern) in hits {
+        if name != last {
+            out.push((names.get(name as usize), Vec::new()));
+            last = name;
+        }
+        if let Some(entry) = out.last_mut() {
+            entry.1.push(pattern);
+        }
+    }
+    out
 }
 
 /// How many runs of equal values `values` holds: the distinct names of hits grouped by name.
@@ -401,18 +427,7 @@ impl ModuleTree {
 
     /// `(fqn, [pattern indices])` for every matched FQN, in walk order.
     fn matches(&self) -> Vec<(&str, Vec<u32>)> {
-        let mut out: Vec<(&str, Vec<u32>)> = Vec::new();
-        let mut last = u32::MAX;
-        for &(name, pattern) in &self.index.hits {
-            if name != last {
-                out.push((self.index.names.get(name as usize), Vec::new()));
-                last = name;
-            }
-            if let Some(entry) = out.last_mut() {
-                entry.1.push(pattern);
-            }
-        }
-        out
+        grouped_hits(&self.index.names, &self.index.hits)
     }
 
     /// Which owner selects each module, where `pattern_owner[p]` owns pattern `p` (`None`: skip):
@@ -436,6 +451,22 @@ impl ModuleTree {
             }
         }
         counts
+    }
+
+    /// The parameter FQNs the walk met (every one for a full walk, the matching ones pruned).
+    fn parameter_names(&self) -> Vec<&str> {
+        self.index.parameters.names.iter().collect()
+    }
+
+    /// `(parameter FQN, [pattern indices])` for every matched parameter, in walk order.
+    fn parameter_matches(&self) -> Vec<(&str, Vec<u32>)> {
+        grouped_hits(&self.index.parameters.names, &self.index.parameters.hits)
+    }
+
+    /// The `count` parameter FQNs met nearest to `pattern` ("did you mean" among parameters).
+    #[pyo3(signature = (pattern, count = 3))]
+    fn nearest_parameters(&self, pattern: &str, count: usize) -> Vec<String> {
+        nearest_names(pattern, &self.index.parameters.names, count)
     }
 
     /// `(alias, ancestor FQN)` for every alias that names one of its own ancestors.

@@ -39,6 +39,18 @@ pub struct TreeIndex {
     /// alias it did not visit: when met, something besides its parent's `_modules` held it (an
     /// alias of an ancestor is an alias of every module below it). A full walk visits every alias.
     pub may_share_matches: bool,
+    /// The parameters of the modules the walk entered, when it was asked to read them.
+    pub parameters: ParameterIndex,
+}
+
+/// Parameter FQNs (`layers.0.mlp.experts.gate_up_proj`) met in the walk, each under every FQN of
+/// the module holding it, in `named_parameters(remove_duplicate=False)` order. A parameter's name
+/// holds no `.`, so its module's FQN is its own up to the last `.`.
+#[derive(Default)]
+pub struct ParameterIndex {
+    pub names: NameTable,
+    /// Matches: `(parameter name index, pattern index)`.
+    pub hits: Vec<(u32, u32)>,
 }
 
 /// A `ValueError` for a str that is not valid UTF-8 (a lone surrogate), shown as Python writes it.
@@ -139,6 +151,8 @@ pub enum WalkMode {
 struct Walker<'m, 'a> {
     matcher: &'m mut Matcher<'a>,
     mode: WalkMode,
+    /// Whether each entered module's `_parameters` are read and matched too.
+    parameters: bool,
     index: TreeIndex,
     module_ids: FxHashMap<usize, u32>,
     class_ids: FxHashMap<usize, u32>,
@@ -150,10 +164,12 @@ pub fn walk_tree(
     root: &Bound<'_, PyAny>,
     matcher: &mut Matcher<'_>,
     mode: WalkMode,
+    parameters: bool,
 ) -> Result<TreeIndex, WalkError> {
     let mut walker = Walker {
         matcher,
         mode,
+        parameters,
         index: TreeIndex {
             complete: mode == WalkMode::Full,
             ..TreeIndex::default()
@@ -187,6 +203,9 @@ impl Walker<'_, '_> {
             root_identity,
             start,
         )?];
+        if self.parameters {
+            self.visit_parameters(root, &fqn, start)?;
+        }
         let mut on_path = rustc_hash::FxHashSet::default();
         on_path.insert(root_identity);
         let mut memo = StepMemo::default();
@@ -289,8 +308,69 @@ impl Walker<'_, '_> {
                 let child = child.to_owned();
                 let frame = enter(&child, modules_attr, &mut lookahead, &fqn, identity, below)?;
                 stack.push(frame);
+                if self.parameters {
+                    self.visit_parameters(&child, &fqn, below)?;
+                }
                 on_path.insert(identity);
             }
+        }
+        Ok(())
+    }
+
+    /// Matches the parameters of `module` (entered at `fqn`, `state` the DFA state after `fqn.`),
+    /// recording each (a pruned walk: each that matches) under `fqn`.
+    fn visit_parameters(
+        &mut self,
+        module: &Bound<'_, PyAny>,
+        fqn: &str,
+        state: Option<DfaState>,
+    ) -> Result<(), WalkError> {
+        let py = module.py();
+        let parameters = module
+            .getattr(intern!(py, "_parameters"))
+            .map_err(|_| not_a_module(module, fqn))?;
+        let parameters = parameters
+            .cast_into::<PyDict>()
+            .map_err(|e| not_a_module(&e.into_inner(), fqn))?;
+        if parameters.is_empty() {
+            return Ok(());
+        }
+        let mut state = state;
+        if !self.matcher.is_current(state) {
+            let restart = self.matcher.start()?;
+            let prefix = if fqn.is_empty() {
+                String::new()
+            } else {
+                format!("{fqn}.")
+            };
+            state = self.matcher.advance(restart, prefix.as_bytes())?;
+        }
+        let mut name = String::with_capacity(fqn.len() + 16);
+        for (key, value) in parameters.iter() {
+            if value.is_none() {
+                continue;
+            }
+            let key = key.cast_into::<PyString>().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "module '{fqn}' has a parameter whose name is not a str"
+                ))
+            })?;
+            let key = key.to_str()?;
+            name.clear();
+            if !fqn.is_empty() {
+                name.push_str(fqn);
+                name.push('.');
+            }
+            name.push_str(key);
+            let after = self.matcher.advance(state, key.as_bytes())?;
+            self.scratch.clear();
+            self.matcher.finish(&name, after, &mut self.scratch)?;
+            if self.mode != WalkMode::Full && self.scratch.is_empty() {
+                continue;
+            }
+            let parameter = self.index.parameters.names.push(&name);
+            let hits = self.scratch.iter().map(|&p| (parameter, p));
+            self.index.parameters.hits.extend(hits);
         }
         Ok(())
     }

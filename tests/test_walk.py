@@ -256,3 +256,35 @@ def test_indices_outside_the_tree_are_value_errors() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             method([9])
+
+
+def _parameter_reference(model: nn.Module, patterns: list[str]) -> list[tuple[str, list[int]]]:
+    found = [
+        (name, [i for i, p in enumerate(patterns) if reference_match(p, name)])
+        for name, _ in model.named_parameters(remove_duplicate=False)
+    ]
+    return [(name, hits) for name, hits in found if hits]
+
+
+def test_parameters_are_matched_in_the_same_walk_pruned_or_not(moe: nn.Module) -> None:
+    patterns = ["layers.*.mlp.experts.*.gate_proj.weight", "**.bias", "layers.1.**", "embed_tokens.weight", "nothing.weight"]
+    full = PatternSet(patterns).walk(moe, prune=False, parameters=True)
+    assert full.parameter_names() == [name for name, _ in moe.named_parameters(remove_duplicate=False)]
+    expected = _parameter_reference(moe, patterns)
+    assert full.parameter_matches() == expected
+    pruned = PatternSet(patterns).walk(moe, parameters=True)
+    assert pruned.parameter_matches() == expected
+    assert pruned.parameter_names() == [name for name, _ in expected]
+    # Modules are matched as before, beside the parameters.
+    assert pruned.matches() == PatternSet(patterns).walk(moe).matches()
+    assert PatternSet(patterns).walk(moe).parameter_names() == []  # not asked for
+
+
+def test_shared_parameters_and_modules_are_met_under_every_fqn() -> None:
+    shared = nn.Linear(2, 2)
+    model = nn.ModuleDict({"a": nn.Sequential(shared), "b": nn.Sequential(shared)})
+    model.b.register_parameter("extra", shared.weight)  # type: ignore[union-attr]
+    tree = PatternSet(["**.{weight,extra}"]).walk(model, parameters=True)
+    expected = [name for name, _ in model.named_parameters(remove_duplicate=False) if not name.endswith("bias")]
+    assert [name for name, _ in tree.parameter_matches()] == expected == ["a.0.weight", "b.extra", "b.0.weight"]
+    assert PatternSet(["**"]).walk(model, prune=False, parameters=True).nearest_parameters("a.0.wieght", 1) == ["a.0.weight"]

@@ -30,11 +30,12 @@ class PatternSet:
         """The ascending indices of the patterns matching ``name``."""
     def match_many(self, names: Sequence[str]) -> list[list[int]]:
         """``match`` for every name, in one call."""
-    def walk(self, root: object, *, prune: bool = True, modules: bool = False) -> ModuleTree:
+    def walk(self, root: object, *, prune: bool = True, modules: bool = False, parameters: bool = False) -> ModuleTree:
         """Walk an ``nn.Module`` tree through ``_modules``, matching every FQN (aliases included).
 
         With ``prune`` only matching FQNs are recorded (and, with ``modules``, their modules and
-        classes) and no subtree that no pattern can reach is entered; without it, everything is."""
+        classes) and no subtree that no pattern can reach is entered; without it, everything is.
+        With ``parameters``, each entered module's ``_parameters`` are matched as FQNs too."""
     def index_names(self, names: Sequence[str], *, prune: bool = True) -> ModuleTree:
         """Match a plain sequence of FQNs (the offline form of ``walk``), each name its own module.
 
@@ -89,6 +90,12 @@ class ModuleTree:
     def matched_names(self) -> int: ...
     def hit_counts(self) -> list[int]: ...
     def cycles(self) -> list[tuple[str, str]]: ...
+    def parameter_names(self) -> list[str]:
+        """The parameter FQNs met (a walk with ``parameters=True``; pruned: the matching ones)."""
+    def parameter_matches(self) -> list[tuple[str, list[int]]]:
+        """``(parameter FQN, [pattern indices])`` for every matched parameter, in walk order."""
+    def nearest_parameters(self, pattern: str, count: int = 3) -> list[str]:
+        """The parameter FQNs met nearest to ``pattern`` ("did you mean" among parameters)."""
     def nearest(self, pattern: str, count: int = 3) -> list[str]: ...
 
 @final
