@@ -831,3 +831,13 @@ def test_indices_that_are_no_run_are_listed_and_different_messages_stay_apart() 
     assert "expert    3 modules 'layers.{0,2,7}.mlp': too few experts [requests[0]]" in text
     assert "expert    'layers.3.mlp': another reason [requests[0]]" in text
     assert [p.fqn for p in PlanError(found).problems] == ["layers.0.mlp", "layers.2.mlp", "layers.3.mlp", "layers.7.mlp"]
+
+
+def test_a_parameter_written_as_a_module_pattern_gets_did_you_mean_among_parameters() -> None:
+    request = NativeParallelBindingRequest(("layers.0.mlp.w_1",), LINEAR_SPEC, linear_sharding)
+    [problem] = problems_of(Model(), [request])
+    assert problem.code == "unmatched"
+    assert "did you mean 'layers.0.mlp.w1' (a parameter of 'layers.0.mlp')" in problem.message
+    # Offline there are only the FQNs given, all of them modules.
+    [offline] = problems_of(["", "layers", "layers.0"], [NativeParallelBindingRequest(("layer",), LINEAR_SPEC, linear_sharding)])
+    assert "did you mean 'layers', 'layers.0'?" in offline.message and "parameter" not in offline.message

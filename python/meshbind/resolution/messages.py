@@ -29,33 +29,50 @@ def unmatched_problems(
     """The unmatched problems, and the warnings of optional requests' patterns that select nothing."""
     counts = tree.hit_counts()
     overrides_used = {index for candidate in candidates for index in candidate.overrides}
-    every_name: ModuleTree | None = tree if tree.complete else None
+    every_name: _Names | None = None
     planned_names: ModuleTree | None = None
     problems: list[PlanProblem] = []
     warnings: list[PlanProblem] = []
     for index, (pattern, owner) in enumerate(zip(patterns.patterns, patterns.owners, strict=True)):
         if owner >= 0 and counts[index] == 0:
             if every_name is None:
-                every_name = _every_name(model)
-            nearest, source, what = every_name.nearest(pattern, 3), f"requests[{owner}]", "any module"
+                every_name = _Names.of(model)
+            nearest, source, what = every_name.nearest(pattern), f"requests[{owner}]", "any module"
         elif owner < 0 and -1 - owner not in overrides_used:
             if planned_names is None:
                 planned_names = PatternSet([]).index_names([candidate.fqn for candidate in candidates], prune=False)
-            nearest, source, what = planned_names.nearest(pattern, 3), f"overrides[{pattern!r}]", "any planned module"
+            nearest = [repr(name) for name in planned_names.nearest(pattern, 3)]
+            source, what = f"overrides[{pattern!r}]", "any planned module"
         else:
             continue
-        hint = f"; did you mean {', '.join(repr(n) for n in nearest)}?" if nearest else ""
+        hint = f"; did you mean {', '.join(nearest)}?" if nearest else ""
         found = PlanProblem("unmatched", None, source, f"pattern {pattern!r} does not select {what}{hint}")
         (problems if owner < 0 or requests[owner].required else warnings).append(found)
     return problems, warnings
 
 
-def _every_name(model: nn.Module | Sequence[str]) -> ModuleTree:
-    """An index of every FQN, for "did you mean" (a pruned walk recorded only matches)."""
-    every = PatternSet([])
-    if isinstance(model, nn.Module):
-        return every.walk(model, prune=False)
-    return every.index_names(model, prune=False)
+class _Names:
+    """Every FQN of the model for "did you mean": its modules' and, for a module tree, its
+    parameters' (a parameter FQN written where a module is meant is a common slip), one index."""
+
+    def __init__(self, index: ModuleTree, parameters: frozenset[str]) -> None:
+        self.index, self.parameters = index, parameters
+
+    @staticmethod
+    def of(model: nn.Module | Sequence[str]) -> _Names:
+        every = PatternSet([])
+        if not isinstance(model, nn.Module):
+            return _Names(every.index_names(model, prune=False), frozenset())
+        tree = every.walk(model, prune=False, parameters=True)
+        parameters = tree.parameter_names()
+        return _Names(every.index_names([*tree.names(), *parameters], prune=False), frozenset(parameters))
+
+    def nearest(self, pattern: str) -> list[str]:
+        """Up to three, each quoted; a parameter says so, and which module holds it."""
+        return [
+            f"{name!r} (a parameter of {name.rpartition('.')[0]!r})" if name in self.parameters else repr(name)
+            for name in self.index.nearest(pattern, 3)
+        ]
 
 
 def reported_source(candidate: Candidate, overrides: Sequence[Override]) -> str:
