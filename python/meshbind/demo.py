@@ -323,7 +323,7 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
     print()
     print(f"world: {report['world_size']} ranks, axes {report['axis_sizes']}, {report['dtype']}")
     print(f"modules bound: {report['modules_bound']} of {report['planned_modules']} planned")
-    print(f"new process groups during binding: {report['new_process_groups']}")
+    print(f"new process groups while applying layouts and binding: {report['new_process_groups']}")
     print("phases (rank 0): " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in report["phases"].items()))
     print(
         f"loss {report['loss']:.10g} vs reference {report['reference_loss']:.10g}: "
