@@ -7,7 +7,7 @@ import pytest
 from meshbind import MeshContext
 from meshbind.launch import run_local_world
 
-from rank_checks import failures_of
+from rank_checks import failures_of, world_results_fixture
 
 WORLDS = {
     "2 ranks dp1 cp2 tp1 ep2": (2, {"dp": 1, "cp": 2, "tp": 1, "ep": 2}),
@@ -26,11 +26,7 @@ CHECKS = (
 )
 
 
-@pytest.fixture(scope="module", params=list(WORLDS))
-def world_results(request: pytest.FixtureRequest) -> list[dict[str, str | None]]:
-    world_size, sizes = WORLDS[request.param]
-    results: list[dict[str, str | None]] = run_local_world(world_size, "distributed_checks:run_checks", sizes)
-    return results
+world_results = world_results_fixture(WORLDS, "distributed_checks:run_checks")
 
 
 @pytest.mark.parametrize("check", CHECKS)

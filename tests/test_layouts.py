@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshbind.launch import run_local_world
-
-from rank_checks import failures_of
+from rank_checks import failures_of, world_results_fixture
 
 WORLDS = {
     "2 ranks tp2 ep2": (2, {"dp": 1, "cp": 1, "tp": 2, "ep": 2}),
@@ -16,11 +14,7 @@ WORLDS = {
 CHECKS = ("meta", "values", "all_or_nothing", "family")
 
 
-@pytest.fixture(scope="module", params=list(WORLDS))
-def world_results(request: pytest.FixtureRequest) -> list[dict[str, str | None]]:
-    world_size, sizes = WORLDS[request.param]
-    results: list[dict[str, str | None]] = run_local_world(world_size, "layout_checks:run_checks", sizes)
-    return results
+world_results = world_results_fixture(WORLDS, "layout_checks:run_checks")
 
 
 @pytest.mark.parametrize("check", CHECKS)
