@@ -19,10 +19,7 @@ slowest rank.
 from __future__ import annotations
 
 import argparse
-import gc
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -42,6 +39,8 @@ from meshbind.examples.moe_transformer import (
 )
 from meshbind.launch import run_local_world
 from meshbind.specs import LayoutContext
+
+from timing import timed_on_fresh
 
 METHODS = ("meshbind", "torch")
 
@@ -88,20 +87,12 @@ def _placed(model: MoETransformer) -> list[tuple[str, tuple[Any, ...], tuple[int
 
 
 def _timed(config: TransformerConfig, method: Callable[[MoETransformer], object], repeat: int) -> tuple[float, list[Any]]:
-    times, placed = [], []
-    for _ in range(repeat):
+    def fresh() -> MoETransformer:
         with torch.device("meta"):
-            model = MoETransformer(config)
-        gc.collect()
-        gc.disable()
-        try:
-            start = time.perf_counter()
-            method(model)
-            times.append(time.perf_counter() - start)
-        finally:
-            gc.enable()
-        placed = _placed(model)
-    return statistics.median(times), placed
+            return MoETransformer(config)
+
+    median, placed = timed_on_fresh(fresh, method, _placed, repeat)
+    return median, placed[-1]
 
 
 def rank_timings(layers: int, experts: int, repeat: int) -> dict[str, tuple[float, list[Any]]]:

@@ -24,11 +24,8 @@ otherwise).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -43,6 +40,8 @@ from meshbind.examples.moe_transformer import DecoderBlock, MoETransformer, Tran
 from meshbind.launch import run_local_world
 from meshbind.mesh import MeshBinding, MeshContext, process_group_count
 from meshbind.resolution import ParallelPlan, resolve_plan
+
+from timing import timed_on_fresh
 
 METHODS = ("meshbind", "meshbind_rebind", "by_hand", "torch_parallelize_module")
 
@@ -95,19 +94,9 @@ def _timed(
 ) -> tuple[float, int, int]:
     """The median time of ``method`` on models from ``setup``, the fewest modules bound after a
     run, and the process groups it created."""
-    times, bound, groups_before = [], [], process_group_count()
-    for _ in range(repeat):
-        model = setup()
-        gc.collect()
-        gc.disable()
-        try:
-            start = time.perf_counter()
-            method(model)
-            times.append(time.perf_counter() - start)
-        finally:
-            gc.enable()
-        bound.append(_bound_count(model))
-    return statistics.median(times), min(bound), process_group_count() - groups_before
+    groups_before = process_group_count()
+    median, bound = timed_on_fresh(setup, method, _bound_count, repeat)
+    return median, min(bound), process_group_count() - groups_before
 
 
 def rank_timings(layers: int, repeat: int) -> dict[str, tuple[float, int, int]]:

@@ -1,0 +1,32 @@
+"""Timing a method on fresh models, as the binding and layout benchmarks do."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+Model = TypeVar("Model")
+Seen = TypeVar("Seen")
+
+
+def timed_on_fresh(
+    setup: Callable[[], Model], method: Callable[[Model], object], observe: Callable[[Model], Seen], repeat: int
+) -> tuple[float, list[Seen]]:
+    """The median seconds of ``method`` over ``repeat`` runs, each on a model from ``setup`` with
+    the garbage collector paused, and what ``observe`` reads of each model after its run."""
+    times, seen = [], []
+    for _ in range(repeat):
+        model = setup()
+        gc.collect()
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            method(model)
+            times.append(time.perf_counter() - start)
+        finally:
+            gc.enable()
+        seen.append(observe(model))
+    return statistics.median(times), seen
