@@ -54,6 +54,13 @@ class PlanProblem:
         return f"{self.code:<9} {where}: {self.message}{source}"
 
 
+class LayoutRefusal(MeshbindError, ValueError):
+    """Raised by a layout provider that refuses a module for a reason it states itself (a config
+    fact the axes do not divide): the ``layout`` problem shows the message as it is."""
+
+    code = "layout"
+
+
 class PlanError(MeshbindError, ValueError):
     """Every problem of a plan; ``problems`` holds them as ``PlanProblem``, one per module, sorted
     by FQN with numbers in numeric order (``layers.2`` before ``layers.10``). The text shows

@@ -6,7 +6,7 @@ import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch.distributed.tensor import Placement
 
@@ -14,6 +14,8 @@ from meshbind._core import check_patterns
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from meshbind.errors import PlanProblem
 
 BINDING_KINDS = ("none", "cp", "ep", "mesh")
 INT64_MAX = 2**63 - 1
@@ -229,3 +231,22 @@ class LayoutContext:
         if axis not in self.axis_sizes:
             raise ValueError(f"the layout context has no {axis!r} axis (axes: {', '.join(self.axis_sizes) or 'none'})")
         return self.axis_sizes[axis]
+
+
+@dataclass(frozen=True)
+class SourcedRequests:
+    """What a plan source gives ``resolve_plan`` for one context: its requests, and the findings of
+    its own reading of the plan (a key that selects nothing), as problems or as warnings."""
+
+    requests: Sequence[NativeParallelBindingRequest]
+    problems: Sequence[PlanProblem] = ()
+    warnings: Sequence[PlanProblem] = ()
+
+
+@runtime_checkable
+class PlanSource(Protocol):
+    """A plan written for another framework (``from_hf_plan``), turned into requests only once the
+    axes are known: which of its rules apply depends on them (Hugging Face drops its EP plan at
+    ``ep=1``, and every TP rule on an expert module at ``ep > 1``)."""
+
+    def requests_for(self, model: nn.Module | Sequence[str], context: LayoutContext) -> SourcedRequests: ...

@@ -25,7 +25,7 @@ from meshbind.resolution.overrides import checked_overrides, merge_overrides, ov
 from meshbind.resolution.ownership import assign_requests, family_specs, join_families
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.resolution.providers import provide_layouts
-from meshbind.specs import LayoutContext, NativeParallelBindingRequest, is_int_from
+from meshbind.specs import LayoutContext, NativeParallelBindingRequest, PlanSource, SourcedRequests, is_int_from
 from meshbind.validation.batch import ValidationBatch
 
 __all__ = ["ParallelPlan", "PlanError", "PlanProblem", "resolve_plan"]
@@ -36,7 +36,7 @@ _COLUMNS = ("fqn", "spec", "sharding", "module", "source")
 
 def resolve_plan(
     model: nn.Module | Sequence[str],
-    requests: Sequence[NativeParallelBindingRequest],
+    requests: Sequence[NativeParallelBindingRequest] | PlanSource,
     context: LayoutContext,
     *,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
@@ -49,16 +49,19 @@ def resolve_plan(
     ``param_shapes`` (``{"layers.0.mlp.w1": (8, 16, 32)}``) enables the shape checks, the providers
     receive ``module=None``, and the class-level rules and ``validate`` (which need a module) do
     not run; with a module, whose own parameters give the shapes, ``param_shapes`` is refused.
+    ``requests`` may be a ``PlanSource`` (``from_hf_plan``): it gives the requests for ``context``,
+    and what it found reading its plan joins the problems and warnings.
     Raises ``PlanError`` listing every problem.
     """
-    requests = _checked_requests(requests)
     if not isinstance(context, LayoutContext):
         raise TypeError(f"context must be a LayoutContext, got {type(context).__name__}")
+    sourced = requests.requests_for(model, context) if isinstance(requests, PlanSource) else SourcedRequests(requests)
+    requests = _checked_requests(sourced.requests)
     override_items = checked_overrides(overrides)
     shapes = _checked_param_shapes(param_shapes, model)
     patterns = PlanPatterns.of(requests, override_items)
     tree, offline = walk(patterns.pattern_set, model)
-    problems = cycle_problems(tree)
+    problems = cycle_problems(tree) + list(sourced.problems)
 
     ownership = assign_requests(tree, patterns, requests)
     classes = [] if offline else tree.classes()
@@ -94,7 +97,7 @@ def resolve_plan(
         sharding=MappingProxyType(dict(zip(fqns, shardings, strict=True))),
         context=context,
         sources=MappingProxyType(dict(zip(fqns, sources, strict=True))),
-        warnings=tuple(warnings),
+        warnings=(*sourced.warnings, *warnings),
     )
     if families:
         for candidate in laid_out:

@@ -29,14 +29,14 @@ def unmatched_problems(
     """The unmatched problems, and the warnings of optional requests' patterns that select nothing."""
     counts = tree.hit_counts()
     overrides_used = {index for candidate in candidates for index in candidate.overrides}
-    every_name: _Names | None = None
+    every_name: ModelNames | None = None
     planned_names: ModuleTree | None = None
     problems: list[PlanProblem] = []
     warnings: list[PlanProblem] = []
     for index, (pattern, owner) in enumerate(zip(patterns.patterns, patterns.owners, strict=True)):
         if owner >= 0 and counts[index] == 0:
             if every_name is None:
-                every_name = _Names.of(model)
+                every_name = ModelNames.of(model)
             nearest, source, what = every_name.nearest(pattern), f"requests[{owner}]", "any module"
         elif owner < 0 and -1 - owner not in overrides_used:
             if planned_names is None:
@@ -51,7 +51,7 @@ def unmatched_problems(
     return problems, warnings
 
 
-class _Names:
+class ModelNames:
     """Every FQN of the model for "did you mean": its modules' and, for a module tree, its
     parameters' (a parameter FQN written where a module is meant is a common slip), one index."""
 
@@ -59,13 +59,13 @@ class _Names:
         self.index, self.parameters = index, parameters
 
     @staticmethod
-    def of(model: nn.Module | Sequence[str]) -> _Names:
+    def of(model: nn.Module | Sequence[str]) -> ModelNames:
         every = PatternSet([])
         if not isinstance(model, nn.Module):
-            return _Names(every.index_names(model, prune=False), frozenset())
+            return ModelNames(every.index_names(model, prune=False), frozenset())
         tree = every.walk(model, prune=False, parameters=True)
         parameters = tree.parameter_names()
-        return _Names(every.index_names([*tree.names(), *parameters], prune=False), frozenset(parameters))
+        return ModelNames(every.index_names([*tree.names(), *parameters], prune=False), frozenset(parameters))
 
     def nearest(self, pattern: str) -> list[str]:
         """Up to three, each quoted; a parameter says so, and which module holds it."""

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from meshbind.errors import PlanProblem
+from meshbind.errors import LayoutRefusal, PlanProblem
 from meshbind.resolution.candidates import Candidate
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest
 from meshbind.validation.rules import placements_text
@@ -51,6 +51,9 @@ def _provided(
     """The candidate's layout from ``provider``; ``None`` after a problem (named for ``source``)."""
     try:
         sharding = provider(candidate.module, candidate.fqn, context)
+    except LayoutRefusal as refusal:
+        problems.append(PlanProblem("layout", candidate.fqn, source, str(refusal)))
+        return None
     except Exception as error:
         message = f"the layout provider raised {type(error).__name__}: {error}"
         problems.append(PlanProblem("layout", candidate.fqn, source, message))

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshbind import _core
 from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
@@ -37,7 +38,8 @@ _SHAPE = attrgetter("shape")
 
 
 def _placement_kind(placement: Placement) -> tuple[Kind, int] | None:
-    if isinstance(placement, Shard):
+    # A strided shard (transformers' packed projections) is checked as a shard of its dimension.
+    if isinstance(placement, (Shard, _StridedShard)):
         return _SHARD, placement.dim
     if isinstance(placement, Replicate):
         return _REPLICATE, 0

@@ -1,0 +1,322 @@
+"""Hugging Face transformers plans (SPEC §9): a model's own ``tp_plan`` / ``ep_plan``, resolved by
+meshbind the way transformers resolves them and applied by transformers' own code.
+
+transformers writes a layer index as ``*`` (``model.layers.*.mlp.experts``) and looks every module
+and parameter name up exactly, with its indices replaced: a key selects the modules and parameters
+whose name is the key once their indices are ``*``. A module key gives its style to the module and
+to each of its own parameters that has no key of its own. ``from_hf_plan`` matches every key in one
+walk, groups the rules by the module they land on (the experts module of Qwen3-MoE gets its own
+style and those of its ``gate_up_proj`` and ``down_proj``), and gives ``resolve_plan`` one request
+per group, whose layout provider checks the config's facts (heads, sizes, vocabulary, experts)
+against the axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from transformers import PreTrainedModel
+from transformers.distributed.expert_parallel import MoEParamShard, apply_expert_parallelism
+from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
+from transformers.distributed.tensor_parallel import (
+    ColwiseParallel,
+    EmbeddingParallel,
+    PackedColwiseParallel,
+    PackedRowwiseParallel,
+    RowwiseParallel,
+    apply_tensor_parallelism,
+)
+
+from meshbind._core import PatternSet
+from meshbind.errors import LayoutRefusal, PlanProblem
+from meshbind.resolution.messages import ModelNames
+from meshbind.resolution.plan import ParallelPlan
+from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, SourcedRequests
+
+PROTOCOL = "hf_parallel_style"
+"""The protocol of every spec ``from_hf_plan`` makes; ``options["rules"]`` holds the styles."""
+
+PLANS = ("tp", "ep")
+"""transformers' plans meshbind resolves, each on the axis of its name."""
+
+ANY_INDEX = "<0-999999999999999999>"
+"""What a ``*`` segment of a transformers key matches: a layer index (never digits inside a name)."""
+
+ATTENTION_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value", "q_b_proj", "kv_b_proj"})
+"""Projections whose sharded dimension is attention heads: ``num_attention_heads`` must divide."""
+KEY_VALUE_PROJECTIONS = frozenset({"k_proj", "v_proj", "qkv_proj", "query_key_value"})
+"""Projections whose sharded dimension is key/value heads: ``num_key_value_heads`` must divide."""
+
+SIZE_FACTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size")
+"""Config sizes a sharded dimension is named after when it equals one."""
+EXPERT_FACTS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""What configs call the number of routed experts."""
+PAD_VOCABULARY = "pad the vocabulary in the model's config to a multiple of it (Megatron's make-vocab-size-divisible-by)"
+
+
+def from_hf_plan(model: nn.Module, *, strict: bool = False) -> HFPlan:
+    """The plan source ``resolve_plan`` takes for a transformers model's own ``tp_plan`` and
+    ``ep_plan``. A key that selects nothing is a warning, as in transformers, or under ``strict`` an
+    ``unmatched`` problem; a style string transformers does not know is a ``ValueError`` here."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"from_hf_plan reads a transformers PreTrainedModel's own plans, got {type(model).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {strict!r}")
+    plans = {kind: dict(getattr(model, f"{kind}_plan") or {}) for kind in PLANS}
+    unknown = [f"{kind}_plan[{key!r}]: {style!r}" for kind, plan in plans.items() for key, style in plan.items() if style not in ALL_PARALLEL_STYLES]
+    if unknown:
+        raise ValueError(
+            f"{type(model).__name__}: styles transformers does not know: {'; '.join(unknown)} "
+            f"(known: {', '.join(sorted(ALL_PARALLEL_STYLES))})"
+        )
+    return HFPlan(model, plans, strict)
+
+
+def hf_key_pattern(key: str) -> str:
+    """The meshbind pattern selecting what transformers' key selects: a whole ``*`` segment after the
+    first is a layer index, every other character literal."""
+    return ".".join(ANY_INDEX if part == "*" and index else _literal(part) for index, part in enumerate(key.split(".")))
+
+
+def _literal(text: str) -> str:
+    return "".join("\\" + char if not (char.isalnum() or char == "_") else char for char in text)
+
+
+@dataclass
+class _Rules:
+    """One group's styles in one plan: the module's own, and each parameter's that has its own key."""
+
+    module: str | None = None
+    params: dict[str, str] = field(default_factory=dict)
+
+    def style_of(self, parameter: str) -> str | None:
+        return self.params.get(parameter, self.module)
+
+
+class HFPlan:
+    """A transformers model's plans, expanded for a context's axes (``from_hf_plan``)."""
+
+    def __init__(self, model: nn.Module, plans: Mapping[str, Mapping[str, str]], strict: bool) -> None:
+        self.model, self.plans, self.strict = model, plans, strict
+
+    def active_plans(self, context: LayoutContext) -> dict[str, dict[str, str]]:
+        """The rules in effect, as transformers' ``_resolve_parallel_plans`` keeps them: a plan only
+        on an axis of size above 1; at ``ep > 1`` no TP rule on an expert module or below it."""
+        active = {kind: dict(plan) if context.axis_sizes.get(kind, 1) > 1 else {} for kind, plan in self.plans.items()}
+        experts = tuple(active["ep"])
+        active["tp"] = {
+            key: style for key, style in active["tp"].items() if not any(key == e or key.startswith(e + ".") for e in experts)
+        }
+        return active
+
+    def requests_for(self, model: nn.Module | Sequence[str], context: LayoutContext) -> SourcedRequests:
+        if model is not self.model:
+            raise ValueError("resolve_plan was given another model than the one from_hf_plan read the plans of")
+        active = self.active_plans(context)
+        missing = [
+            PlanProblem("layout", None, f"{kind}_plan", f"the {kind!r} axis has size {context.axis_sizes[kind]}, "
+                        f"but {type(model).__name__} has no {kind}_plan")
+            for kind in PLANS if context.axis_sizes.get(kind, 1) > 1 and not self.plans[kind]
+        ]  # fmt: skip
+        rules = [(kind, key, style) for kind in PLANS for key, style in active[kind].items()]
+        tree = PatternSet([hf_key_pattern(key) for _, key, _ in rules]).walk(model, prune=True, parameters=True)
+        groups: dict[str, dict[str, _Rules]] = {}
+        selected = [False] * len(rules)
+
+        def rules_of(name: str, kind: str) -> _Rules:
+            return groups.setdefault(name, {plan: _Rules() for plan in PLANS})[kind]
+
+        for _, indices in tree.matches():
+            for index in indices:
+                kind, key, style = rules[index]
+                rules_of(key, kind).module, selected[index] = style, True
+        for _, indices in tree.parameter_matches():
+            for index in indices:
+                kind, key, style = rules[index]
+                owner, _, parameter = key.rpartition(".")
+                rules_of(owner, kind).params[parameter], selected[index] = style, True
+        facts = _ConfigFacts.of(model)
+        requests = [
+            NativeParallelBindingRequest(
+                (hf_key_pattern(name),),
+                ParallelModuleSpec(PROTOCOL, options={"key": name, "rules": group}, version="transformers"),
+                _GroupLayout(name, group, facts),
+            )
+            for name, group in groups.items()
+        ]
+        unmatched = self._unmatched([rule for rule, hit in zip(rules, selected, strict=True) if not hit])
+        if self.strict:
+            return SourcedRequests(requests, [*missing, *unmatched])
+        return SourcedRequests(requests, missing, unmatched)
+
+    def _unmatched(self, rules: Sequence[tuple[str, str, str]]) -> list[PlanProblem]:
+        names: ModelNames | None = None
+        problems = []
+        for kind, key, style in rules:
+            generic = replace_layer_number_by_wildcard(key)
+            if generic != key:
+                hint = f"; transformers writes layer indices as '*': {generic!r}"
+            else:
+                names = names or ModelNames.of(self.model)
+                nearest = names.nearest(hf_key_pattern(key))
+                hint = f"; did you mean {', '.join(nearest)}?" if nearest else ""
+            message = f"key {key!r} ({style}) selects no module or parameter{hint}"
+            problems.append(PlanProblem("unmatched", None, f"{kind}_plan[{key!r}]", message))
+        return problems
+
+
+@dataclass(frozen=True)
+class _ConfigFacts:
+    """What the text config says about the sizes a plan shards."""
+
+    attention_heads: int | None
+    key_value_heads: int | None
+    experts: tuple[str, int] | None
+    sizes: tuple[tuple[str, int], ...]
+
+    @staticmethod
+    def of(model: nn.Module) -> _ConfigFacts:
+        config = model.config.get_text_config()
+
+        def fact(name: str) -> int | None:
+            value = getattr(config, name, None)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        heads = fact("num_attention_heads")
+        experts = next(((name, value) for name in EXPERT_FACTS if (value := fact(name)) is not None), None)
+        sizes = tuple((name, value) for name in SIZE_FACTS if (value := fact(name)) is not None)
+        return _ConfigFacts(heads, fact("num_key_value_heads") or heads, experts, sizes)
+
+
+@dataclass(frozen=True)
+class _GroupLayout:
+    """The layout provider of one group: each own parameter's placement per plan, from transformers'
+    style objects, refused with the config fact an axis does not divide."""
+
+    name: str
+    group: Mapping[str, _Rules]
+    facts: _ConfigFacts
+
+    def __call__(self, module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        assert module is not None  # requests_for walks a module tree
+        params: dict[str, dict[str, Placement]] = {}
+        refusals: list[str] = []
+        for parameter, value in module._parameters.items():
+            if value is None:
+                continue
+            for kind, rules in self.group.items():
+                style = rules.style_of(parameter)
+                if style is None:
+                    continue
+                placement = style_placement(ALL_PARALLEL_STYLES[style], parameter, value.ndim)
+                params.setdefault(parameter, {})[kind] = placement
+                refusals += self._size_refusals(parameter, value.shape, placement, kind, context.size(kind))
+        if self.name.rpartition(".")[2] in ATTENTION_PROJECTIONS:
+            # Their sharded sizes are heads times head size: the heads are the fact that must divide.
+            refusals = self._head_refusals(params, context)
+        if refusals:
+            raise LayoutRefusal("; ".join(dict.fromkeys(refusals)))
+        return ModuleShardingSpec(params=params)
+
+    def _head_refusals(self, params: Mapping[str, Mapping[str, Placement]], context: LayoutContext) -> list[str]:
+        projection = self.name.rpartition(".")[2]
+        if not any(_is_shard(p.get("tp")) for p in params.values()):
+            return []
+        tp = context.size("tp")
+        checked = [("num_attention_heads", self.facts.attention_heads)]
+        if projection in KEY_VALUE_PROJECTIONS:
+            checked.append(("num_key_value_heads", self.facts.key_value_heads))
+        return [f"{name} {heads} is not divisible by the 'tp' axis size {tp}" for name, heads in checked if heads and heads % tp]
+
+    def _size_refusals(self, parameter: str, shape: Sequence[int], placement: Placement, kind: str, size: int) -> list[str]:
+        if not _is_shard(placement) or not 0 <= placement.dim < len(shape):  # type: ignore[attr-defined]
+            return []  # a dimension beyond the rank is resolution's own layout problem
+        dim: int = placement.dim  # type: ignore[attr-defined]
+        split = placement.split_factor if isinstance(placement, _StridedShard) else 1
+        extent = shape[dim] // split
+        if extent * split == shape[dim] and extent % size == 0:
+            return []
+        if kind == "ep" and self.facts.experts and extent == self.facts.experts[1]:
+            name, experts = self.facts.experts
+            return [f"{name} {experts} is not divisible by the 'ep' axis size {size}"]
+        for name, value in self.facts.sizes:
+            if extent == value:
+                hint = f": {PAD_VOCABULARY}" if name == "vocab_size" else ""
+                return [f"{name} {value} is not divisible by the {kind!r} axis size {size}{hint}"]
+        if split > 1:
+            return [
+                f"{parameter} packs {split} projections along dimension {dim} (size {shape[dim]}): "
+                f"each, of size {shape[dim] / split:g}, must be divisible by the {kind!r} axis size {size}"
+            ]
+        return []  # resolution's uneven-shard check names the parameter and dimension
+
+
+def _is_shard(placement: Placement | None) -> bool:
+    return isinstance(placement, (Shard, _StridedShard))
+
+
+def style_placement(style: object, parameter: str, ndim: int) -> Placement:
+    """The placement transformers' ``style`` object gives a parameter of rank ``ndim`` on its axis
+    (what its ``shard_param`` passes ``distribute_tensor``); styles that shard nothing replicate."""
+    if isinstance(style, PackedColwiseParallel):
+        return Shard(0) if ndim == 1 else _StridedShard(dim=ndim - 2, split_factor=style.split_factor)
+    if isinstance(style, PackedRowwiseParallel):
+        return Replicate() if ndim == 1 else _StridedShard(dim=ndim - 1, split_factor=style.split_factor)
+    if isinstance(style, ColwiseParallel):
+        return Shard(max(ndim - 2, 0))
+    if isinstance(style, RowwiseParallel):
+        return Replicate() if parameter == "bias" else Shard(ndim - 1)
+    if isinstance(style, EmbeddingParallel):
+        return Shard(style.shard_dim)
+    if isinstance(style, MoEParamShard):
+        placement: Placement = style.placement
+        return placement
+    return Replicate()
+
+
+def expanded_plans(model: nn.Module, plan: ParallelPlan) -> dict[str, dict[str, str]]:
+    """The exact plans transformers applies (``_resolve_parallel_plans``' form): every planned
+    module's own parameters, then the module, in tree order, per plan."""
+    exact: dict[str, dict[str, str]] = {kind: {} for kind in PLANS}
+    for fqn, spec in plan.parallel_modules.items():
+        if spec.protocol != PROTOCOL:
+            continue
+        module = model.get_submodule(fqn)
+        for kind, rules in spec.options["rules"].items():
+            for parameter, value in module._parameters.items():
+                if value is not None and (style := rules.style_of(parameter)) is not None:
+                    exact[kind][f"{fqn}.{parameter}"] = style
+            if rules.module is not None:
+                exact[kind][fqn] = rules.module
+    return exact
+
+
+def apply_hf_plan(
+    model: nn.Module,
+    plan: ParallelPlan,
+    *,
+    tp_mesh: DeviceMesh | None = None,
+    ep_mesh: DeviceMesh | None = None,
+    ep_implementation: str = "auto",
+) -> nn.Module:
+    """Apply a resolved Hugging Face plan with transformers' own ``apply_tensor_parallelism`` and
+    ``apply_expert_parallelism``, given the exact plans (no second matching). EP runs, as in
+    transformers, when the EP plan dispatches tokens (``ep_dispatch_experts``); it needs the ``tp``
+    mesh too (size 1 without TP): the ranks that share a batch."""
+    exact = expanded_plans(model, plan)
+    if exact["tp"]:
+        if tp_mesh is None:
+            raise ValueError("the plan has tensor-parallel rules: pass tp_mesh")
+        model = apply_tensor_parallelism(model, tp_mesh, exact["tp"])
+    if "ep_dispatch_experts" in exact["ep"].values():
+        if ep_mesh is None or tp_mesh is None:
+            raise ValueError("the plan has expert-parallel rules: pass ep_mesh and tp_mesh (size 1 without TP)")
+        model = apply_expert_parallelism(model, ep_mesh, tp_mesh, exact["ep"], ep_implementation=ep_implementation)
+    result: nn.Module = model
+    return result
+

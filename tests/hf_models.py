@@ -1,0 +1,65 @@
+"""transformers model skeletons built from configs written here (no hub access): small ones that run
+a forward pass, and the real sizes, built on ``meta``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+SMALL: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128),
+    "mixtral": dict(
+        hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+        num_local_experts=4, num_experts_per_tok=2,
+    ),
+    "qwen3_moe": dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=128, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "deepseek_v3": dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    ),
+}  # fmt: skip
+"""Small configs of each model class: every sharded size divisible by 2 and 4."""
+
+REAL: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "mixtral": dict(
+        num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+    ),
+    "qwen3_moe": dict(
+        num_hidden_layers=48, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "deepseek_v3": dict(
+        num_hidden_layers=61, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_attention_heads=128, num_key_value_heads=128, vocab_size=129280, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+    ),
+}  # fmt: skip
+"""Llama-3 70B (80 layers), Mixtral 8x7B, Qwen3-30B-A3B (48 layers, 128 experts), DeepSeek-V3 (61 layers, 256 experts)."""
+
+
+def hf_model(name: str, *, layers: int = 2, real: bool = False, seed: int = 0, **changes: Any) -> PreTrainedModel:
+    """The model class of ``name`` from its small config (``layers`` decoder layers, on the CPU with
+    seeded weights) or, with ``real``, its real config on ``meta``; ``changes`` edit the config."""
+    values = dict(REAL[name]) if real else {"num_hidden_layers": layers, **SMALL[name]}
+    config = AutoConfig.for_model(name, **(values | changes))
+    config._attn_implementation = "eager"
+    if real:
+        with torch.device("meta"):
+            model: PreTrainedModel = AutoModelForCausalLM.from_config(config)
+        return model
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
