@@ -9,17 +9,17 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 SMALL: dict[str, dict[str, Any]] = {
-    "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128),
+    "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4, vocab_size=128),
     "mixtral": dict(
-        hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+        hidden_size=64, intermediate_size=32, num_attention_heads=8, num_key_value_heads=4, vocab_size=128,
         num_local_experts=4, num_experts_per_tok=2,
     ),
     "qwen3_moe": dict(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=128, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=8, vocab_size=128, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
     ),
     "deepseek_v3": dict(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=8, num_key_value_heads=8,
         vocab_size=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
     ),

@@ -123,21 +123,23 @@ class HFPlan:
                         f"but {type(model).__name__} has no {kind}_plan")
             for kind in PLANS if context.axis_sizes.get(kind, 1) > 1 and not self.plans[kind]
         ]  # fmt: skip
+        # transformers looks names up with their layer indices as '*': a key with an index selects nothing.
         rules = [(kind, key, style) for kind in PLANS for key, style in active[kind].items()]
-        tree = PatternSet([hf_key_pattern(key) for _, key, _ in rules]).walk(model, prune=True, parameters=True)
+        lookups = [rule for rule in rules if replace_layer_number_by_wildcard(rule[1]) == rule[1]]
+        tree = PatternSet([hf_key_pattern(key) for _, key, _ in lookups]).walk(model, prune=True, parameters=True)
         groups: dict[str, dict[str, _Rules]] = {}
-        selected = [False] * len(rules)
+        selected = [False] * len(lookups)
 
         def rules_of(name: str, kind: str) -> _Rules:
             return groups.setdefault(name, {plan: _Rules() for plan in PLANS})[kind]
 
         for _, indices in tree.matches():
             for index in indices:
-                kind, key, style = rules[index]
+                kind, key, style = lookups[index]
                 rules_of(key, kind).module, selected[index] = style, True
         for _, indices in tree.parameter_matches():
             for index in indices:
-                kind, key, style = rules[index]
+                kind, key, style = lookups[index]
                 owner, _, parameter = key.rpartition(".")
                 rules_of(owner, kind).params[parameter], selected[index] = style, True
         facts = _ConfigFacts.of(model)
@@ -149,7 +151,8 @@ class HFPlan:
             )
             for name, group in groups.items()
         ]
-        unmatched = self._unmatched([rule for rule, hit in zip(rules, selected, strict=True) if not hit])
+        found = {rule for rule, hit in zip(lookups, selected, strict=True) if hit}
+        unmatched = self._unmatched([rule for rule in rules if rule not in found])
         if self.strict:
             return SourcedRequests(requests, [*missing, *unmatched])
         return SourcedRequests(requests, missing, unmatched)
@@ -183,8 +186,10 @@ class _ConfigFacts:
     def of(model: nn.Module) -> _ConfigFacts:
         config = model.config.get_text_config()
 
+        aliases = getattr(config, "attribute_map", {})  # name the field the config itself holds
+
         def fact(name: str) -> int | None:
-            value = getattr(config, name, None)
+            value = None if name in aliases else getattr(config, name, None)
             return value if isinstance(value, int) and not isinstance(value, bool) else None
 
         heads = fact("num_attention_heads")

@@ -1,0 +1,184 @@
+"""Hugging Face plans (SPEC §9) on transformers skeletons built from configs in tests/hf_models.py:
+expanded exactly as transformers expands them, config facts checked against the axes, every problem
+at once, and a checked plan applied by transformers' own code on a gloo world."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hf_models import SMALL, hf_model
+from rank_checks import failures_of
+from transformers.distributed.configuration_utils import DistributedConfig
+
+from meshbind import LayoutContext, PatternSet, PlanError, resolve_plan
+from meshbind.interop.hf_plans import expanded_plans, from_hf_plan, hf_key_pattern
+from meshbind.launch import run_local_world
+
+AXES = {"tp2": {"tp": 2}, "ep2": {"ep": 2}, "tp2-ep2": {"tp": 2, "ep": 2}, "tp4-ep4": {"tp": 4, "ep": 4}}
+
+
+def transformers_plans(model: Any, axes: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
+    tp, ep = axes.get("tp", 1), axes.get("ep", 1)
+    tp_plan, ep_plan, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=tp, ep_size=ep, fsdp_size=max(ep // tp, 1)))
+    return {"tp": list(tp_plan.items()), "ep": list(ep_plan.items())}
+
+
+@pytest.fixture(scope="module")
+def small_models() -> dict[str, Any]:
+    return {name: hf_model(name, layers=3) for name in SMALL}
+
+
+EXPANSIONS = [(name, axes) for name in SMALL for axes in AXES if name != "llama" or "ep" not in AXES[axes]]
+"""Every small model on every layout its plans cover (Llama has no ep_plan)."""
+
+
+@pytest.mark.parametrize(("name", "axes"), EXPANSIONS)
+def test_plans_expand_exactly_as_transformers_expands_them(small_models: dict[str, Any], name: str, axes: str) -> None:
+    model = small_models[name]
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext(AXES[axes]))
+    ours = {kind: list(exact.items()) for kind, exact in expanded_plans(model, plan).items()}
+    assert ours == transformers_plans(model, AXES[axes])
+    assert ours["tp"] or ours["ep"]
+
+
+def test_an_experts_module_gets_its_own_style_and_its_parameters_styles_in_one_entry(small_models: dict[str, Any]) -> None:
+    model = small_models["qwen3_moe"]
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2}))
+    experts = plan.sharding["model.layers.1.mlp.experts"].params
+    assert {name: str(p["tp"]) for name, p in experts.items()} == {"gate_up_proj": "_S(1, 2)", "down_proj": "S(2)"}
+    assert plan.parallel_modules["model.layers.1.mlp.experts"].options["rules"]["tp"].module == "moe_tp_experts"
+
+
+def test_ep_rules_take_precedence_and_replace_the_tp_rules_of_expert_modules(small_models: dict[str, Any]) -> None:
+    model = small_models["qwen3_moe"]
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2, "ep": 2}))
+    experts = plan.sharding["model.layers.0.mlp.experts"].params
+    assert {name: dict(p) for name, p in experts.items()} == {
+        name: {"ep": plan.sharding["model.layers.0.mlp.experts"].params[name]["ep"]} for name in ("gate_up_proj", "down_proj")
+    }
+    assert str(experts["gate_up_proj"]["ep"]) == "S(0)"
+    assert str(plan.sharding["model.layers.0.self_attn.q_proj"].params["weight"]["tp"]) == "S(0)"
+
+
+def test_the_stock_plans_of_real_sizes_resolve_with_their_known_warnings() -> None:
+    # Qwen3-MoE's plan keeps rules for dense MLPs, which a model with every layer sparse lacks.
+    expected = {
+        ("llama", (("tp", 8),)): set(),
+        ("mixtral", (("tp", 8), ("ep", 8))): set(),
+        ("qwen3_moe", (("tp", 4), ("ep", 8))): {f"model.layers.*.mlp.{n}_proj" for n in ("gate", "up", "down")},
+        ("deepseek_v3", (("tp", 8), ("ep", 8))): set(),
+    }
+    for (name, axes), warned in expected.items():
+        model = hf_model(name, real=True)
+        plan = resolve_plan(model, from_hf_plan(model), LayoutContext(dict(axes)))
+        assert {w.request.partition("[")[2][1:-2] for w in plan.warnings} == warned, name
+        assert all(w.code == "unmatched" for w in plan.warnings)
+        assert len(plan.parallel_modules) > 100
+
+
+def test_tp_not_dividing_the_key_value_heads_is_caught_before_anything_loads() -> None:
+    # transformers #48307: tp=8 on a model with 4 key/value heads failed in attention at the first forward.
+    model = hf_model("qwen3_moe", real=True)
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 8}))
+    text = str(caught.value)
+    for projection in ("k_proj", "v_proj"):
+        assert f"48 modules 'model.layers.<0-47>.self_attn.{projection}': num_key_value_heads 4 is not divisible by the 'tp' axis size 8" in text
+    assert "q_proj" not in text  # 32 attention heads divide
+    assert len(caught.value.problems) == 96
+
+
+def test_ep_not_dividing_the_experts_is_caught_up_front() -> None:
+    # torchtitan #4258: a bad EP degree failed late, inside DeviceMesh.
+    model = hf_model("deepseek_v3", real=True)
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(model, from_hf_plan(model), LayoutContext({"ep": 3}))
+    assert "58 modules 'model.layers.<3-60>.mlp.experts': n_routed_experts 256 is not divisible by the 'ep' axis size 3" in str(caught.value)
+    assert {p.fqn for p in caught.value.problems} == {f"model.layers.{i}.mlp.experts" for i in range(3, 61)}
+
+
+def test_tp_not_dividing_the_hidden_size_names_every_config_fact_at_once() -> None:
+    # tp=3 on a 4096-wide model passed every check of transformers and torch.
+    model = hf_model("mixtral", real=True)
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 3}))
+    text = str(caught.value)
+    assert "32 modules 'model.layers.<0-31>.self_attn.q_proj': num_attention_heads 32 is not divisible by the 'tp' axis size 3" in text
+    assert "num_key_value_heads 8 is not divisible by the 'tp' axis size 3" in text
+    assert "'model.embed_tokens': vocab_size 32000 is not divisible by the 'tp' axis size 3: pad the vocabulary" in text
+    assert "intermediate_size 14336 is not divisible by the 'tp' axis size 3" in text
+
+
+def test_an_odd_vocabulary_is_told_to_be_padded() -> None:
+    model = hf_model("llama", vocab_size=129)
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2}))
+    assert {p.fqn for p in caught.value.problems} == {"model.embed_tokens", "lm_head"}
+    assert all("make-vocab-size-divisible-by" in p.message for p in caught.value.problems)
+
+
+def test_a_misspelled_key_is_a_warning_with_a_suggestion_and_an_error_under_strict() -> None:
+    # transformers #37893, #39944: unused rules were warnings printed after sharding.
+    model = hf_model("llama")
+    model.tp_plan = {**model.tp_plan, "model.layers.*.self_attn.q_prj": "colwise"}
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2}))
+    (warning,) = plan.warnings
+    assert "key 'model.layers.*.self_attn.q_prj' (colwise) selects no module or parameter" in warning.message
+    assert "did you mean 'model.layers.0.self_attn.q_proj'" in warning.message
+    assert "warning: unmatched" in plan.explain()
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(model, from_hf_plan(model, strict=True), LayoutContext({"tp": 2}))
+    assert [p.request for p in caught.value.problems] == ["tp_plan['model.layers.*.self_attn.q_prj']"]
+
+
+def test_a_key_with_a_concrete_layer_index_selects_nothing_as_in_transformers_and_says_why() -> None:
+    model = hf_model("qwen3_moe")
+    model.ep_plan = {**model.ep_plan, "model.layers.1.mlp.experts": "ep_dispatch_experts"}
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"ep": 2}))
+    (warning,) = [w for w in plan.warnings if "layers.1" in w.message]
+    assert "transformers writes layer indices as '*': 'model.layers.*.mlp.experts'" in warning.message
+
+
+def test_digits_inside_a_name_are_never_a_layer_index() -> None:
+    # transformers PR #42129: digits in w1/w2/w3 were rewritten to '*', so Mixtral's experts were skipped.
+    names = ["layers.0.mlp.w1", "layers.12.mlp.w1", "layers.0.mlp.w2", "layers.x.mlp.w1", "layers.01.mlp.w1"]
+    matched = PatternSet([hf_key_pattern("layers.*.mlp.w1")]).match_many(names)
+    assert [bool(hit) for hit in matched] == [True, True, False, False, False]
+    assert not PatternSet([hf_key_pattern("layers.*.mlp.w*")]).match("layers.0.mlp.w1")
+
+
+def test_a_style_transformers_does_not_know_is_an_error_naming_the_key() -> None:
+    model = hf_model("llama")
+    model._tp_plan = {**model.tp_plan, "model.layers.*.mlp.up_proj": "colwize"}
+    with pytest.raises(ValueError, match=r"tp_plan\['model.layers.\*.mlp.up_proj'\]: 'colwize'"):
+        from_hf_plan(model)
+
+
+def test_an_axis_without_its_plan_is_a_problem() -> None:
+    model = hf_model("llama")
+    with pytest.raises(PlanError, match="the 'ep' axis has size 2, but LlamaForCausalLM has no ep_plan"):
+        resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2, "ep": 2}))
+
+
+def test_the_plan_source_refuses_another_model() -> None:
+    with pytest.raises(ValueError, match="another model"):
+        resolve_plan(hf_model("llama"), from_hf_plan(hf_model("llama")), LayoutContext({"tp": 2}))
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        from_hf_plan(object())  # type: ignore[arg-type]
+
+
+CHECKS = ["llama tp2", "qwen3_moe tp2", "qwen3_moe ep2", "mixtral tp2 ep2", "deepseek_v3 tp2"]
+
+
+@pytest.fixture(scope="module")
+def world_results() -> list[dict[str, str | None]]:
+    results: list[dict[str, str | None]] = run_local_world(2, "hf_plan_checks:check_each", CHECKS)
+    return results
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_transformers_applies_the_checked_plan_and_the_forward_equals_one_process(
+    world_results: list[dict[str, str | None]], check: str
+) -> None:
+    assert not failures_of(world_results, check)
