@@ -16,6 +16,7 @@ from meshbind import LayoutContext, PatternSet, PlanError, resolve_plan
 from meshbind.bench import RecordingStyle
 from meshbind.interop.torch_plans import from_torch_plan, style_placements, torch_key_pattern
 from meshbind.launch import run_local_world
+from torchtitan_plans import deepseek_v3_plan, llama3_plan, torchtitan_model
 
 
 def transformer() -> nn.Module:
@@ -44,7 +45,8 @@ def torch_selects(model: nn.Module, keys: list[str]) -> set[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch only warns about a key that selects nothing
         parallelize_module(model, object(), dict.fromkeys(keys, RecordingStyle(seen)))  # type: ignore[arg-type]
-    return {FQN[id(module)] for module in seen}
+    fqns = FQN if model is MODEL else {id(module): name for name, module in model.named_modules()}
+    return {fqns[id(module)] for module in seen}
 
 
 def meshbind_selects(model: nn.Module, keys: list[str]) -> set[str]:
@@ -96,3 +98,44 @@ def test_a_checked_plan_keeps_one_style_per_module() -> None:
 
 def test_torch_applies_the_checked_plan_on_a_gloo_world() -> None:
     assert run_local_world(2, "torch_plan_checks:check_forward_equals_one_process") == [None, None]
+
+
+TORCHTITAN = {
+    "llama3 405B": ("llama3", "405B", llama3_plan(), 8),
+    "deepseek_v3 671B": ("deepseek_v3", "671B", deepseek_v3_plan(q_lora=True), 8),
+    "deepseek_v3 debugmodel": ("deepseek_v3", "debugmodel", deepseek_v3_plan(q_lora=False), 4),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCHTITAN))
+def test_torchtitans_own_plans_resolve_and_select_what_torch_selects(case: str) -> None:
+    name, flavor, plan, tp = TORCHTITAN[case]
+    model = torchtitan_model(name, flavor)
+    resolved = resolve_plan(model, from_torch_plan(plan), LayoutContext({"tp": tp}))
+    assert set(resolved.parallel_modules) == torch_selects(model, list(plan)) == meshbind_selects(model, list(plan))
+    assert not resolved.warnings
+
+
+def test_digits_inside_torchtitan_names_are_literal() -> None:
+    # transformers PR #42129 rewrote the digits of w1/w2/w3 and skipped experts; fnmatch keeps them.
+    model = torchtitan_model("llama3", "debugmodel")
+    selected = meshbind_selects(model, ["layers.*.feed_forward.w1"])
+    assert selected == {f"layers.{i}.feed_forward.w1" for i in range(6)}
+
+
+def test_mistakes_in_a_torchtitan_plan_come_back_at_once() -> None:
+    model = torchtitan_model("llama3", "debugmodel")
+    plan = llama3_plan()
+    plan["layers.*.atention.wo"] = plan.pop("layers.*.attention.wo")
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(model, from_torch_plan(plan), LayoutContext({"tp": 3}))
+    problems = caught.value.problems
+    [unmatched] = [p for p in problems if p.code == "unmatched"]
+    assert "'layers.*.atention.wo' does not select any module; did you mean 'layers.0.attention.wo'" in unmatched.message
+    # tp=3 divides the 768 rows of the feed-forward and of the fused qkv, not the vocabulary of 2048.
+    uneven = {p.fqn for p in problems if p.code == "layout" and "dimension 0 of size 2048 is not divisible by 3" in p.message}
+    assert uneven == {"lm_head", "tok_embeddings"} and len(problems) == 3
+
+
+def test_torch_applies_a_checked_torchtitan_plan_on_a_gloo_world() -> None:
+    assert run_local_world(2, "torch_plan_checks:check_torchtitan_forward_equals_one_process") == [None, None]

@@ -7,11 +7,12 @@ import copy
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from meshbind import MeshContext, resolve_plan
 from meshbind.interop.torch_plans import from_torch_plan, parallelize_checked
+from torchtitan_plans import torchtitan_model
 
 
 def mlp_model() -> nn.Module:
@@ -42,4 +43,27 @@ def check_forward_equals_one_process() -> str | None:
     got = got.full_tensor() if isinstance(got, DTensor) else got
     if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
         return f"forward differs from one process by {float((got - expected).abs().max())}"
+    return None
+
+
+def check_torchtitan_forward_equals_one_process() -> str | None:
+    """torchtitan's llama3 debug model, its feed-forward and output sharded by torch."""
+    context = MeshContext.build(tp=torch.distributed.get_world_size())
+    model = torchtitan_model("llama3", "debugmodel", meta=False)
+    reference = copy.deepcopy(model)
+    plan = {
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    resolved = resolve_plan(model, from_torch_plan(plan), context.layout_context())
+    parallelize_checked(model, resolved, context.device_mesh["tp"])
+    tokens = torch.randint(0, 2048, (2, 8), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(8).repeat(2, 1)
+    with torch.no_grad():  # flex attention has no backward on the CPU
+        masks = model.get_attention_masks(positions)  # type: ignore[operator]
+        got, expected = model(tokens, positions, masks), reference(tokens, positions, masks)
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+        return f"logits differ from one process by {float((got - expected).abs().max())}"
     return None
