@@ -6,12 +6,13 @@ from __future__ import annotations
 import copy
 
 import torch
-from hf_models import hf_model
-from rank_checks import Results, attempt_each
 from torch.distributed.tensor import DTensor
 
 from meshbind import MeshContext, resolve_plan
 from meshbind.interop.hf_plans import apply_hf_plan, from_hf_plan
+
+from hf_models import hf_model
+from rank_checks import Results, attempt_each
 
 
 def check_forward_equals_one_process(name: str, tp: int, ep: int) -> None:

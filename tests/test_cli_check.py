@@ -191,10 +191,54 @@ def test_a_torch_plan_is_checked_against_the_axes(torch_plans: str, capsys: pyte
         (["check", MODEL, "--torch-plan", "torch_plans:not_a_plan"], "--torch-plan torch_plans:not_a_plan: a torch plan maps"),
         (["check", MODEL, PLAN, "--torch-plan", "torch_plans:good"], "give a PLAN or --torch-plan, not both"),
         (["check", MODEL], "give a PLAN (module:attribute) or --torch-plan module:attribute"),
+        (["check", "--axis", "tp=2"], "give a MODEL_FACTORY (module:function), or --hf-config CONFIG.json"),
     ],
 )
 def test_a_torch_plan_reference_that_cannot_work_is_a_usage_error(
     torch_plans: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.fixture
+def qwen3_moe_config(tmp_path: Path) -> Path:
+    """Qwen3-30B-A3B's config file as a user has it (48 layers, 128 experts, 4 key/value heads)."""
+    from hf_models import REAL
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3_moe", **REAL["qwen3_moe"]}))
+    return path
+
+
+def test_a_hugging_face_config_is_checked_with_its_own_plans(qwen3_moe_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--hf-config", str(qwen3_moe_config), "--axis", "tp=4", "--axis", "ep=8"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.47.mlp.experts" in out and "gate_up_proj=ep:S(0)" in out
+    assert "warning: unmatched (pattern): key 'model.layers.*.mlp.gate_proj' (colwise)" in out
+    assert main(["check", "--hf-config", str(qwen3_moe_config), "--axis", "tp=8", "--axis", "ep=3"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "48 modules 'model.layers.<0-47>.self_attn.k_proj': num_key_value_heads 4 is not divisible by the 'tp' axis size 8" in err
+    )
+    assert "48 modules 'model.layers.<0-47>.mlp.experts': num_local_experts 128 is not divisible by the 'ep' axis size 3" in err
+    assert main(["check", "--hf-config", str(qwen3_moe_config), "--axis", "tp=4", "--strict"]) == 1
+    assert "unmatched (pattern): key 'model.layers.*.mlp.up_proj'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--hf-config", "missing.json"], "--hf-config missing.json: [Errno 2]"),
+        (["--hf-config", "CONFIG", MODEL], "--hf-config builds the model and reads its own plans"),
+        (["--hf-config", "NOT_A_CONFIG"], "a transformers config.json is an object with a 'model_type'"),
+        ([MODEL, PLAN, "--strict"], "--strict is for --hf-config"),
+    ],
+)
+def test_a_hugging_face_config_that_cannot_work_is_a_usage_error(
+    argv: list[str], message: str, qwen3_moe_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "list.json").write_text("[1, 2]")
+    argv = [str(qwen3_moe_config) if a == "CONFIG" else str(tmp_path / "list.json") if a == "NOT_A_CONFIG" else a for a in argv]
+    assert main(["check", *argv]) == 2
     assert message in capsys.readouterr().err

@@ -7,13 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hf_models import SMALL, hf_model
-from rank_checks import failures_of
 from transformers.distributed.configuration_utils import DistributedConfig
 
 from meshbind import LayoutContext, PatternSet, PlanError, resolve_plan
 from meshbind.interop.hf_plans import expanded_plans, from_hf_plan, hf_key_pattern
 from meshbind.launch import run_local_world
+
+from hf_models import SMALL, hf_model
+from rank_checks import failures_of
 
 AXES = {"tp2": {"tp": 2}, "ep2": {"ep": 2}, "tp2-ep2": {"tp": 2, "ep": 2}, "tp4-ep4": {"tp": 4, "ep": 4}}
 
@@ -83,8 +84,9 @@ def test_tp_not_dividing_the_key_value_heads_is_caught_before_anything_loads() -
     with pytest.raises(PlanError) as caught:
         resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 8}))
     text = str(caught.value)
+    because = "num_key_value_heads 4 is not divisible by the 'tp' axis size 8"
     for projection in ("k_proj", "v_proj"):
-        assert f"48 modules 'model.layers.<0-47>.self_attn.{projection}': num_key_value_heads 4 is not divisible by the 'tp' axis size 8" in text
+        assert f"48 modules 'model.layers.<0-47>.self_attn.{projection}': {because}" in text
     assert "q_proj" not in text  # 32 attention heads divide
     assert len(caught.value.problems) == 96
 
@@ -94,7 +96,9 @@ def test_ep_not_dividing_the_experts_is_caught_up_front() -> None:
     model = hf_model("deepseek_v3", real=True)
     with pytest.raises(PlanError) as caught:
         resolve_plan(model, from_hf_plan(model), LayoutContext({"ep": 3}))
-    assert "58 modules 'model.layers.<3-60>.mlp.experts': n_routed_experts 256 is not divisible by the 'ep' axis size 3" in str(caught.value)
+    assert "58 modules 'model.layers.<3-60>.mlp.experts': n_routed_experts 256 is not divisible by the 'ep' axis size 3" in str(
+        caught.value
+    )
     assert {p.fqn for p in caught.value.problems} == {f"model.layers.{i}.mlp.experts" for i in range(3, 61)}
 
 
@@ -104,7 +108,10 @@ def test_tp_not_dividing_the_hidden_size_names_every_config_fact_at_once() -> No
     with pytest.raises(PlanError) as caught:
         resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 3}))
     text = str(caught.value)
-    assert "32 modules 'model.layers.<0-31>.self_attn.q_proj': num_attention_heads 32 is not divisible by the 'tp' axis size 3" in text
+    assert (
+        "32 modules 'model.layers.<0-31>.self_attn.q_proj': num_attention_heads 32 is not divisible by the 'tp' axis size 3"
+        in text
+    )
     assert "num_key_value_heads 8 is not divisible by the 'tp' axis size 3" in text
     assert "'model.embed_tokens': vocab_size 32000 is not divisible by the 'tp' axis size 3: pad the vocabulary" in text
     assert "intermediate_size 14336 is not divisible by the 'tp' axis size 3" in text

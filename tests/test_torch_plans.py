@@ -16,6 +16,7 @@ from meshbind import LayoutContext, PatternSet, PlanError, resolve_plan
 from meshbind.bench import RecordingStyle
 from meshbind.interop.torch_plans import from_torch_plan, style_placements, torch_key_pattern
 from meshbind.launch import run_local_world
+
 from torchtitan_plans import deepseek_v3_plan, llama3_plan, torchtitan_model
 
 

@@ -12,6 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from meshbind import MeshContext, resolve_plan
 from meshbind.interop.torch_plans import from_torch_plan, parallelize_checked
+
 from torchtitan_plans import torchtitan_model
 
 

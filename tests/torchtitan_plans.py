@@ -42,7 +42,9 @@ def _sequence_parallel_ends() -> dict[str, ParallelStyle]:
         "norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         "layers.*.attention_norm": SequenceParallel(),
-        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+        "layers.*.attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
         "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "layers.*.ffn_norm": SequenceParallel(),
     }

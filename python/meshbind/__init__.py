@@ -38,6 +38,18 @@ from meshbind.resolution import resolve_plan
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
 from meshbind.validation import validate_parallel_module
 
+_HUGGING_FACE = ("from_hf_plan", "apply_hf_plan")
+"""Entry points that import transformers (the ``hf`` extra): loaded on first use."""
+
+
+def __getattr__(name: str) -> object:
+    if name in _HUGGING_FACE:
+        from meshbind.interop import hf_plans
+
+        return getattr(hf_plans, name)
+    raise AttributeError(f"module 'meshbind' has no attribute {name!r}")
+
+
 try:
     __version__ = metadata.version("meshbind")
 except metadata.PackageNotFoundError:  # imported from a checkout that was never installed
@@ -62,9 +74,11 @@ __all__ = [
     "PatternError",
     "PatternSet",
     "PlanError",
+    "apply_hf_plan",
     "apply_layouts",
     "bind_parallel_modules",
     "bound_modules",
+    "from_hf_plan",
     "from_torch_plan",
     "get_family_build_info",
     "parallelize_checked",

@@ -44,26 +44,17 @@ def _demo(arguments: list[str]) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
-    # The references may name the user's own modules in the working directory, which the
-    # `meshbind` script (whose own folder heads sys.path) would not find; `python -m` would.
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    factory = _load(args.model_factory, "MODEL_FACTORY")
-    if not callable(factory):
-        raise _UsageError(f"MODEL_FACTORY {args.model_factory} is not callable")
-    if args.torch_plan and args.plan:
-        raise _UsageError("give a PLAN or --torch-plan, not both")
-    requests = _torch_plan_requests(args.torch_plan) if args.torch_plan else _plan_requests(args.plan)
     names = [name for name, _ in args.axis]
     twice = next((name for name in names if names.count(name) > 1), None)
     if twice is not None:
         raise _UsageError(f"--axis {twice} is given more than once")
     context = LayoutContext(dict(args.axis))
-    print(f"building {args.model_factory} on meta ...", file=sys.stderr)
-    with torch.device("meta"):
-        model = _user_code(f"MODEL_FACTORY {args.model_factory}", factory)
-    if not isinstance(model, torch.nn.Module):
-        raise _UsageError(f"MODEL_FACTORY {args.model_factory} returned {type(model).__name__}, not an nn.Module")
+    if args.hf_config is not None:
+        if args.model_factory or args.plan or args.torch_plan:
+            raise _UsageError("--hf-config builds the model and reads its own plans: give no MODEL_FACTORY, PLAN or --torch-plan")
+        model, requests = _hf_model_and_plan(args.hf_config, args.strict)
+    else:
+        model, requests = _factory_model_and_plan(args)
     started = time.perf_counter()
     try:
         plan = resolve_plan(model, requests, context)
@@ -80,6 +71,59 @@ def _check(args: argparse.Namespace) -> int:
         print(plan.explain())
         print(f"resolved and validated in {elapsed * 1e3:.1f} ms", file=sys.stderr)
     return 0
+
+
+def _factory_model_and_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Sequence[NativeParallelBindingRequest]]:
+    """MODEL_FACTORY built on meta, and PLAN or --torch-plan."""
+    # The references may name the user's own modules in the working directory, which the
+    # `meshbind` script (whose own folder heads sys.path) would not find; `python -m` would.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    if args.model_factory is None:
+        raise _UsageError("give a MODEL_FACTORY (module:function), or --hf-config CONFIG.json")
+    if args.strict:
+        raise _UsageError("--strict is for --hf-config: transformers plans only warn about keys that select nothing")
+    factory = _load(args.model_factory, "MODEL_FACTORY")
+    if not callable(factory):
+        raise _UsageError(f"MODEL_FACTORY {args.model_factory} is not callable")
+    if args.torch_plan and args.plan:
+        raise _UsageError("give a PLAN or --torch-plan, not both")
+    requests = _torch_plan_requests(args.torch_plan) if args.torch_plan else _plan_requests(args.plan)
+    print(f"building {args.model_factory} on meta ...", file=sys.stderr)
+    with torch.device("meta"):
+        model = _user_code(f"MODEL_FACTORY {args.model_factory}", factory)
+    if not isinstance(model, torch.nn.Module):
+        raise _UsageError(f"MODEL_FACTORY {args.model_factory} returned {type(model).__name__}, not an nn.Module")
+    return model, requests
+
+
+def _hf_model_and_plan(path: str, strict: bool) -> tuple[torch.nn.Module, Any]:
+    """--hf-config: a transformers config file (its ``model_type`` names the class), the model built
+    from it on meta (no weights, no network), and its own plans."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            values = json.load(file)
+    except (OSError, json.JSONDecodeError) as error:
+        raise _UsageError(f"--hf-config {path}: {error}") from None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise _UsageError(f"--hf-config {path}: a transformers config.json is an object with a 'model_type'")
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from meshbind.interop.hf_plans import from_hf_plan
+
+    model_type = values.pop("model_type")
+    config = _user_code(f"--hf-config {path}", lambda: AutoConfig.for_model(model_type, **values))
+    print(f"building {type(config).__name__} ({model_type}) on meta ...", file=sys.stderr)
+
+    def build() -> Any:
+        with torch.device("meta"):
+            try:
+                return AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+            except ValueError:  # not a causal LM: the base model
+                return AutoModel.from_config(config)  # type: ignore[no-untyped-call]
+
+    model = _user_code(f"--hf-config {path}: building the model", build)
+    return model, from_hf_plan(model, strict=strict)
 
 
 def _plan_requests(reference: str | None) -> Sequence[NativeParallelBindingRequest]:
@@ -156,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="the quick plan-resolution benchmark against the baselines (meshbind bench --help)", add_help=False
     )
     check = commands.add_parser("check", help="offline pre-flight of a plan against a model built on meta")
-    check.add_argument("model_factory", metavar="MODEL_FACTORY", help="module:function returning the nn.Module")
+    check.add_argument("model_factory", metavar="MODEL_FACTORY", nargs="?", help="module:function returning the nn.Module")
     check.add_argument(
         "plan", metavar="PLAN", nargs="?", help="module:attribute, a sequence of requests or a function returning one"
     )
@@ -165,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE:ATTR",
         help="instead of PLAN: a torch parallelize_module dict (FQN key -> ParallelStyle), or a function returning one",
     )
+    check.add_argument(
+        "--hf-config",
+        metavar="CONFIG.json",
+        help="instead of MODEL_FACTORY and PLAN: a transformers config file; the model is built from it on meta"
+        " and its own tp/ep plans are checked",
+    )
+    check.add_argument("--strict", action="store_true", help="with --hf-config: a key that selects nothing is an error")
     check.add_argument("--axis", type=_axis, action="append", default=[], metavar="NAME=SIZE", help="a mesh axis (repeatable)")
     check.add_argument("--json", action="store_true", help="one JSON object on stdout")
     check.set_defaults(run=_check)

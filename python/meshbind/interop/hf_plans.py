@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -47,7 +48,9 @@ PLANS = ("tp", "ep")
 ANY_INDEX = "<0-999999999999999999>"
 """What a ``*`` segment of a transformers key matches: a layer index (never digits inside a name)."""
 
-ATTENTION_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value", "q_b_proj", "kv_b_proj"})
+ATTENTION_PROJECTIONS = frozenset(
+    {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value", "q_b_proj", "kv_b_proj"}
+)
 """Projections whose sharded dimension is attention heads: ``num_attention_heads`` must divide."""
 KEY_VALUE_PROJECTIONS = frozenset({"k_proj", "v_proj", "qkv_proj", "query_key_value"})
 """Projections whose sharded dimension is key/value heads: ``num_key_value_heads`` must divide."""
@@ -68,7 +71,12 @@ def from_hf_plan(model: nn.Module, *, strict: bool = False) -> HFPlan:
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
     plans = {kind: dict(getattr(model, f"{kind}_plan") or {}) for kind in PLANS}
-    unknown = [f"{kind}_plan[{key!r}]: {style!r}" for kind, plan in plans.items() for key, style in plan.items() if style not in ALL_PARALLEL_STYLES]
+    unknown = [
+        f"{kind}_plan[{key!r}]: {style!r}"
+        for kind, plan in plans.items()
+        for key, style in plan.items()
+        if style not in ALL_PARALLEL_STYLES
+    ]
     if unknown:
         raise ValueError(
             f"{type(model).__name__}: styles transformers does not know: {'; '.join(unknown)} "
@@ -101,7 +109,7 @@ class _Rules:
 class HFPlan:
     """A transformers model's plans, expanded for a context's axes (``from_hf_plan``)."""
 
-    def __init__(self, model: nn.Module, plans: Mapping[str, Mapping[str, str]], strict: bool) -> None:
+    def __init__(self, model: PreTrainedModel, plans: Mapping[str, Mapping[str, str]], strict: bool) -> None:
         self.model, self.plans, self.strict = model, plans, strict
 
     def active_plans(self, context: LayoutContext) -> dict[str, dict[str, str]]:
@@ -146,7 +154,7 @@ class HFPlan:
         requests = [
             NativeParallelBindingRequest(
                 (hf_key_pattern(name),),
-                ParallelModuleSpec(PROTOCOL, options={"key": name, "rules": group}, version="transformers"),
+                ParallelModuleSpec(PROTOCOL, options={"key": name, "rules": group}, version=transformers.__version__),
                 _GroupLayout(name, group, facts),
             )
             for name, group in groups.items()
@@ -183,7 +191,7 @@ class _ConfigFacts:
     sizes: tuple[tuple[str, int], ...]
 
     @staticmethod
-    def of(model: nn.Module) -> _ConfigFacts:
+    def of(model: PreTrainedModel) -> _ConfigFacts:
         config = model.config.get_text_config()
 
         aliases = getattr(config, "attribute_map", {})  # name the field the config itself holds
@@ -324,4 +332,3 @@ def apply_hf_plan(
         model = apply_expert_parallelism(model, ep_mesh, tp_mesh, exact["ep"], ep_implementation=ep_implementation)
     result: nn.Module = model
     return result
-
