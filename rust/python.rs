@@ -280,6 +280,17 @@ impl IndexMatches {
     }
 }
 
+/// How many of `hits` (`(name, pattern)` pairs) fall to each of `pattern_count` patterns.
+fn count_hits(hits: &[(u32, u32)], pattern_count: usize) -> Vec<u32> {
+    let mut counts = vec![0u32; pattern_count];
+    for &(_, pattern) in hits {
+        if let Some(c) = counts.get_mut(pattern as usize) {
+            *c += 1;
+        }
+    }
+    counts
+}
+
 /// `(name, [pattern indices])` for every name that `hits` (in name order) match.
 fn grouped_hits<'t>(names: &'t NameTable, hits: &[(u32, u32)]) -> Vec<(&'t str, Vec<u32>)> {
     let mut out: Vec<(&str, Vec<u32>)> = Vec::new();
@@ -444,13 +455,12 @@ impl ModuleTree {
 
     /// How many names each pattern of the set matched (a 0: the pattern selects nothing).
     fn hit_counts(&self) -> Vec<u32> {
-        let mut counts = vec![0u32; self.pattern_count];
-        for &(_, pattern) in &self.index.hits {
-            if let Some(c) = counts.get_mut(pattern as usize) {
-                *c += 1;
-            }
-        }
-        counts
+        count_hits(&self.index.hits, self.pattern_count)
+    }
+
+    /// How many parameters each pattern matched (a walk with `parameters=True`).
+    fn parameter_hit_counts(&self) -> Vec<u32> {
+        count_hits(&self.index.parameters.hits, self.pattern_count)
     }
 
     /// The parameter FQNs the walk met (every one for a full walk, the matching ones pruned).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import transformers
 from torch import nn
@@ -136,21 +137,17 @@ class HFPlan:
         lookups = [rule for rule in rules if replace_layer_number_by_wildcard(rule[1]) == rule[1]]
         tree = PatternSet([hf_key_pattern(key) for _, key, _ in lookups]).walk(model, prune=True, parameters=True)
         groups: dict[str, dict[str, _Rules]] = {}
-        selected = [False] * len(lookups)
-
-        def rules_of(name: str, kind: str) -> _Rules:
-            return groups.setdefault(name, {plan: _Rules() for plan in PLANS})[kind]
-
-        for _, indices in tree.matches():
-            for index in indices:
-                kind, key, style = lookups[index]
-                rules_of(key, kind).module, selected[index] = style, True
-        for _, indices in tree.parameter_matches():
-            for index in indices:
-                kind, key, style = lookups[index]
+        found: set[tuple[str, str, str]] = set()
+        for rule, modules, parameters in zip(lookups, tree.hit_counts(), tree.parameter_hit_counts(), strict=True):
+            kind, key, style = rule
+            if modules:  # the key names modules: their own style
+                groups.setdefault(key, {plan: _Rules() for plan in PLANS})[kind].module = style
+            if parameters:  # the key names parameters: their module's group holds their style
                 owner, _, parameter = key.rpartition(".")
-                rules_of(owner, kind).params[parameter], selected[index] = style, True
-        facts = _ConfigFacts.of(model)
+                groups.setdefault(owner, {plan: _Rules() for plan in PLANS})[kind].params[parameter] = style
+            if modules or parameters:
+                found.add(rule)
+        facts = _ConfigFacts.of(self.model)
         requests = [
             NativeParallelBindingRequest(
                 (hf_key_pattern(name),),
@@ -159,7 +156,6 @@ class HFPlan:
             )
             for name, group in groups.items()
         ]
-        found = {rule for rule, hit in zip(lookups, selected, strict=True) if hit}
         unmatched = self._unmatched([rule for rule in rules if rule not in found])
         if self.strict:
             return SourcedRequests(requests, [*missing, *unmatched])
@@ -215,25 +211,37 @@ class _GroupLayout:
     group: Mapping[str, _Rules]
     facts: _ConfigFacts
 
+    layouts: dict[tuple[Any, ...], ModuleShardingSpec | str] = field(default_factory=dict, compare=False)
+    """Each answer by the shapes it depends on: the layers of a group share one layout object,
+    which validation then checks once."""
+
     def __call__(self, module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
         assert module is not None  # requests_for walks a module tree
+        shapes = tuple((name, value.shape) for name, value in module._parameters.items() if value is not None)
+        answer = self.layouts.get((context, shapes))
+        if answer is None:
+            answer = self.layouts[context, shapes] = self._layout(shapes, context)
+        if isinstance(answer, str):
+            raise LayoutRefusal(answer)
+        return answer
+
+    def _layout(self, shapes: tuple[tuple[str, Any], ...], context: LayoutContext) -> ModuleShardingSpec | str:
+        """The layout of a module whose own parameters have ``shapes``, or why it is refused."""
         params: dict[str, dict[str, Placement]] = {}
         refusals: list[str] = []
-        for parameter, value in module._parameters.items():
-            if value is None:
-                continue
+        for parameter, shape in shapes:
             for kind, rules in self.group.items():
                 style = rules.style_of(parameter)
                 if style is None:
                     continue
-                placement = style_placement(ALL_PARALLEL_STYLES[style], parameter, value.ndim)
+                placement = style_placement(ALL_PARALLEL_STYLES[style], parameter, len(shape))
                 params.setdefault(parameter, {})[kind] = placement
-                refusals += self._size_refusals(parameter, value.shape, placement, kind, context.size(kind))
+                refusals += self._size_refusals(parameter, shape, placement, kind, context.size(kind))
         if self.name.rpartition(".")[2] in ATTENTION_PROJECTIONS:
             # Their sharded sizes are heads times head size: the heads are the fact that must divide.
             refusals = self._head_refusals(params, context)
         if refusals:
-            raise LayoutRefusal("; ".join(dict.fromkeys(refusals)))
+            return "; ".join(dict.fromkeys(refusals))
         return ModuleShardingSpec(params=params)
 
     def _head_refusals(self, params: Mapping[str, Mapping[str, Placement]], context: LayoutContext) -> list[str]:

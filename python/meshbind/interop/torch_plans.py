@@ -114,8 +114,15 @@ def style_placements(style: ParallelStyle, module: nn.Module | None) -> dict[str
 def _layout_of(style: ParallelStyle) -> Any:
     """The layout provider of a key: the style's placements of each module's parameters on ``tp``."""
 
+    # One layout object per kind of module: validation then checks the layers' modules once.
+    layouts: dict[tuple[bool, tuple[str, ...]], ModuleShardingSpec] = {}
+
     def layout(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
-        return ModuleShardingSpec(params={name: {"tp": p} for name, p in style_placements(style, module).items()})
+        names = () if module is None else tuple(name for name, p in module._parameters.items() if p is not None)
+        kind = (isinstance(module, nn.Embedding), names)
+        if kind not in layouts:
+            layouts[kind] = ModuleShardingSpec(params={name: {"tp": p} for name, p in style_placements(style, module).items()})
+        return layouts[kind]
 
     return layout
 
