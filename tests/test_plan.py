@@ -841,3 +841,15 @@ def test_a_parameter_written_as_a_module_pattern_gets_did_you_mean_among_paramet
     # Offline there are only the FQNs given, all of them modules.
     [offline] = problems_of(["", "layers", "layers.0"], [NativeParallelBindingRequest(("layer",), LINEAR_SPEC, linear_sharding)])
     assert "did you mean 'layers', 'layers.0'?" in offline.message and "parameter" not in offline.message
+
+
+def test_a_pattern_selecting_parameters_plans_the_modules_that_hold_them() -> None:
+    by_parameter = NativeParallelBindingRequest(("layers.*.mlp.w1",), EP_SPEC, experts_sharding)
+    plan = resolve_plan(Model(), [by_parameter, HEAD_REQUEST], CONTEXT)
+    by_name = resolve_plan(Model(), [EXPERTS_REQUEST, HEAD_REQUEST], CONTEXT)
+    assert list(plan.parallel_modules) == list(by_name.parallel_modules)
+    assert [plan.sources[f"layers.{i}.mlp"] for i in range(2)] == ["requests[0]", "requests[0]"]
+    assert plan.sharding["layers.0.mlp"].params == {"w1": {"ep": Shard(0)}}
+    # Two requests reaching one module, through a parameter and by name, with different specs conflict.
+    by_both = [by_parameter, NativeParallelBindingRequest(("layers.0.mlp",), LINEAR_SPEC, linear_sharding)]
+    assert [(p.code, p.fqn) for p in problems_of(Model(), by_both)] == [("conflict", "layers.0.mlp")]

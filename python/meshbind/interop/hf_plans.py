@@ -36,6 +36,7 @@ from transformers.distributed.tensor_parallel import (
 
 from meshbind._core import PatternSet
 from meshbind.errors import LayoutRefusal, PlanProblem
+from meshbind.resolution.candidates import literal_pattern
 from meshbind.resolution.messages import ModelNames
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, SourcedRequests
@@ -89,11 +90,7 @@ def from_hf_plan(model: nn.Module, *, strict: bool = False) -> HFPlan:
 def hf_key_pattern(key: str) -> str:
     """The meshbind pattern selecting what transformers' key selects: a whole ``*`` segment after the
     first is a layer index, every other character literal."""
-    return ".".join(ANY_INDEX if part == "*" and index else _literal(part) for index, part in enumerate(key.split(".")))
-
-
-def _literal(text: str) -> str:
-    return "".join("\\" + char if not (char.isalnum() or char == "_") else char for char in text)
+    return ".".join(ANY_INDEX if part == "*" and index else literal_pattern(part) for index, part in enumerate(key.split(".")))
 
 
 @dataclass

@@ -18,7 +18,15 @@ from torch import nn
 
 from meshbind.errors import PlanError, PlanProblem
 from meshbind.family import record_family_layout
-from meshbind.resolution.candidates import PlanPatterns, by_index, candidates_of, cycle_problems, walk
+from meshbind.resolution.candidates import (
+    PlanPatterns,
+    by_index,
+    candidates_of,
+    cycle_problems,
+    parameter_owners,
+    selecting_owners,
+    walk,
+)
 from meshbind.resolution.messages import reported_source, unmatched_problems
 from meshbind.resolution.nesting import nested_problems
 from meshbind.resolution.overrides import checked_overrides, merge_overrides, override_hits
@@ -61,6 +69,10 @@ def resolve_plan(
     shapes = _checked_param_shapes(param_shapes, model)
     patterns = PlanPatterns.of(requests, override_items)
     tree, offline = walk(patterns.pattern_set, model)
+    if owners := parameter_owners(model, patterns, tree):
+        # Patterns naming parameters plan the modules that hold them: resolve those modules by name.
+        owning = SourcedRequests(selecting_owners(requests, patterns, owners), sourced.problems, sourced.warnings)
+        return resolve_plan(model, _Resolved(owning), context, overrides=overrides)
     problems = cycle_problems(tree) + list(sourced.problems)
 
     ownership = assign_requests(tree, patterns, requests)
@@ -104,6 +116,16 @@ def resolve_plan(
             if candidate.module is not None and module_classes[candidate.index] in families:
                 record_family_layout(candidate.module, candidate.fqn, candidate.spec, candidate.sharding)  # type: ignore[arg-type]
     return plan
+
+
+class _Resolved:
+    """Requests a plan source already gave, passed on to a second resolution as they are."""
+
+    def __init__(self, sourced: SourcedRequests) -> None:
+        self.sourced = sourced
+
+    def requests_for(self, model: nn.Module | Sequence[str], context: LayoutContext) -> SourcedRequests:
+        return self.sourced
 
 
 def _checked_requests(requests: object) -> list[NativeParallelBindingRequest]:

@@ -9,7 +9,7 @@ comes first, and may place it inside another bound module).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -80,6 +80,38 @@ def walk(pattern_set: PatternSet, model: object) -> tuple[ModuleTree, bool]:
         duplicate = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
         raise ValueError(f"the FQN list names {duplicate!r} more than once")
     return pattern_set.index_names(names), True
+
+
+def parameter_owners(model: object, patterns: PlanPatterns, tree: ModuleTree) -> dict[int, list[str]]:
+    """Request patterns that select no module but select parameters (SPEC §9), by pattern index:
+    the FQNs of the modules holding those parameters, in walk order. One pruned walk of just those
+    patterns, only when there are some."""
+    counts = tree.hit_counts()
+    silent = [index for index, owner in enumerate(patterns.owners) if owner >= 0 and counts[index] == 0]
+    if not silent or not isinstance(model, nn.Module):
+        return {}
+    parameters = PatternSet([patterns.patterns[index] for index in silent]).walk(model, prune=True, parameters=True)
+    owners: dict[int, dict[str, None]] = {}
+    for name, hits in parameters.parameter_matches():
+        for hit in hits:
+            owners.setdefault(silent[hit], {})[name.rpartition(".")[0]] = None
+    return {index: list(modules) for index, modules in owners.items()}
+
+
+def selecting_owners(
+    requests: Sequence[NativeParallelBindingRequest], patterns: PlanPatterns, owners: Mapping[int, list[str]]
+) -> list[NativeParallelBindingRequest]:
+    """The requests with each parameter-selecting pattern replaced by its owning modules' exact FQNs."""
+    matches: list[list[str]] = [[] for _ in requests]
+    for index, (pattern, owner) in enumerate(zip(patterns.patterns, patterns.owners, strict=True)):
+        if owner >= 0:
+            matches[owner] += [literal_pattern(fqn) for fqn in owners[index]] if index in owners else [pattern]
+    return [replace(request, match=tuple(match)) for request, match in zip(requests, matches, strict=True)]
+
+
+def literal_pattern(fqn: str) -> str:
+    """The pattern selecting exactly ``fqn``: every character that could mean something escaped."""
+    return "".join(char if char.isalnum() or char in "._" else "\\" + char for char in fqn) if fqn else ""
 
 
 def cycle_problems(tree: ModuleTree) -> list[PlanProblem]:
