@@ -8,7 +8,8 @@ import copy
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshbind import MeshContext, resolve_plan
+from meshbind import MeshContext, plan_report, resolve_plan
+from meshbind.examples.moe_transformer import local
 from meshbind.interop.hf_plans import apply_hf_plan, from_hf_plan
 
 from hf_models import hf_model
@@ -20,11 +21,17 @@ def check_forward_equals_one_process(name: str, tp: int, ep: int) -> None:
     model = hf_model(name)
     reference = copy.deepcopy(model)
     plan = resolve_plan(model, from_hf_plan(model), context.layout_context())
+    predicted = plan_report(model, plan, optimizer="none")
     ep_mesh = context.fsdp_moe_mesh["ep"] if context.fsdp_moe_mesh is not None and ep > 1 else None
     apply_hf_plan(model, plan, tp_mesh=context.device_mesh["tp"], ep_mesh=ep_mesh)
     sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
     if not sharded:
         raise AssertionError("transformers sharded no parameter")
+    held = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    if held != predicted.ranks[torch.distributed.get_rank()].parameter_bytes:
+        raise AssertionError(f"plan_report said {predicted.ranks[0].parameter_bytes} bytes per rank, the rank holds {held}")
+    if predicted.parameter_count != sum(p.numel() for p in reference.parameters()):
+        raise AssertionError("plan_report's parameter count is not the model's")
     ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         got, expected = model(ids).logits, reference(ids).logits

@@ -78,5 +78,7 @@ def test_a_misfit_names_every_key_and_changes_nothing(tmp_path: Path) -> None:
 
 
 def test_a_directory_that_is_no_checkpoint_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"is not a torch\.distributed\.checkpoint directory"):
+    with pytest.raises(
+        CheckpointError, match=r"is neither a torch\.distributed\.checkpoint directory \(no \.metadata\) nor a safetensors one"
+    ):
         load_checkpoint(Small(3), tmp_path, no_dist=True)

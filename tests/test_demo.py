@@ -42,6 +42,8 @@ def test_the_distributed_run_matches_one_process(config: DemoConfig, bound: floa
     assert report["world_size"] == config.world_size and report["dtype"] == config.dtype
     assert report["axis_sizes"] == {"dp": config.dp, "cp": config.cp, "tp": config.tp, "ep": config.ep}
     assert report["new_process_groups"] == 0
+    # What plan_report predicted from the plan on meta is what each rank's parameters hold.
+    assert report["report_matches_every_rank"] and report["report_param_bytes_per_rank"] == report["param_bytes_per_rank"]
     assert report["modules_bound"] == 2 * config.layers + 1
     assert report["max_rel_grad_diff"] <= bound
     assert report["max_abs_loss_diff"] <= bound * 10

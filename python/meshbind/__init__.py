@@ -33,6 +33,8 @@ from meshbind.family import get_family_build_info
 from meshbind.interop.torch_plans import from_torch_plan, parallelize_checked
 from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshBinding, MeshContext
+from meshbind.report import PlanReport as PlanReport
+from meshbind.report import plan_report
 from meshbind.resolution import ParallelPlan as ParallelPlan
 from meshbind.resolution import resolve_plan
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
@@ -82,6 +84,7 @@ __all__ = [
     "from_torch_plan",
     "get_family_build_info",
     "parallelize_checked",
+    "plan_report",
     "resolve_plan",
     "validate_materialized_modules",
     "validate_parallel_module",

@@ -15,6 +15,10 @@ from typing import Any
 import torch
 
 from meshbind import LayoutContext, NativeParallelBindingRequest, PlanError, from_torch_plan, resolve_plan
+from meshbind.checkpoints import Misfit, checkpoint_fit
+from meshbind.errors import index_groups
+from meshbind.report import OPTIMIZERS, plan_report
+from meshbind.report_page import report_page
 
 
 def _demo(arguments: list[str]) -> int:
@@ -65,12 +69,37 @@ def _check(args: argparse.Namespace) -> int:
         print(str(error), file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - started
+    report = plan_report(model, plan, optimizer=args.optimizer) if args.report or args.html else None
+    misfits = None if args.checkpoint is None else checkpoint_fit(model, args.checkpoint)
+    if args.html:
+        with open(args.html, "w", encoding="utf-8") as page:
+            page.write(report_page(report, f"meshbind plan report: {type(model).__name__}"))  # type: ignore[arg-type]
     if args.json:
-        print(json.dumps({"ok": True, "problems": [], "plan": plan.to_dict(), "seconds": elapsed}))
+        result: dict[str, Any] = {"ok": not misfits, "problems": [], "plan": plan.to_dict(), "seconds": elapsed}
+        if report is not None:
+            result["report"] = report.to_dict()
+        if misfits is not None:
+            result["checkpoint"] = [{"kind": m.kind, "key": m.key, "reason": m.reason} for m in misfits]
+        print(json.dumps(result))
     else:
-        print(plan.explain())
+        print(report.text() if report is not None and args.report else plan.explain())
         print(f"resolved and validated in {elapsed * 1e3:.1f} ms", file=sys.stderr)
+    if misfits:
+        print(_misfit_text(misfits, args.checkpoint), file=sys.stderr)
+        return 1
+    if misfits is not None and not args.json:
+        print(f"the checkpoint in {args.checkpoint} fits the model", file=sys.stderr)
     return 0
+
+
+def _misfit_text(misfits: Sequence[Misfit], directory: str) -> str:
+    """Every misfit, those that differ only in a layer index on one line."""
+    lines = [f"the checkpoint in {directory} does not fit the model ({len(misfits)} keys):"]
+    for key, members in index_groups([(m.key, (m.kind, m.reason)) for m in misfits]):
+        first = misfits[members[0]]
+        count = f"{len(members)} keys " if len(members) > 1 else ""
+        lines.append(f"  {first.kind:<10} {count}{key!r}: {first.reason}")
+    return "\n".join(lines)
 
 
 def _factory_model_and_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Sequence[NativeParallelBindingRequest]]:
@@ -218,6 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--strict", action="store_true", help="with --hf-config: a key that selects nothing is an error")
     check.add_argument("--axis", type=_axis, action="append", default=[], metavar="NAME=SIZE", help="a mesh axis (repeatable)")
     check.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    check.add_argument(
+        "--report", action="store_true", help="print what each rank holds (local shapes, bytes) instead of the plan table"
+    )
+    check.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="whose state the report counts (default: adam)")
+    check.add_argument("--html", metavar="PATH", help="write the report as one self-contained page")
+    check.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="check a torch.distributed.checkpoint or safetensors directory against the model (metadata only)",
+    )
     check.set_defaults(run=_check)
     return parser
 

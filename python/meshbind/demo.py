@@ -41,6 +41,7 @@ from meshbind.examples.moe_transformer import (
 from meshbind.launch import run_local_world
 from meshbind.layouts import apply_layouts
 from meshbind.mesh import EXPERT_MESH_DIMS, MeshContext, process_group_count
+from meshbind.report import plan_report
 from meshbind.resolution import resolve_plan
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -152,9 +153,11 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
             else torch.device("cpu")
         )
     with phases("build"), torch.device("meta"):
-        model = MoETransformer(config.transformer)
+        model = MoETransformer(config.transformer).to(dtype)
     with phases("plan"):
         plan = resolve_plan(model, [loss_head_request()], mesh_context.layout_context())
+        # What this rank will hold, from the plan alone, before any weight exists.
+        predicted_bytes = plan_report(model, plan, optimizer="none").ranks[rank].parameter_bytes
     with phases("layout"):
         groups_before = process_group_count()
         apply_layouts(model, plan, mesh_context)
@@ -163,7 +166,6 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         new_groups = process_group_count() - groups_before
     with phases("materialise"):
         model.to_empty(device=device)
-        model.to(dtype)
         if config.load is None:
             initialize(model, config.seed)
         else:
@@ -185,7 +187,8 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     with phases("compare"):
         local_bytes = parameter_bytes(model)
         gradients = _full_gradients(gradients)
-        worst = torch.tensor([float(new_groups)], device=device)  # NCCL reduces device tensors only
+        # NCCL reduces device tensors only
+        worst = torch.tensor([float(new_groups), float(predicted_bytes != local_bytes["total"])], device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     after_step = None
     if config.save is not None:
@@ -204,7 +207,9 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         "plan": plan.explain(),
         "planned_modules": len(plan.parallel_modules),
         "modules_bound": len(bound),
-        "new_process_groups": int(worst.item()),
+        "new_process_groups": int(worst[0].item()),
+        "report_matches_every_rank": not bool(worst[1].item()),
+        "report_param_bytes_per_rank": predicted_bytes,
         "loss": float(total_loss),
         "reference_loss": float(reference_loss),
         "max_abs_loss_diff": loss_diff,
@@ -332,6 +337,8 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
     print(f"max relative gradient difference over all parameters: {report['max_rel_grad_diff']:.3e}")
     parts = ", ".join(f"{part} {mine} of {full}" for part, (mine, full) in report["param_bytes_by_part"].items())
     print(f"parameter bytes: {report['param_bytes_per_rank']} on rank 0 of {report['param_bytes_full']} in one process ({parts})")
+    matches = "equal on every rank" if report["report_matches_every_rank"] else "DIFFERENT on some rank"
+    print(f"plan_report, before any weight existed: {report['report_param_bytes_per_rank']} bytes on rank 0 ({matches})")
     if "loss_after_step" in report:
         print(f"after one SGD step: loss {report['loss_after_step']:.10g}; state saved to {report['saved_to']}")
     if as_json:

@@ -85,30 +85,38 @@ def grouped_lines(problems: Sequence[PlanProblem]) -> list[str]:
     """One line per problem, but one line for the problems of the same code, request and message
     whose FQNs differ in a single numeric segment, that segment written as the indices' pattern
     (``<0-47>`` for a run, ``{0,2,7}`` otherwise). In the order of ``problems``."""
-    groups: dict[tuple[object, ...], list[PlanProblem]] = {}
-    for problem in problems:
-        segments = None if problem.fqn is None else problem.fqn.split(".")
-        shape = None if segments is None else tuple("#" if s.isdigit() else s for s in segments)
-        groups.setdefault((problem.code, problem.request, problem.message, shape), []).append(problem)
     lines: list[str] = []
-    for members in groups.values():
-        if len(members) == 1 or members[0].fqn is None:
-            lines += [member.line() for member in members]
+    for fqn, members in index_groups([(p.fqn, (p.code, p.request, p.message)) for p in problems]):
+        if len(members) == 1:
+            lines.append(problems[members[0]].line())
             continue
-        split = [member.fqn.split(".") for member in members if member.fqn is not None]
-        varying = [i for i in range(len(split[0])) if len({segments[i] for segments in split}) > 1]
-        if len(varying) != 1:
-            lines += [member.line() for member in members]
-            continue
-        index = varying[0]
-        numbers = sorted({int(segments[index]) for segments in split})
-        contiguous = numbers == list(range(numbers[0], numbers[-1] + 1)) and len(numbers) == len(split)
-        written = f"<{numbers[0]}-{numbers[-1]}>" if contiguous else "{" + ",".join(map(str, numbers)) + "}"
-        fqn = ".".join([*split[0][:index], written, *split[0][index + 1 :]])
-        first = members[0]
+        first = problems[members[0]]
         source = f" [{first.request}]" if first.request else ""
         lines.append(f"{first.code:<9} {len(members)} modules {fqn!r}: {first.message}{source}")
     return lines
+
+
+def index_groups(entries: Sequence[tuple[str | None, object]]) -> list[tuple[str | None, list[int]]]:
+    """``(fqn, what)`` entries grouped when ``what`` is equal and their FQNs differ in one numeric
+    segment only, written as the indices' pattern (``<0-47>`` for a run, ``{0,2,7}`` otherwise):
+    ``(written FQN, entry indices)``, in the order of first appearance. Anything else stays alone."""
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for index, (fqn, what) in enumerate(entries):
+        shape = (index,) if fqn is None else tuple("#" if s.isdigit() else s for s in fqn.split("."))
+        groups.setdefault((what, shape), []).append(index)
+    result: list[tuple[str | None, list[int]]] = []
+    for members in groups.values():
+        split = [str(entries[member][0]).split(".") for member in members]
+        varying = [i for i in range(len(split[0])) if len({segments[i] for segments in split}) > 1]
+        if len(members) == 1 or len(varying) != 1:
+            result += [(entries[member][0], [member]) for member in members]
+            continue
+        position = varying[0]
+        numbers = sorted({int(segments[position]) for segments in split})
+        contiguous = numbers == list(range(numbers[0], numbers[-1] + 1)) and len(numbers) == len(split)
+        written = f"<{numbers[0]}-{numbers[-1]}>" if contiguous else "{" + ",".join(map(str, numbers)) + "}"
+        result.append((".".join([*split[0][:position], written, *split[0][position + 1 :]]), members))
+    return result
 
 
 class BindingRefusedError(MeshbindError, ValueError):

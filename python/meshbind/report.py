@@ -1,0 +1,280 @@
+"""What each rank will hold under a resolved plan, before any weight exists (``plan_report``).
+
+Everything comes from the model's parameters (on ``meta`` or anywhere) and the plan's named
+placements; no process group is needed. Resolution refuses uneven shards (SPEC §9, balanced
+layouts), so a parameter's local shape is the same on every rank: each dimension divided by the
+product of the sizes of the axes that shard it. Every rank of the world therefore holds the same
+bytes; the report still lists each rank by its coordinates, which is what a launch script names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import product
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from meshbind.errors import index_groups
+from meshbind.resolution.plan import ParallelPlan
+
+OPTIMIZERS = ("none", "sgd-momentum", "adam", "adam-fp32-master")
+"""The optimizers whose state the report counts, per parameter that requires grad: none; one
+momentum buffer; Adam's two moments, in the parameter's dtype; or float32 moments beside a float32
+master copy of a low-precision parameter (mixed-precision training)."""
+
+EXPERT_AXES = ("ep", "edp_replicate", "edp_shard")
+"""Axes laid over the same ranks as the device mesh's (SPEC §6): they add no ranks to the world."""
+
+
+@dataclass(frozen=True)
+class ParameterRow:
+    """One parameter of the model, planned or not (unplanned: whole on every rank)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    placements: Mapping[str, str]
+    """Axis → placement as torch writes it (``S(0)``, ``R``); empty when no plan entry places it."""
+    local_shape: tuple[int, ...]
+    bytes_per_rank: int
+    requires_grad: bool
+    protocol: str | None
+    """The protocol of the planned module it belongs to (``None``: not planned)."""
+
+    @property
+    def whole(self) -> bool:
+        """Whether every rank holds all of it."""
+        return self.local_shape == self.shape
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """What one rank holds, by its coordinates on the axes."""
+
+    rank: int
+    coordinates: Mapping[str, int]
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class WholeGroup:
+    """Parameters that stay whole on every rank and differ only in a layer index."""
+
+    fqn: str
+    """``model.layers.<0-47>.mlp.experts.gate_up_proj`` (one FQN when alone)."""
+    count: int
+    bytes_each: int
+    """Each one's bytes on every rank."""
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """``plan_report``'s answer: immutable, with ``to_dict()`` and ``text()``."""
+
+    optimizer: str
+    axes: Mapping[str, int]
+    params: tuple[ParameterRow, ...]
+    ranks: tuple[RankRow, ...]
+    whole_on_every_rank: tuple[WholeGroup, ...]
+    """Ranked by the bytes of each group on every rank, largest first."""
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(math.prod(row.shape) for row in self.params)
+
+    def totals(self) -> dict[str, int]:
+        """The model's parameter count and bytes, and the largest rank's bytes of each kind."""
+        largest = max(self.ranks, key=lambda rank: rank.total_bytes)
+        return {
+            "parameters": self.parameter_count,
+            "parameter_bytes_full": sum(math.prod(row.shape) * _element_size(row.dtype) for row in self.params),
+            "parameter_bytes_per_rank": largest.parameter_bytes,
+            "gradient_bytes_per_rank": largest.gradient_bytes,
+            "optimizer_bytes_per_rank": largest.optimizer_bytes,
+            "total_bytes_per_rank": largest.total_bytes,
+            "world_size": len(self.ranks),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``ranks``, ``params``, ``whole_on_every_rank``, ``totals``."""
+        return {
+            "optimizer": self.optimizer,
+            "axes": dict(self.axes),
+            "totals": self.totals(),
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "coordinates": dict(r.coordinates),
+                    "parameter_bytes": r.parameter_bytes,
+                    "gradient_bytes": r.gradient_bytes,
+                    "optimizer_bytes": r.optimizer_bytes,
+                    "total_bytes": r.total_bytes,
+                }
+                for r in self.ranks
+            ],
+            "params": [
+                {
+                    "fqn": p.fqn,
+                    "shape": list(p.shape),
+                    "dtype": p.dtype,
+                    "placements": dict(p.placements),
+                    "local_shape": list(p.local_shape),
+                    "bytes_per_rank": p.bytes_per_rank,
+                    "requires_grad": p.requires_grad,
+                    "protocol": p.protocol,
+                }
+                for p in self.params
+            ],
+            "whole_on_every_rank": [
+                {"fqn": g.fqn, "count": g.count, "bytes_each": g.bytes_each} for g in self.whole_on_every_rank
+            ],
+        }
+
+    def text(self, *, whole_rows: int = 10) -> str:
+        """The report as ``meshbind check --report`` prints it: parameters grouped by layer index,
+        the ranks (one line when they all hold the same), and the largest parameters left whole."""
+        entries = [(p.fqn, (p.dtype, tuple(p.placements.items()), p.shape, p.local_shape)) for p in self.params]
+        lines = ["parameters (shape -> local shape per rank, placements, bytes per rank):"]
+        for fqn, members in index_groups(entries):
+            row = self.params[members[0]]
+            placed = ", ".join(f"{axis}:{p}" for axis, p in row.placements.items()) or "whole"
+            count = f"{len(members)} x " if len(members) > 1 else ""
+            lines.append(
+                f"  {count}{fqn}  {list(row.shape)} -> {list(row.local_shape)}  {placed}  {size_text(row.bytes_per_rank)}"
+            )
+        totals = self.totals()
+        kinds = f"parameters {size_text(totals['parameter_bytes_per_rank'])}, gradients " + (
+            f"{size_text(totals['gradient_bytes_per_rank'])}, optimizer ({self.optimizer}) "
+            f"{size_text(totals['optimizer_bytes_per_rank'])}, total {size_text(totals['total_bytes_per_rank'])}"
+        )
+        if len({(r.parameter_bytes, r.gradient_bytes, r.optimizer_bytes) for r in self.ranks}) == 1:
+            lines.append(f"every one of the {len(self.ranks)} ranks holds: {kinds}")
+        else:
+            lines += [f"rank {r.rank} {dict(r.coordinates)}: {size_text(r.total_bytes)}" for r in self.ranks]
+        if self.whole_on_every_rank:
+            lines.append("whole on every rank, largest first:")
+            for group in self.whole_on_every_rank[:whole_rows]:
+                count = f"{group.count} x " if group.count > 1 else ""
+                lines.append(f"  {count}{group.fqn}: {size_text(group.bytes_each)} each rank")
+            if len(self.whole_on_every_rank) > whole_rows:
+                lines.append(f"  ... and {len(self.whole_on_every_rank) - whole_rows} more groups")
+        lines.append(
+            f"{totals['parameters']:,} parameters, {size_text(totals['parameter_bytes_full'])} in full; "
+            f"layout {', '.join(f'{a}={s}' for a, s in self.axes.items()) or '(no axes)'}"
+        )
+        return "\n".join(lines)
+
+
+def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam") -> PlanReport:
+    """What each rank holds under ``plan``: every parameter's local shape and bytes, each rank's
+    parameter, gradient and optimizer-state bytes, and what stays whole on every rank."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
+    axes = plan.context.axis_sizes
+    placed = _placements_by_parameter(plan)
+    params = tuple(_row(fqn, parameter, placed.get(fqn), axes) for fqn, parameter in model.named_parameters())
+    gradient = sum(row.bytes_per_rank for row in params if row.requires_grad)
+    state = sum(_optimizer_bytes(row, optimizer) for row in params if row.requires_grad)
+    parameter_bytes = sum(row.bytes_per_rank for row in params)
+    ranks = tuple(
+        RankRow(rank, MappingProxyType(coordinates), parameter_bytes, gradient, state)
+        for rank, coordinates in enumerate(_rank_coordinates(axes))
+    )
+    return PlanReport(optimizer, MappingProxyType(dict(axes)), params, ranks, _whole_groups(params))
+
+
+def _placements_by_parameter(plan: ParallelPlan) -> dict[str, tuple[Mapping[str, Placement], str]]:
+    placed = {}
+    for fqn, sharding in plan.sharding.items():
+        protocol = plan.parallel_modules[fqn].protocol
+        for path, named in sharding.params.items():
+            placed[f"{fqn}.{path}" if fqn else path] = (named, protocol)
+    return placed
+
+
+def _row(
+    fqn: str, parameter: torch.Tensor, placed: tuple[Mapping[str, Placement], str] | None, axes: Mapping[str, int]
+) -> ParameterRow:
+    shape = tuple(parameter.shape)
+    named, protocol = placed if placed is not None else ({}, None)
+    local = list(shape)
+    for axis, placement in named.items():
+        if isinstance(placement, (Shard, _StridedShard)) and 0 <= placement.dim < len(local):
+            local[placement.dim] //= axes.get(axis, 1)
+    local_shape = tuple(local)
+    dtype = str(parameter.dtype).removeprefix("torch.")
+    return ParameterRow(
+        fqn=fqn,
+        shape=shape,
+        dtype=dtype,
+        placements=MappingProxyType({axis: str(p) for axis, p in named.items()}),
+        local_shape=local_shape,
+        bytes_per_rank=math.prod(local_shape) * parameter.element_size(),
+        requires_grad=parameter.requires_grad,
+        protocol=protocol,
+    )
+
+
+def _element_size(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype), device="meta").element_size()
+
+
+def _optimizer_bytes(row: ParameterRow, optimizer: str) -> int:
+    local = math.prod(row.local_shape)
+    if optimizer == "none":
+        return 0
+    if optimizer == "sgd-momentum":
+        return row.bytes_per_rank
+    if optimizer == "adam":
+        return 2 * row.bytes_per_rank
+    master = 0 if row.dtype in ("float32", "float64") else local * 4  # a float32 copy of a low-precision parameter
+    return master + 2 * local * max(4, _element_size(row.dtype))
+
+
+def _rank_coordinates(axes: Mapping[str, int]) -> list[dict[str, int]]:
+    """Each rank's coordinates: the world is the product of the axes besides the expert ones, in
+    their order (the last varies fastest); an expert axis is laid over the same ranks, innermost."""
+    world_axes = [axis for axis in axes if axis not in EXPERT_AXES]
+    coordinates = []
+    for rank, position in enumerate(product(*(range(axes[axis]) for axis in world_axes))):
+        entry = dict(zip(world_axes, position, strict=True))
+        if "ep" in axes:
+            entry["ep"] = rank % axes["ep"]
+        coordinates.append(entry)
+    return coordinates
+
+
+def _whole_groups(params: tuple[ParameterRow, ...]) -> tuple[WholeGroup, ...]:
+    whole = [row for row in params if row.whole]
+    groups = [
+        WholeGroup(str(fqn), len(members), whole[members[0]].bytes_per_rank)
+        for fqn, members in index_groups([(row.fqn, (row.bytes_per_rank, row.shape)) for row in whole])
+    ]
+    return tuple(sorted(groups, key=lambda group: -group.bytes_each * group.count))
+
+
+def size_text(count: int) -> str:
+    """Bytes as people read them: ``512 B``, ``1.5 KiB``, ``1.2 GiB``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{count} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

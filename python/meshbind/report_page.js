@@ -1,0 +1,111 @@
+// The plan report page's drawing (meshbind check --html): the tree, the totals and the bars.
+const report = JSON.parse(document.getElementById("report-data").textContent);
+const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+function size(bytes) {
+  let value = bytes, unit = 0;
+  while (value >= 1024 && unit < units.length - 1) { value /= 1024; unit += 1; }
+  return unit === 0 ? bytes + " B" : value.toFixed(1) + " " + units[unit];
+}
+const palette = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"];
+const protocols = [...new Set(report.params.map(p => p.protocol).filter(p => p !== null))];
+const colour = p => p === null ? "#bbb" : palette[protocols.indexOf(p) % palette.length];
+
+const totals = document.getElementById("totals");
+for (const [name, value] of Object.entries(report.totals)) {
+  const row = totals.insertRow();
+  row.insertCell().textContent = name;
+  const cell = row.insertCell();
+  cell.textContent = String(value);
+  cell.dataset.total = name;
+  row.insertCell().textContent = name.endsWith("bytes") || name.includes("bytes_") ? size(value) : "";
+}
+
+const legend = document.getElementById("legend");
+for (const p of [...protocols, null]) {
+  const item = document.createElement("span");
+  item.innerHTML = `<span class="swatch" style="background:${colour(p)}"></span>`;
+  item.append((p === null ? "not planned" : p) + "   ");
+  legend.append(item);
+}
+
+// Parameters that differ only in their first index (the layer) become one node: "layers.<0-47>".
+const groups = new Map();
+for (const p of report.params) {
+  const key = p.fqn.replace(/(^|\.)\d+(?=\.|$)/, "$1#") + "|" + JSON.stringify([p.placements, p.local_shape, p.shape, p.dtype]);
+  const group = groups.get(key) || { params: [], indices: new Set() };
+  group.params.push(p);
+  const index = p.fqn.match(/(?:^|\.)(\d+)(?=\.|$)/);
+  if (index) group.indices.add(Number(index[1]));
+  groups.set(key, group);
+}
+const root = { children: new Map(), params: [] };
+for (const group of groups.values()) {
+  const first = group.params[0];
+  let written = first.fqn;
+  if (group.params.length > 1) {
+    const numbers = [...group.indices].sort((a, b) => a - b);
+    const run = numbers[numbers.length - 1] - numbers[0] === numbers.length - 1 && numbers.length === group.params.length;
+    const indices = run ? `<${numbers[0]}-${numbers[numbers.length - 1]}>` : `{${numbers.join(",")}}`;
+    written = first.fqn.replace(/(^|\.)\d+(?=\.|$)/, `$1${indices}`);
+  }
+  const parts = written.split(".");
+  let node = root;
+  for (const part of parts.slice(0, -1)) {
+    if (!node.children.has(part)) node.children.set(part, { children: new Map(), params: [] });
+    node = node.children.get(part);
+  }
+  node.params.push({ name: parts[parts.length - 1], count: group.params.length, row: first });
+}
+function draw(node, into) {
+  for (const [name, child] of node.children) {
+    const details = document.createElement("details");
+    const summary = document.createElement("summary");
+    const protocol = firstProtocol(child);
+    summary.innerHTML = `<span class="swatch" style="background:${colour(protocol)}"></span>`;
+    summary.append(name);
+    details.append(summary);
+    draw(child, details);
+    into.append(details);
+  }
+  for (const p of node.params) {
+    const line = document.createElement("div");
+    line.className = "param";
+    line.innerHTML = `<span class="swatch" style="background:${colour(p.row.protocol)}"></span>`;
+    line.append(`${p.count > 1 ? p.count + " × " : ""}${p.name}  ${size(p.row.bytes_per_rank)} per rank`);
+    const placements = Object.entries(p.row.placements).map(([axis, placement]) => `${axis}: ${placement}`).join(", ") || "whole on every rank";
+    line.title = `${placements}; global ${JSON.stringify(p.row.shape)}, local ${JSON.stringify(p.row.local_shape)}`;
+    const info = document.createElement("div");
+    info.className = "info";
+    info.textContent = `${placements} · global shape ${JSON.stringify(p.row.shape)} · local shape ${JSON.stringify(p.row.local_shape)} · ${p.row.dtype}`;
+    line.addEventListener("click", () => line.classList.toggle("open"));
+    into.append(line, info);
+  }
+}
+function firstProtocol(node) {
+  for (const p of node.params) if (p.row.protocol !== null) return p.row.protocol;
+  for (const child of node.children.values()) { const found = firstProtocol(child); if (found !== null) return found; }
+  return null;
+}
+draw(root, document.getElementById("tree"));
+
+const bars = document.getElementById("bars");
+const largest = Math.max(...report.ranks.map(r => r.total_bytes), 1);
+for (const rank of report.ranks) {
+  const bar = document.createElement("div");
+  bar.className = "bar";
+  bar.dataset.rank = String(rank.rank);
+  bar.dataset.total = String(rank.total_bytes);
+  const label = document.createElement("span");
+  label.className = "label";
+  label.textContent = `rank ${rank.rank} ${JSON.stringify(rank.coordinates)}`;
+  bar.append(label);
+  for (const [kind, bytes] of [["parameters", rank.parameter_bytes], ["gradients", rank.gradient_bytes], ["optimizer", rank.optimizer_bytes]]) {
+    const piece = document.createElement("div");
+    piece.className = kind;
+    piece.style.width = (60 * bytes / largest) + "%";
+    piece.title = `${kind}: ${size(bytes)}`;
+    bar.append(piece);
+  }
+  bar.append(" " + size(rank.total_bytes));
+  bars.append(bar);
+}

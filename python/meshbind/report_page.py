@@ -1,0 +1,36 @@
+"""``meshbind check --html PATH``: the plan report as one self-contained page.
+
+No network, no external script, style or font: the report's JSON sits in the page and a short
+inline script draws the model tree (collapsed by layer index, each node coloured by the protocol
+of its planned module, a parameter's placements and local shape shown on hover or click) and
+each rank's bytes as bars.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from importlib import resources
+
+from meshbind.report import PlanReport
+
+
+def _asset(name: str) -> str:
+    return resources.files("meshbind").joinpath(name).read_text(encoding="utf-8")
+
+
+def report_page(report: PlanReport, title: str) -> str:
+    """The page: the report's JSON, inline style and script, nothing fetched."""
+    data = json.dumps(report.to_dict()).replace("</", "<\\/")  # no "</script>" inside the data
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>{_asset("report_page.css")}</style></head>
+<body>
+<h1>{html.escape(title)}</h1>
+<h2>Totals</h2><table id="totals"></table>
+<h2>Bytes per rank</h2><div id="bars"></div>
+<h2>Model tree</h2><div id="legend"></div><div id="tree"></div>
+<script type="application/json" id="report-data">{data}</script>
+<script>{_asset("report_page.js")}</script>
+</body></html>
+"""

@@ -1,0 +1,213 @@
+"""plan_report and ``meshbind check --report/--json/--html/--checkpoint``: what each rank holds,
+from the plan alone, on real model sizes; the page in a real headless Chromium; checkpoints
+checked from their metadata."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from meshbind import LayoutContext, PlanError, demo, from_hf_plan, plan_report, resolve_plan
+from meshbind.cli import main
+from meshbind.demo import DemoConfig
+from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig
+from meshbind.report import size_text
+
+from hf_models import REAL, hf_model
+
+DEMO = ["meshbind.examples.moe_transformer:MoETransformer", "meshbind.examples.moe_transformer:loss_head_request"]
+DEMO_AXES = ["--axis", "dp=1", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]
+F32 = 4
+
+# At tp=8 Qwen3-235B-A22B's 4 key/value heads would be split: the check refuses it (transformers #48307).
+REAL_SIZES = {"deepseek_v3": {"tp": 8, "ep": 8}, "qwen3_moe_235b": {"tp": 4, "ep": 8}, "llama_405b": {"tp": 8}}
+
+
+@pytest.fixture(scope="module")
+def real_models() -> dict[str, Any]:
+    return {name: hf_model(name, real=True) for name in REAL_SIZES}
+
+
+def row(report: Any, fqn: str) -> Any:
+    return next(p for p in report.params if p.fqn == fqn)
+
+
+@pytest.mark.parametrize("name", list(REAL_SIZES))
+def test_the_report_counts_every_parameter_and_its_bytes_per_rank_by_hand(real_models: dict[str, Any], name: str) -> None:
+    model, axes = real_models[name], REAL_SIZES[name]
+    report = plan_report(model, resolve_plan(model, from_hf_plan(model), LayoutContext(axes)), optimizer="adam")
+    assert report.parameter_count == sum(p.numel() for p in model.parameters())
+    config, tp, ep = REAL[name], axes["tp"], axes.get("ep", 1)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    # Embeddings: the vocabulary split over tp.
+    assert row(report, "model.embed_tokens.weight").bytes_per_rank == vocab // tp * hidden * F32
+    layer = config["num_hidden_layers"] - 1
+    if "num_experts" in config or "n_routed_experts" in config:
+        experts = config.get("num_experts", config.get("n_routed_experts"))
+        inner = config["moe_intermediate_size"]
+        gate_up = row(report, f"model.layers.{layer}.mlp.experts.gate_up_proj")
+        assert gate_up.placements == {"ep": "S(0)"}  # at ep > 1 the EP rules replace the TP ones
+        assert gate_up.bytes_per_rank == experts // ep * 2 * inner * hidden * F32
+    if name != "deepseek_v3":  # DeepSeek-V3's stock plan leaves its MLA attention whole
+        heads, head_dim = config["num_attention_heads"], config.get("head_dim", hidden // config["num_attention_heads"])
+        q = row(report, f"model.layers.{layer}.self_attn.q_proj.weight")
+        assert q.local_shape == (heads * head_dim // tp, hidden) and q.bytes_per_rank == heads * head_dim // tp * hidden * F32
+    rank = report.ranks[0]
+    assert rank.parameter_bytes == sum(p.bytes_per_rank for p in report.params)
+    assert rank.gradient_bytes == rank.parameter_bytes and rank.optimizer_bytes == 2 * rank.parameter_bytes
+    assert len(report.ranks) == tp and [r.coordinates for r in report.ranks[:2]] == (
+        [{"tp": 0, "ep": 0}, {"tp": 1, "ep": 1}] if ep > 1 else [{"tp": 0}, {"tp": 1}]
+    )
+
+
+def test_experts_left_unsharded_lead_the_whole_on_every_rank_list(real_models: dict[str, Any]) -> None:
+    # transformers #48308: experts never sharded held 60 GB per rank; here the report says so first.
+    model = real_models["deepseek_v3"]
+    model.tp_plan = {key: style for key, style in model.tp_plan.items() if ".experts" not in key}
+    try:
+        report = plan_report(model, resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 8})))
+    finally:
+        model.init_parallel_plans()
+    first = report.whole_on_every_rank[0]
+    assert first.fqn in {f"model.layers.<3-60>.mlp.experts.{n}" for n in ("gate_up_proj", "down_proj")}
+    assert first.count == 58 and first.bytes_each == 256 * 2 * 2048 * 7168 * F32
+    assert "58 x model.layers.<3-60>.mlp.experts." in report.text()
+
+
+def test_optimizer_state_follows_the_optimizer_and_a_bad_one_is_refused(real_models: dict[str, Any]) -> None:
+    model = real_models["llama_405b"]
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 8}))
+    parameters = plan_report(model, plan, optimizer="none").ranks[0].parameter_bytes
+    states = {
+        name: plan_report(model, plan, optimizer=name).ranks[0].optimizer_bytes for name in ("none", "sgd-momentum", "adam")
+    }
+    assert states == {"none": 0, "sgd-momentum": parameters, "adam": 2 * parameters}
+    bf16 = hf_model("llama", dtype=torch.bfloat16)
+    bf16_plan = resolve_plan(bf16, from_hf_plan(bf16), LayoutContext({"tp": 2}))
+    report = plan_report(bf16.to(torch.bfloat16), bf16_plan, optimizer="adam-fp32-master")
+    local = sum(math.prod(p.local_shape) for p in report.params)
+    assert report.ranks[0].optimizer_bytes == 3 * local * F32  # a float32 master copy and two float32 moments
+    with pytest.raises(ValueError, match="optimizer must be one of none, sgd-momentum, adam, adam-fp32-master"):
+        plan_report(model, plan, optimizer="adamw")
+
+
+def test_sizes_read_as_people_read_them() -> None:
+    assert [size_text(n) for n in (512, 1536, 3 * 2**30 // 2)] == ["512 B", "1.5 KiB", "1.5 GiB"]
+
+
+def test_check_prints_the_report_and_carries_it_in_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", *DEMO, *DEMO_AXES, "--report"]) == 0
+    out = capsys.readouterr().out
+    assert "2 x blocks.<0-1>.moe.w_gate  [8, 64, 32] -> [4, 64, 32]  ep:S(0)  32.0 KiB" in out
+    assert "every one of the 4 ranks holds: parameters" in out and "whole on every rank, largest first:" in out
+    assert main(["check", *DEMO, *DEMO_AXES, "--report", "--json", "--optimizer", "sgd-momentum"]) == 0
+    report = json.loads(capsys.readouterr().out)["report"]
+    assert set(report) >= {"ranks", "params", "whole_on_every_rank", "totals"}
+    assert report["totals"]["optimizer_bytes_per_rank"] == report["totals"]["parameter_bytes_per_rank"]
+    assert report["totals"]["parameters"] == sum(math.prod(p["shape"]) for p in report["params"])
+
+
+def test_the_page_loads_in_headless_chromium_and_shows_the_jsons_totals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    page = tmp_path / "report.html"
+    assert main(["check", *DEMO, *DEMO_AXES, "--json", "--html", str(page)]) == 0
+    totals = json.loads(capsys.readouterr().out)["report"]["totals"]
+    assert "http" not in page.read_text().replace("http://www.w3.org", "")  # nothing fetched
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"))
+    try:
+        driver.get(page.as_uri())
+        errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+        assert not errors, errors
+        shown = {
+            cell.get_attribute("data-total"): int(cell.text) for cell in driver.find_elements(By.CSS_SELECTOR, "td[data-total]")
+        }
+        assert shown == totals
+        bars = driver.find_elements(By.CSS_SELECTOR, "#bars .bar")
+        assert [int(bar.get_attribute("data-total")) for bar in bars] == [totals["total_bytes_per_rank"]] * 4
+        assert driver.find_elements(By.XPATH, "//summary[contains(., 'blocks')]")
+        parameter = driver.find_element(By.XPATH, "//div[@class='param' and contains(., 'w_gate')]")
+        assert "ep: S(0)" in parameter.get_attribute("title") and "[4,64,32]" in parameter.get_attribute("title")
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's state after one step, saved by 4 ranks at cp=2, tp=2, ep=2."""
+    directory = tmp_path_factory.mktemp("demo-checkpoint")
+    demo.run_local(DemoConfig(save=str(directory)))
+    return directory
+
+
+def test_a_checkpoint_saved_at_one_layout_fits_another_and_not_more_experts(
+    demo_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = ["--axis", "dp=4", "--axis", "cp=1", "--axis", "tp=1", "--axis", "ep=4"]
+    assert main(["check", *DEMO, *other, "--checkpoint", str(demo_checkpoint)]) == 0
+    assert "fits the model" in capsys.readouterr().err
+    more = ["test_report:sixteen_experts", DEMO[1]]
+    assert main(["check", *more, *other, "--checkpoint", str(demo_checkpoint)]) == 1
+    err = capsys.readouterr().err
+    assert "does not fit the model (8 keys):" in err  # three expert weights and the router, two layers
+    assert (
+        "shape      2 keys 'blocks.<0-1>.moe.w_gate': the checkpoint's shape (8, 64, 32) is not the model's (16, 64, 32)" in err
+    )
+
+
+def test_a_safetensors_checkpoint_is_checked_from_its_headers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = hf_model("llama")
+    state = {key: value.clone() for key, value in model.state_dict().items() if key != "model.layers.1.mlp.up_proj.weight"}
+    state["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(3, 64)
+    state["model.layers.0.mlp.extra"] = torch.zeros(1)
+    save_file({k: v for k, v in state.items() if k.startswith("model.layers.0")}, str(tmp_path / "a.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in state.items() if not k.startswith("model.layers.0")}, str(tmp_path / "b.safetensors")
+    )
+    index = {"weight_map": {k: "a.safetensors" if k.startswith("model.layers.0") else "b.safetensors" for k in state}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, **_small("llama")}))
+    assert main(["check", "--hf-config", str(config), "--axis", "tp=2", "--checkpoint", str(tmp_path), "--json"]) == 1
+    misfits = {(m["kind"], m["key"]) for m in json.loads(capsys.readouterr().out)["checkpoint"]}
+    assert misfits == {
+        ("missing", "model.layers.1.mlp.up_proj.weight"),
+        ("shape", "model.layers.0.mlp.gate_proj.weight"),
+        ("unexpected", "model.layers.0.mlp.extra"),
+    }
+
+
+def sixteen_experts() -> nn.Module:
+    """The demo's model with twice its experts: what a checkpoint of the demo does not fit."""
+    return MoETransformer(TransformerConfig(experts=16))
+
+
+def _small(name: str) -> dict[str, Any]:
+    from hf_models import SMALL
+
+    return SMALL[name]
+
+
+def test_the_report_needs_a_resolved_plan() -> None:
+    model = hf_model("llama")
+    with pytest.raises(TypeError, match="plan must be a ParallelPlan"):
+        plan_report(model, {})  # type: ignore[arg-type]
+    with pytest.raises(PlanError):
+        resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 3}))
