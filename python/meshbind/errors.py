@@ -96,26 +96,34 @@ def grouped_lines(problems: Sequence[PlanProblem]) -> list[str]:
     return lines
 
 
+_NUMBER_SEGMENT = re.compile(r"(?<![^.])\d+(?![^.])")
+"""A whole FQN segment of digits (a layer or expert index)."""
+
+
 def index_groups(entries: Sequence[tuple[str | None, object]]) -> list[tuple[str | None, list[int]]]:
     """``(fqn, what)`` entries grouped when ``what`` is equal and their FQNs differ in one numeric
     segment only, written as the indices' pattern (``<0-47>`` for a run, ``{0,2,7}`` otherwise):
     ``(written FQN, entry indices)``, in the order of first appearance. Anything else stays alone."""
     groups: dict[tuple[object, ...], list[int]] = {}
     for index, (fqn, what) in enumerate(entries):
-        shape = (index,) if fqn is None else tuple("#" if s.isdigit() else s for s in fqn.split("."))
+        shape = index if fqn is None else _NUMBER_SEGMENT.sub("#", fqn)
         groups.setdefault((what, shape), []).append(index)
     result: list[tuple[str | None, list[int]]] = []
     for members in groups.values():
-        split = [str(entries[member][0]).split(".") for member in members]
-        varying = [i for i in range(len(split[0])) if len({segments[i] for segments in split}) > 1]
-        if len(members) == 1 or len(varying) != 1:
+        first = entries[members[0]][0]
+        if len(members) == 1 or first is None:
             result += [(entries[member][0], [member]) for member in members]
             continue
-        position = varying[0]
-        numbers = sorted({int(segments[position]) for segments in split})
-        contiguous = numbers == list(range(numbers[0], numbers[-1] + 1)) and len(numbers) == len(split)
-        written = f"<{numbers[0]}-{numbers[-1]}>" if contiguous else "{" + ",".join(map(str, numbers)) + "}"
-        result.append((".".join([*split[0][:position], written, *split[0][position + 1 :]]), members))
+        numbers = [_NUMBER_SEGMENT.findall(str(entries[member][0])) for member in members]
+        varying = [i for i in range(len(numbers[0])) if len({found[i] for found in numbers}) > 1]
+        if len(varying) != 1:
+            result += [(entries[member][0], [member]) for member in members]
+            continue
+        values = sorted({int(found[varying[0]]) for found in numbers})
+        contiguous = values == list(range(values[0], values[-1] + 1)) and len(values) == len(members)
+        written = f"<{values[0]}-{values[-1]}>" if contiguous else "{" + ",".join(map(str, values)) + "}"
+        span = list(_NUMBER_SEGMENT.finditer(first))[varying[0]]
+        result.append((first[: span.start()] + written + first[span.end() :], members))
     return result
 
 

@@ -9,18 +9,20 @@ bytes; the report still lists each rank by its coordinates, which is what a laun
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import product
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshbind._core import PatternSet
 from meshbind.errors import index_groups
 from meshbind.resolution.plan import ParallelPlan
 
@@ -33,9 +35,9 @@ EXPERT_AXES = ("ep", "edp_replicate", "edp_shard")
 """Axes laid over the same ranks as the device mesh's (SPEC §6): they add no ranks to the world."""
 
 
-@dataclass(frozen=True)
-class ParameterRow:
-    """One parameter of the model, planned or not (unplanned: whole on every rank)."""
+class ParameterRow(NamedTuple):
+    """One parameter of the model, planned or not (unplanned: whole on every rank). A named tuple:
+    a report holds one per parameter of the model."""
 
     fqn: str
     shape: tuple[int, ...]
@@ -90,6 +92,8 @@ class PlanReport:
     ranks: tuple[RankRow, ...]
     whole_on_every_rank: tuple[WholeGroup, ...]
     """Ranked by the bytes of each group on every rank, largest first."""
+    groups: tuple[tuple[str, tuple[int, ...]], ...]
+    """The parameters that differ only in a layer index: ``(written FQN, indices into params)``."""
 
     @property
     def parameter_count(self) -> int:
@@ -146,9 +150,8 @@ class PlanReport:
     def text(self, *, whole_rows: int = 10) -> str:
         """The report as ``meshbind check --report`` prints it: parameters grouped by layer index,
         the ranks (one line when they all hold the same), and the largest parameters left whole."""
-        entries = [(p.fqn, (p.dtype, tuple(p.placements.items()), p.shape, p.local_shape)) for p in self.params]
         lines = ["parameters (shape -> local shape per rank, placements, bytes per rank):"]
-        for fqn, members in index_groups(entries):
+        for fqn, members in self.groups:
             row = self.params[members[0]]
             placed = ", ".join(f"{axis}:{p}" for axis, p in row.placements.items()) or "whole"
             count = f"{len(members)} x " if len(members) > 1 else ""
@@ -189,7 +192,9 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
         raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
     axes = plan.context.axis_sizes
     placed = _placements_by_parameter(plan)
-    params = tuple(_row(fqn, parameter, placed.get(fqn), axes) for fqn, parameter in model.named_parameters())
+    rows = _Rows(axes)
+    params = tuple(rows.row(fqn, parameter, placed.get(fqn)) for fqn, parameter in _parameters(model))
+    kinds = rows.kinds
     gradient = sum(row.bytes_per_rank for row in params if row.requires_grad)
     state = sum(_optimizer_bytes(row, optimizer) for row in params if row.requires_grad)
     parameter_bytes = sum(row.bytes_per_rank for row in params)
@@ -197,7 +202,30 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
         RankRow(rank, MappingProxyType(coordinates), parameter_bytes, gradient, state)
         for rank, coordinates in enumerate(_rank_coordinates(axes))
     )
-    return PlanReport(optimizer, MappingProxyType(dict(axes)), params, ranks, _whole_groups(params))
+    groups = tuple(
+        (str(fqn), tuple(members)) for fqn, members in index_groups(list(zip([row.fqn for row in params], kinds, strict=True)))
+    )
+    whole = sorted(
+        (WholeGroup(fqn, len(members), params[members[0]].bytes_per_rank) for fqn, members in groups if params[members[0]].whole),
+        key=lambda group: -group.bytes_each * group.count,
+    )
+    return PlanReport(optimizer, MappingProxyType(dict(axes)), params, ranks, tuple(whole), groups)
+
+
+def _parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``named_parameters()``: each parameter once, under its first FQN; the modules come from
+    one Rust walk, each under its first FQN in ``named_modules()`` order."""
+    tree = PatternSet([]).walk(model, prune=False)
+    indices = range(tree.module_count)
+    seen: set[int] = set()
+    found: list[tuple[str, torch.Tensor]] = []
+    modules: list[nn.Module] = tree.modules(indices)  # type: ignore[assignment]
+    for prefix, module in zip(tree.module_fqns(indices), modules, strict=True):
+        for name, parameter in module._parameters.items():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                found.append((f"{prefix}.{name}" if prefix else name, parameter))
+    return found
 
 
 def _placements_by_parameter(plan: ParallelPlan) -> dict[str, tuple[Mapping[str, Placement], str]]:
@@ -209,29 +237,42 @@ def _placements_by_parameter(plan: ParallelPlan) -> dict[str, tuple[Mapping[str,
     return placed
 
 
-def _row(
-    fqn: str, parameter: torch.Tensor, placed: tuple[Mapping[str, Placement], str] | None, axes: Mapping[str, int]
-) -> ParameterRow:
-    shape = tuple(parameter.shape)
-    named, protocol = placed if placed is not None else ({}, None)
-    local = list(shape)
-    for axis, placement in named.items():
-        if isinstance(placement, (Shard, _StridedShard)) and 0 <= placement.dim < len(local):
-            local[placement.dim] //= axes.get(axis, 1)
-    local_shape = tuple(local)
-    dtype = str(parameter.dtype).removeprefix("torch.")
-    return ParameterRow(
-        fqn=fqn,
-        shape=shape,
-        dtype=dtype,
-        placements=MappingProxyType({axis: str(p) for axis, p in named.items()}),
-        local_shape=local_shape,
-        bytes_per_rank=math.prod(local_shape) * parameter.element_size(),
-        requires_grad=parameter.requires_grad,
-        protocol=protocol,
-    )
+class _Rows:
+    """Builds the rows; parameters alike (shape, dtype, placements) share one computation, which
+    the layers of a model mostly are."""
+
+    def __init__(self, axes: Mapping[str, int]) -> None:
+        self.axes = axes
+        self.computed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self.kinds: list[int] = []
+        """Per row made, which computation it shares: rows shown as one group must share one."""
+
+    def row(self, fqn: str, parameter: torch.Tensor, placed: tuple[Mapping[str, Placement], str] | None) -> ParameterRow:
+        named, protocol = placed if placed is not None else (_NOTHING, None)
+        key = (parameter.shape, parameter.dtype, id(named), protocol, parameter.requires_grad)
+        fields = self.computed.get(key)
+        if fields is None:
+            fields = self.computed[key] = self._fields(parameter, named, protocol)
+        self.kinds.append(id(fields))
+        return ParameterRow(fqn, *fields)
+
+    def _fields(self, parameter: torch.Tensor, named: Mapping[str, Placement], protocol: str | None) -> tuple[Any, ...]:
+        shape = tuple(parameter.shape)
+        local = list(shape)
+        for axis, placement in named.items():
+            if isinstance(placement, (Shard, _StridedShard)) and 0 <= placement.dim < len(local):
+                local[placement.dim] //= self.axes.get(axis, 1)
+        local_shape = tuple(local)
+        placements = MappingProxyType({axis: str(p) for axis, p in named.items()})
+        dtype = str(parameter.dtype).removeprefix("torch.")
+        size = math.prod(local_shape) * parameter.element_size()
+        return shape, dtype, placements, local_shape, size, parameter.requires_grad, protocol
 
 
+_NOTHING: Mapping[str, Placement] = MappingProxyType({})
+
+
+@functools.cache
 def _element_size(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype), device="meta").element_size()
 
@@ -259,15 +300,6 @@ def _rank_coordinates(axes: Mapping[str, int]) -> list[dict[str, int]]:
             entry["ep"] = rank % axes["ep"]
         coordinates.append(entry)
     return coordinates
-
-
-def _whole_groups(params: tuple[ParameterRow, ...]) -> tuple[WholeGroup, ...]:
-    whole = [row for row in params if row.whole]
-    groups = [
-        WholeGroup(str(fqn), len(members), whole[members[0]].bytes_per_rank)
-        for fqn, members in index_groups([(row.fqn, (row.bytes_per_rank, row.shape)) for row in whole])
-    ]
-    return tuple(sorted(groups, key=lambda group: -group.bytes_each * group.count))
 
 
 def size_text(count: int) -> str:
