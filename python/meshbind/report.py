@@ -244,8 +244,9 @@ class _Rows:
     def __init__(self, axes: Mapping[str, int]) -> None:
         self.axes = axes
         self.computed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self.kinds: list[int] = []
-        """Per row made, which computation it shares: rows shown as one group must share one."""
+        self.kinds: list[tuple[Any, ...]] = []
+        """Per row made, what rows shown as one group must share: shape, dtype, placements."""
+        self.kind_of: dict[int, tuple[Any, ...]] = {}
 
     def row(self, fqn: str, parameter: torch.Tensor, placed: tuple[Mapping[str, Placement], str] | None) -> ParameterRow:
         named, protocol = placed if placed is not None else (_NOTHING, None)
@@ -253,7 +254,10 @@ class _Rows:
         fields = self.computed.get(key)
         if fields is None:
             fields = self.computed[key] = self._fields(parameter, named, protocol)
-        self.kinds.append(id(fields))
+        kind = self.kind_of.get(id(fields))
+        if kind is None:
+            kind = self.kind_of[id(fields)] = (fields[0], fields[1], tuple(fields[2].items()), fields[5])
+        self.kinds.append(kind)
         return ParameterRow(fqn, *fields)
 
     def _fields(self, parameter: torch.Tensor, named: Mapping[str, Placement], protocol: str | None) -> tuple[Any, ...]:
