@@ -50,7 +50,9 @@ REAL: dict[str, dict[str, Any]] = {
 REAL["qwen3_moe_235b"] = REAL["qwen3_moe"] | dict(
     num_hidden_layers=94, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_attention_heads=64
 )
-REAL["llama_405b"] = REAL["llama"] | dict(num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128)
+REAL["llama_405b"] = REAL["llama"] | dict(
+    num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128
+)
 """Llama-3 70B (80 layers), Mixtral 8x7B, Qwen3-30B-A3B (48 layers, 128 experts), DeepSeek-V3 (61 layers, 256
 experts, 671B), Qwen3-235B-A22B (94 layers) and Llama 3.1 405B (126 layers), from their published configs."""
 MODEL_TYPES = {"qwen3_moe_235b": "qwen3_moe", "llama_405b": "llama"}
