@@ -4,6 +4,7 @@ at once, and a checked plan applied by transformers' own code on a gloo world.""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -189,3 +190,31 @@ def test_transformers_applies_the_checked_plan_and_the_forward_equals_one_proces
     world_results: list[dict[str, str | None]], check: str
 ) -> None:
     assert not failures_of(world_results, check)
+
+
+MISTAKES = {
+    # model: (a tp that splits a key/value head, or, with no attention rules, one that divides no size)
+    "llama": ({"tp": 16}, "num_key_value_heads 8 is not divisible by the 'tp' axis size 16"),
+    "mixtral": ({"tp": 16}, "num_key_value_heads 8 is not divisible by the 'tp' axis size 16"),
+    "qwen3_moe": ({"tp": 8}, "num_key_value_heads 4 is not divisible by the 'tp' axis size 8"),
+    "deepseek_v3": ({"tp": 3}, "vocab_size 129280 is not divisible by the 'tp' axis size 3"),
+}
+EXPERTS = {"mixtral": "num_local_experts 8", "qwen3_moe": "num_local_experts 128", "deepseek_v3": "n_routed_experts 256"}
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_deliberate_mistakes_on_each_real_skeleton_are_caught(name: str) -> None:
+    model = hf_model(name, real=True)
+    # A misspelled key: a warning with the key it meant.
+    key = next(k for k in model.tp_plan if "layers" in k and k.endswith("proj"))
+    model.tp_plan = {(k.replace("proj", "prj") if k == key else k): style for k, style in model.tp_plan.items()}
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2}))
+    [typo] = [w for w in plan.warnings if "prj" in w.message]
+    assert re.search("did you mean '" + re.escape(key).replace(r"\*", r"\d+") + "'", typo.message), typo.message
+    model.init_parallel_plans()
+    axes, because = MISTAKES[name]
+    with pytest.raises(PlanError, match=re.escape(because)):
+        resolve_plan(model, from_hf_plan(model), LayoutContext(axes))
+    if name in EXPERTS:
+        with pytest.raises(PlanError, match=re.escape(f"{EXPERTS[name]} is not divisible by the 'ep' axis size 3")):
+            resolve_plan(model, from_hf_plan(model), LayoutContext({"ep": 3}))

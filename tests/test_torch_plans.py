@@ -17,6 +17,7 @@ from meshbind.bench import RecordingStyle
 from meshbind.interop.torch_plans import from_torch_plan, style_placements, torch_key_pattern
 from meshbind.launch import run_local_world
 
+from hf_models import hf_model
 from torchtitan_plans import deepseek_v3_plan, llama3_plan, torchtitan_model
 
 
@@ -138,5 +139,15 @@ def test_mistakes_in_a_torchtitan_plan_come_back_at_once() -> None:
     assert uneven == {"lm_head", "tok_embeddings"} and len(problems) == 3
 
 
-def test_torch_applies_a_checked_torchtitan_plan_on_a_gloo_world() -> None:
-    assert run_local_world(2, "torch_plan_checks:check_torchtitan_forward_equals_one_process") == [None, None]
+@pytest.mark.parametrize("name", ["llama3", "deepseek_v3"])
+def test_torch_applies_a_checked_torchtitan_plan_on_a_gloo_world(name: str) -> None:
+    assert run_local_world(2, "torch_plan_checks:check_torchtitan_forward_equals_one_process", name) == [None, None]
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe", "deepseek_v3"])
+def test_on_transformers_skeletons_meshbind_selects_what_torch_selects(name: str) -> None:
+    model = hf_model(name, layers=3)
+    names = sorted({part for fqn, _ in model.named_modules() for part in fqn.split(".") if part})
+    keys = [*model.tp_plan, *model.ep_plan, "model.layers.*", "*.*.?.self_attn", "model.layers.[!0].mlp.*"]
+    keys += [f"model.layers.*.{part}" for part in names[:: max(len(names) // 8, 1)]]
+    assert meshbind_selects(model, keys) == torch_selects(model, keys)

@@ -8,7 +8,7 @@ import copy
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from meshbind import MeshContext, resolve_plan
 from meshbind.interop.torch_plans import from_torch_plan, parallelize_checked
@@ -47,18 +47,33 @@ def check_forward_equals_one_process() -> str | None:
     return None
 
 
-def check_torchtitan_forward_equals_one_process() -> str | None:
-    """torchtitan's llama3 debug model, its feed-forward and output sharded by torch."""
-    context = MeshContext.build(tp=torch.distributed.get_world_size())
-    model = torchtitan_model("llama3", "debugmodel", meta=False)
-    reference = copy.deepcopy(model)
-    plan = {
+FORWARD_PLANS: dict[str, dict[str, ParallelStyle]] = {
+    "llama3": {
         "layers.*.feed_forward.w1": ColwiseParallel(),
         "layers.*.feed_forward.w3": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
-    }
-    resolved = resolve_plan(model, from_torch_plan(plan), context.layout_context())
+    },
+    "deepseek_v3": {
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(),
+        "layers.*.moe.shared_experts.w1": ColwiseParallel(),
+        "layers.*.moe.shared_experts.w3": ColwiseParallel(),
+        "layers.*.moe.shared_experts.w2": RowwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    },
+}
+"""Plans whose forward needs no sequence-parallel inputs: the feed-forwards and the output sharded."""
+
+
+def check_torchtitan_forward_equals_one_process(name: str) -> str | None:
+    """torchtitan's ``name`` debug model (two blocks: a dense one and, for deepseek_v3, an MoE one),
+    sharded by torch with a checked plan: its logits equal one process's."""
+    context = MeshContext.build(tp=torch.distributed.get_world_size())
+    model = torchtitan_model(name, "debugmodel", meta=False, layers=2)
+    reference = copy.deepcopy(model)
+    resolved = resolve_plan(model, from_torch_plan(FORWARD_PLANS[name]), context.layout_context())
     parallelize_checked(model, resolved, context.device_mesh["tp"])
     tokens = torch.randint(0, 2048, (2, 8), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(8).repeat(2, 1)

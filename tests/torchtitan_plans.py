@@ -22,10 +22,13 @@ from torchtitan.models import deepseek_v3, llama3
 REGISTRIES: dict[str, Any] = {"llama3": llama3, "deepseek_v3": deepseek_v3}
 
 
-def torchtitan_model(name: str, flavor: str, *, meta: bool = True) -> nn.Module:
-    """``name``'s model of ``flavor`` (``debugmodel``, ``405B``, ``671B``...) from its registry;
-    on ``meta``, or on the CPU with torchtitan's own seeded initialisation."""
+def torchtitan_model(name: str, flavor: str, *, meta: bool = True, layers: int | None = None) -> nn.Module:
+    """``name``'s model of ``flavor`` (``debugmodel``, ``405B``, ``671B``...) from its registry,
+    its first ``layers`` blocks only when given; on ``meta``, or on the CPU with torchtitan's own
+    seeded initialisation."""
     config = REGISTRIES[name].model_registry(flavor).model
+    if layers is not None:
+        config.layers = config.layers[:layers]
     if meta:
         with torch.device("meta"):
             model: nn.Module = config.build()
