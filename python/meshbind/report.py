@@ -101,6 +101,10 @@ class PlanReport:
 
     def totals(self) -> dict[str, int]:
         """The model's parameter count and bytes, and the largest rank's bytes of each kind."""
+        return dict(self._totals)
+
+    @functools.cached_property
+    def _totals(self) -> dict[str, int]:
         largest = max(self.ranks, key=lambda rank: rank.total_bytes)
         return {
             "parameters": self.parameter_count,
