@@ -3,6 +3,7 @@
 
 pub mod checks;
 pub mod families;
+pub mod index_groups;
 mod layout_reads;
 pub mod matcher;
 pub mod names;

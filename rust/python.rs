@@ -605,6 +605,23 @@ impl PyPlacementTable {
     }
 }
 
+/// `(written FQN, member indices)` for entries `(fqns[i], kinds[i])` whose FQNs differ in one
+/// numeric segment only (`layers.<0-47>.mlp`), in the order of each group's first entry.
+#[pyfunction]
+fn index_groups(fqns: Vec<String>, kinds: Vec<u32>) -> PyResult<Vec<(String, Vec<u32>)>> {
+    if fqns.len() != kinds.len() {
+        return Err(PyValueError::new_err(format!(
+            "{} FQNs but {} kinds",
+            fqns.len(),
+            kinds.len()
+        )));
+    }
+    Ok(crate::index_groups::index_groups(&fqns, &kinds)
+        .into_iter()
+        .map(|g| (g.written, g.members))
+        .collect())
+}
+
 /// The indices of the modules in a list whose `_parameters` has no key `path`.
 #[pyfunction]
 fn modules_lacking(modules: &Bound<'_, PyList>, path: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
@@ -640,6 +657,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlacementTable>()?;
     m.add_function(wrap_pyfunction!(check_patterns, m)?)?;
     m.add_function(wrap_pyfunction!(modules_lacking, m)?)?;
+    m.add_function(wrap_pyfunction!(index_groups, m)?)?;
     m.add_function(wrap_pyfunction!(layout_reads, m)?)?;
     m.add_function(wrap_pyfunction!(_layout_self_check, m)?)?;
     Ok(())

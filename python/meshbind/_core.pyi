@@ -12,6 +12,7 @@ __all__ = [
     "PlacementTable",
     "_layout_self_check",
     "check_patterns",
+    "index_groups",
     "layout_reads",
     "modules_lacking",
 ]
@@ -134,6 +135,10 @@ class PlacementTable:
 
 def check_patterns(patterns: Sequence[str]) -> None:
     """Parse every pattern without building a set; raises ``PatternError`` for the first malformed one."""
+
+def index_groups(fqns: Sequence[str], kinds: Sequence[int]) -> list[tuple[str, list[int]]]:
+    """``(written FQN, member indices)`` for entries ``(fqns[i], kinds[i])`` whose FQNs differ in one
+    numeric segment only (``layers.<0-47>.mlp``), in the order of each group's first entry."""
 
 def modules_lacking(modules: list[Any], path: str) -> list[int]:
     """The indices of the modules in the list whose ``_parameters`` has no key ``path``."""

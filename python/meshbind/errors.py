@@ -96,33 +96,21 @@ def grouped_lines(problems: Sequence[PlanProblem]) -> list[str]:
     return lines
 
 
-_NUMBER_SEGMENTS = re.compile(r"(?<![^.])(\d+)(?![^.])")
-"""Splits an FQN around its whole segments of digits (layer or expert indices), keeping them."""
-
-
 def index_groups(entries: Sequence[tuple[str | None, object]]) -> list[tuple[str | None, list[int]]]:
     """``(fqn, what)`` entries grouped when ``what`` is equal and their FQNs differ in one numeric
     segment only, written as the indices' pattern (``<0-47>`` for a run, ``{0,2,7}`` otherwise):
-    ``(written FQN, entry indices)``, in the order of first appearance. Anything else stays alone."""
-    groups: dict[tuple[object, ...], list[tuple[int, list[str]]]] = {}
-    for index, (fqn, what) in enumerate(entries):
-        parts = [str(index)] if fqn is None else _NUMBER_SEGMENTS.split(fqn)  # text, digits, text, ...
-        groups.setdefault((what, fqn is None, *parts[0::2]), []).append((index, parts))
-    result: list[tuple[str | None, list[int]]] = []
-    for members in groups.values():
-        indices = [index for index, _ in members]
-        first = entries[indices[0]][0]
-        numbers = [parts[1::2] for _, parts in members]
-        varying = [i for i in range(len(numbers[0])) if len({found[i] for found in numbers}) > 1]
-        if len(members) == 1 or first is None or len(varying) != 1:
-            result += [(entries[index][0], [index]) for index in indices]
-            continue
-        values = sorted({int(found[varying[0]]) for found in numbers})
-        contiguous = values == list(range(values[0], values[-1] + 1)) and len(values) == len(members)
-        parts = list(members[0][1])
-        parts[1 + 2 * varying[0]] = f"<{values[0]}-{values[-1]}>" if contiguous else "{" + ",".join(map(str, values)) + "}"
-        result.append(("".join(parts), indices))
-    return result
+    ``(written FQN, entry indices)``, in the order of first appearance (Rust). An entry without
+    an FQN, and anything else, stays alone."""
+    from meshbind import _core  # the extension raises these errors: it is imported here, not at the top
+
+    kinds: dict[object, int] = {}
+    codes = [kinds.setdefault(what, len(kinds)) if fqn is not None else -1 for fqn, what in entries]
+    alone = len(kinds)
+    for index, code in enumerate(codes):
+        if code < 0:  # a kind of its own
+            codes[index], alone = alone, alone + 1
+    groups = _core.index_groups([fqn or "" for fqn, _ in entries], codes)
+    return [(written if entries[members[0]][0] is not None else None, members) for written, members in groups]
 
 
 class BindingRefusedError(MeshbindError, ValueError):

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -88,16 +89,26 @@ class PlanReport:
 
     optimizer: str
     axes: Mapping[str, int]
-    params: tuple[ParameterRow, ...]
     ranks: tuple[RankRow, ...]
     whole_on_every_rank: tuple[WholeGroup, ...]
     """Ranked by the bytes of each group on every rank, largest first."""
     groups: tuple[tuple[str, tuple[int, ...]], ...]
     """The parameters that differ only in a layer index: ``(written FQN, indices into params)``."""
+    entries: tuple[tuple[str, tuple[Any, ...]], ...] = field(repr=False, default=())
+    """Each parameter's FQN and its row's other fields, shared by parameters alike."""
+
+    def _row(self, index: int) -> ParameterRow:
+        fqn, fields = self.entries[index]
+        return ParameterRow(fqn, *fields)
+
+    @functools.cached_property
+    def params(self) -> tuple[ParameterRow, ...]:
+        """One row per parameter of the model, in ``named_parameters()`` order."""
+        return tuple(ParameterRow(fqn, *fields) for fqn, fields in self.entries)
 
     @property
     def parameter_count(self) -> int:
-        return sum(math.prod(row.shape) for row in self.params)
+        return sum(math.prod(fields[0]) for _, fields in self.entries)
 
     def totals(self) -> dict[str, int]:
         """The model's parameter count and bytes, and the largest rank's bytes of each kind."""
@@ -108,7 +119,7 @@ class PlanReport:
         largest = max(self.ranks, key=lambda rank: rank.total_bytes)
         return {
             "parameters": self.parameter_count,
-            "parameter_bytes_full": sum(math.prod(row.shape) * _element_size(row.dtype) for row in self.params),
+            "parameter_bytes_full": sum(math.prod(fields[0]) * _element_size(fields[1]) for _, fields in self.entries),
             "parameter_bytes_per_rank": largest.parameter_bytes,
             "gradient_bytes_per_rank": largest.gradient_bytes,
             "optimizer_bytes_per_rank": largest.optimizer_bytes,
@@ -156,7 +167,7 @@ class PlanReport:
         the ranks (one line when they all hold the same), and the largest parameters left whole."""
         lines = ["parameters (shape -> local shape per rank, placements, bytes per rank):"]
         for fqn, members in self.groups:
-            row = self.params[members[0]]
+            row = self._row(members[0])
             placed = ", ".join(f"{axis}:{p}" for axis, p in row.placements.items()) or "whole"
             count = f"{len(members)} x " if len(members) > 1 else ""
             lines.append(
@@ -197,23 +208,31 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
     axes = plan.context.axis_sizes
     placed = _placements_by_parameter(plan)
     rows = _Rows(axes)
-    params = tuple(rows.row(fqn, parameter, placed.get(fqn)) for fqn, parameter in _parameters(model))
-    kinds = rows.kinds
-    gradient = sum(row.bytes_per_rank for row in params if row.requires_grad)
-    state = sum(_optimizer_bytes(row, optimizer) for row in params if row.requires_grad)
-    parameter_bytes = sum(row.bytes_per_rank for row in params)
+    entries = tuple((fqn, rows.fields(parameter, placed.get(fqn))) for fqn, parameter in _parameters(model))
+    alike = Counter(map(id, (fields for _, fields in entries)))
+    distinct = {id(fields): ParameterRow("", *fields) for _, fields in entries}
+    parameter_bytes = sum(distinct[key].bytes_per_rank * count for key, count in alike.items())
+    learnt = [(distinct[key], count) for key, count in alike.items() if distinct[key].requires_grad]
+    gradient = sum(row.bytes_per_rank * count for row, count in learnt)
+    state = sum(_optimizer_bytes(row, optimizer) * count for row, count in learnt)
     ranks = tuple(
         RankRow(rank, MappingProxyType(coordinates), parameter_bytes, gradient, state)
         for rank, coordinates in enumerate(_rank_coordinates(axes))
     )
     groups = tuple(
-        (str(fqn), tuple(members)) for fqn, members in index_groups(list(zip([row.fqn for row in params], kinds, strict=True)))
+        (str(fqn), tuple(members))
+        for fqn, members in index_groups(list(zip([fqn for fqn, _ in entries], rows.kinds, strict=True)))
     )
+    representatives = [distinct[id(entries[members[0]][1])] for _, members in groups]
     whole = sorted(
-        (WholeGroup(fqn, len(members), params[members[0]].bytes_per_rank) for fqn, members in groups if params[members[0]].whole),
+        (
+            WholeGroup(fqn, len(members), row.bytes_per_rank)
+            for (fqn, members), row in zip(groups, representatives, strict=True)
+            if row.whole
+        ),
         key=lambda group: -group.bytes_each * group.count,
     )
-    return PlanReport(optimizer, MappingProxyType(dict(axes)), params, ranks, tuple(whole), groups)
+    return PlanReport(optimizer, MappingProxyType(dict(axes)), ranks, tuple(whole), groups, entries)
 
 
 def _parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -252,7 +271,8 @@ class _Rows:
         """Per row made, what rows shown as one group must share: shape, dtype, placements."""
         self.kind_of: dict[int, tuple[Any, ...]] = {}
 
-    def row(self, fqn: str, parameter: torch.Tensor, placed: tuple[Mapping[str, Placement], str] | None) -> ParameterRow:
+    def fields(self, parameter: torch.Tensor, placed: tuple[Mapping[str, Placement], str] | None) -> tuple[Any, ...]:
+        """A row's fields but its FQN; the same object for parameters alike."""
         named, protocol = placed if placed is not None else (_NOTHING, None)
         key = (parameter.shape, parameter.dtype, id(named), protocol, parameter.requires_grad)
         fields = self.computed.get(key)
@@ -262,7 +282,7 @@ class _Rows:
         if kind is None:
             kind = self.kind_of[id(fields)] = (fields[0], fields[1], tuple(fields[2].items()), fields[5])
         self.kinds.append(kind)
-        return ParameterRow(fqn, *fields)
+        return fields
 
     def _fields(self, parameter: torch.Tensor, named: Mapping[str, Placement], protocol: str | None) -> tuple[Any, ...]:
         shape = tuple(parameter.shape)
