@@ -128,7 +128,8 @@ class PlanReport:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``ranks``, ``params``, ``whole_on_every_rank``, ``totals``."""
+        """JSON-ready: ``ranks``, ``params``, ``whole_on_every_rank``, ``totals``, and ``groups`` (the
+        parameters shown as one line: a written FQN and indices into ``params``)."""
         return {
             "optimizer": self.optimizer,
             "axes": dict(self.axes),
@@ -160,6 +161,7 @@ class PlanReport:
             "whole_on_every_rank": [
                 {"fqn": g.fqn, "count": g.count, "bytes_each": g.bytes_each} for g in self.whole_on_every_rank
             ],
+            "groups": [{"fqn": fqn, "members": list(members)} for fqn, members in self.groups],
         }
 
     def text(self, *, whole_rows: int = 10) -> str:
@@ -266,23 +268,22 @@ class _Rows:
 
     def __init__(self, axes: Mapping[str, int]) -> None:
         self.axes = axes
-        self.computed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self.computed: dict[tuple[Any, ...], tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
+        """Each computation's fields and its kind: what rows shown as one group must share
+        (shape, dtype, placements, ``requires_grad``)."""
         self.kinds: list[tuple[Any, ...]] = []
-        """Per row made, what rows shown as one group must share: shape, dtype, placements."""
-        self.kind_of: dict[int, tuple[Any, ...]] = {}
+        """The kind of every row made, in order."""
 
     def fields(self, parameter: torch.Tensor, placed: tuple[Mapping[str, Placement], str] | None) -> tuple[Any, ...]:
         """A row's fields but its FQN; the same object for parameters alike."""
         named, protocol = placed if placed is not None else (_NOTHING, None)
         key = (parameter.shape, parameter.dtype, id(named), protocol, parameter.requires_grad)
-        fields = self.computed.get(key)
-        if fields is None:
-            fields = self.computed[key] = self._fields(parameter, named, protocol)
-        kind = self.kind_of.get(id(fields))
-        if kind is None:
-            kind = self.kind_of[id(fields)] = (fields[0], fields[1], tuple(fields[2].items()), fields[5])
-        self.kinds.append(kind)
-        return fields
+        computed = self.computed.get(key)
+        if computed is None:
+            fields = self._fields(parameter, named, protocol)
+            computed = self.computed[key] = (fields, (fields[0], fields[1], tuple(fields[2].items()), fields[5]))
+        self.kinds.append(computed[1])
+        return computed[0]
 
     def _fields(self, parameter: torch.Tensor, named: Mapping[str, Placement], protocol: str | None) -> tuple[Any, ...]:
         shape = tuple(parameter.shape)

@@ -28,33 +28,16 @@ for (const p of [...protocols, null]) {
   legend.append(item);
 }
 
-// Parameters that differ only in their first index (the layer) become one node: "layers.<0-47>".
-const groups = new Map();
-for (const p of report.params) {
-  const key = p.fqn.replace(/(^|\.)\d+(?=\.|$)/, "$1#") + "|" + JSON.stringify([p.placements, p.local_shape, p.shape, p.dtype]);
-  const group = groups.get(key) || { params: [], indices: new Set() };
-  group.params.push(p);
-  const index = p.fqn.match(/(?:^|\.)(\d+)(?=\.|$)/);
-  if (index) group.indices.add(Number(index[1]));
-  groups.set(key, group);
-}
+// The report's groups: parameters that differ only in a layer index are one node ("layers.<0-47>").
 const root = { children: new Map(), params: [] };
-for (const group of groups.values()) {
-  const first = group.params[0];
-  let written = first.fqn;
-  if (group.params.length > 1) {
-    const numbers = [...group.indices].sort((a, b) => a - b);
-    const run = numbers[numbers.length - 1] - numbers[0] === numbers.length - 1 && numbers.length === group.params.length;
-    const indices = run ? `<${numbers[0]}-${numbers[numbers.length - 1]}>` : `{${numbers.join(",")}}`;
-    written = first.fqn.replace(/(^|\.)\d+(?=\.|$)/, `$1${indices}`);
-  }
-  const parts = written.split(".");
+for (const group of report.groups) {
+  const parts = group.fqn.split(".");
   let node = root;
   for (const part of parts.slice(0, -1)) {
     if (!node.children.has(part)) node.children.set(part, { children: new Map(), params: [] });
     node = node.children.get(part);
   }
-  node.params.push({ name: parts[parts.length - 1], count: group.params.length, row: first });
+  node.params.push({ name: parts[parts.length - 1], count: group.members.length, row: report.params[group.members[0]] });
 }
 function draw(node, into) {
   for (const [name, child] of node.children) {

@@ -29,7 +29,7 @@ from meshbind.resolution.candidates import (
 )
 from meshbind.resolution.messages import reported_source, unmatched_problems
 from meshbind.resolution.nesting import nested_problems
-from meshbind.resolution.overrides import checked_overrides, merge_overrides, override_hits
+from meshbind.resolution.overrides import Override, checked_overrides, merge_overrides, override_hits
 from meshbind.resolution.ownership import assign_requests, family_specs, join_families
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.resolution.providers import provide_layouts
@@ -64,15 +64,25 @@ def resolve_plan(
     if not isinstance(context, LayoutContext):
         raise TypeError(f"context must be a LayoutContext, got {type(context).__name__}")
     sourced = requests.requests_for(model, context) if isinstance(requests, PlanSource) else SourcedRequests(requests)
-    requests = _checked_requests(sourced.requests)
-    override_items = checked_overrides(overrides)
-    shapes = _checked_param_shapes(param_shapes, model)
+    checked = SourcedRequests(_checked_requests(sourced.requests), sourced.problems, sourced.warnings)
+    return _resolve(model, checked, context, checked_overrides(overrides), _checked_param_shapes(param_shapes, model))
+
+
+def _resolve(
+    model: nn.Module | Sequence[str],
+    sourced: SourcedRequests,
+    context: LayoutContext,
+    override_items: list[Override],
+    shapes: dict[str, tuple[int, ...]] | None,
+) -> ParallelPlan:
+    """``resolve_plan`` on checked arguments."""
+    requests = sourced.requests
     patterns = PlanPatterns.of(requests, override_items)
     tree, offline = walk(patterns.pattern_set, model)
     if owners := parameter_owners(model, patterns, tree):
         # Patterns naming parameters plan the modules that hold them: resolve those modules by name.
         owning = SourcedRequests(selecting_owners(requests, patterns, owners), sourced.problems, sourced.warnings)
-        return resolve_plan(model, _Resolved(owning), context, overrides=overrides)
+        return _resolve(model, owning, context, override_items, shapes)
     problems = cycle_problems(tree) + list(sourced.problems)
 
     ownership = assign_requests(tree, patterns, requests)
@@ -116,16 +126,6 @@ def resolve_plan(
             if candidate.module is not None and module_classes[candidate.index] in families:
                 record_family_layout(candidate.module, candidate.fqn, candidate.spec, candidate.sharding)  # type: ignore[arg-type]
     return plan
-
-
-class _Resolved:
-    """Requests a plan source already gave, passed on to a second resolution as they are."""
-
-    def __init__(self, sourced: SourcedRequests) -> None:
-        self.sourced = sourced
-
-    def requests_for(self, model: nn.Module | Sequence[str], context: LayoutContext) -> SourcedRequests:
-        return self.sourced
 
 
 def _checked_requests(requests: object) -> list[NativeParallelBindingRequest]:
