@@ -6,6 +6,7 @@ pub mod families;
 pub mod index_groups;
 mod layout_reads;
 pub mod matcher;
+mod named_parameters;
 pub mod names;
 pub mod pattern;
 mod presence;

@@ -325,6 +325,9 @@ fn uint32_view<'py>(py: Python<'py>, values: &[u32]) -> PyResult<Bound<'py, PyAn
 }
 
 /// What a walk saw: every FQN, the module and class behind it, and every match.
+/// `ModuleTree.named_parameters`: FQNs, each one's kind, one parameter per kind.
+type NamedParameterLists<'t> = (Vec<&'t str>, Vec<u32>, Vec<Py<PyAny>>);
+
 #[pyclass(name = "ModuleTree", module = "meshbind._core", frozen)]
 pub struct ModuleTree {
     index: TreeIndex,
@@ -407,6 +410,23 @@ impl ModuleTree {
                     .ok_or_else(|| PyValueError::new_err(format!("no module with index {i}")))
             })
             .collect()
+    }
+
+    /// Each parameter once, under its first FQN, in `named_parameters()` order: `(fqns, kinds,
+    /// samples)`, where parameters of one kind share shape, dtype and `requires_grad` and
+    /// `samples[k]` is the first of kind `k`. Needs a full walk with `parameters=True`.
+    fn named_parameters(&self, py: Python<'_>) -> PyResult<NamedParameterLists<'_>> {
+        let index = &self.index;
+        if !index.complete || !index.parameters.read || index.modules.is_empty() {
+            return Err(PyValueError::new_err(
+                "named_parameters needs a full walk that read the parameters: \
+                 walk(root, prune=False, parameters=True)",
+            ));
+        }
+        let parameters = &index.parameters;
+        let found =
+            crate::named_parameters::named_parameters(py, &parameters.names, &parameters.objects)?;
+        Ok((found.fqns, found.kinds, found.samples))
     }
 
     /// The distinct classes met, and the class index of every module.

@@ -48,7 +48,11 @@ pub struct TreeIndex {
 /// holds no `.`, so its module's FQN is its own up to the last `.`.
 #[derive(Default)]
 pub struct ParameterIndex {
+    /// Whether the walk read the parameters at all.
+    pub read: bool,
     pub names: NameTable,
+    /// The parameter object behind each name.
+    pub objects: Vec<Py<PyAny>>,
     /// Matches: `(parameter name index, pattern index)`.
     pub hits: Vec<(u32, u32)>,
 }
@@ -172,6 +176,10 @@ pub fn walk_tree(
         parameters,
         index: TreeIndex {
             complete: mode == WalkMode::Full,
+            parameters: ParameterIndex {
+                read: parameters,
+                ..ParameterIndex::default()
+            },
             ..TreeIndex::default()
         },
         module_ids: FxHashMap::default(),
@@ -369,6 +377,7 @@ impl Walker<'_, '_> {
                 continue;
             }
             let parameter = self.index.parameters.names.push(&name);
+            self.index.parameters.objects.push(value.unbind());
             let hits = self.scratch.iter().map(|&p| (parameter, p));
             self.index.parameters.hits.extend(hits);
         }

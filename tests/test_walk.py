@@ -288,3 +288,61 @@ def test_shared_parameters_and_modules_are_met_under_every_fqn() -> None:
     expected = [name for name, _ in model.named_parameters(remove_duplicate=False) if not name.endswith("bias")]
     assert [name for name, _ in tree.parameter_matches()] == expected == ["a.0.weight", "b.extra", "b.0.weight"]
     assert PatternSet(["**"]).walk(model, prune=False, parameters=True).nearest_parameters("a.0.wieght", 1) == ["a.0.weight"]
+
+
+def _kinds_by_reference(parameters: list[torch.Tensor]) -> list[int]:
+    kinds: dict[tuple[Any, ...], int] = {}
+    return [kinds.setdefault((tuple(p.shape), p.dtype, p.requires_grad), len(kinds)) for p in parameters]
+
+
+def test_named_parameters_are_torchs_with_their_kinds() -> None:
+    shared = nn.Linear(2, 3)
+    model = nn.ModuleDict(
+        {
+            "a": nn.Sequential(shared, nn.Linear(3, 3)),
+            "b": nn.Sequential(shared, nn.Linear(2, 3).to(torch.float16)),
+            "c": nn.Linear(3, 3, bias=False),
+        }
+    )
+    model.b.register_parameter("tied", shared.weight)  # type: ignore[union-attr]
+    model.c.weight.requires_grad_(False)  # type: ignore[union-attr]
+    model.register_parameter("none", None)
+    fqns, kinds, samples = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
+    expected = list(model.named_parameters())
+    assert fqns == [name for name, _ in expected]
+    assert kinds == _kinds_by_reference([p for _, p in expected])
+    first: dict[int, torch.Tensor] = {}
+    for kind, (_, parameter) in zip(kinds, expected, strict=True):
+        first.setdefault(kind, parameter)
+    assert len(samples) == len(first) and all(samples[kind] is p for kind, p in first.items())
+    # a.0 and b.0 share one Linear; a.1 and c.weight differ in requires_grad only; b.1 in dtype only.
+    assert len(set(kinds)) == len(samples) == 6
+
+
+def test_named_parameters_of_a_deep_moe_tree(moe: nn.Module) -> None:
+    fqns, kinds, samples = PatternSet([]).walk(moe, prune=False, parameters=True).named_parameters()
+    expected = list(moe.named_parameters())
+    assert fqns == [name for name, _ in expected]
+    assert kinds == _kinds_by_reference([p for _, p in expected])
+    assert all(samples[kind].shape == p.shape for kind, (_, p) in zip(kinds, expected, strict=True))
+
+
+@pytest.mark.parametrize(
+    "walk",
+    [
+        lambda ps, model: ps.walk(model, prune=False),
+        lambda ps, model: ps.walk(model, parameters=True),
+        lambda ps, model: ps.index_names(["a", "a.weight"], prune=False),
+    ],
+    ids=["parameters-not-read", "pruned", "offline"],
+)
+def test_named_parameters_need_a_full_walk_that_read_them(walk: Any) -> None:
+    with pytest.raises(ValueError, match="full walk that read the parameters"):
+        walk(PatternSet(["**"]), nn.Linear(2, 2)).named_parameters()
+
+
+def test_a_parameter_that_is_no_tensor_is_named() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0]._parameters["odd"] = object()  # type: ignore[assignment]
+    with pytest.raises(TypeError, match=r"parameter '0\.odd' is not a tensor"):
+        PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()

@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshbind import _core
 from meshbind._core import PatternSet
-from meshbind.errors import index_groups
 from meshbind.resolution.plan import ParallelPlan
 
 OPTIMIZERS = ("none", "sgd-momentum", "adam", "adam-fp32-master")
@@ -96,6 +96,8 @@ class PlanReport:
     """The parameters that differ only in a layer index: ``(written FQN, indices into params)``."""
     entries: tuple[tuple[str, tuple[Any, ...]], ...] = field(repr=False, default=())
     """Each parameter's FQN and its row's other fields, shared by parameters alike."""
+    model_totals: Mapping[str, int] = field(repr=False, default_factory=dict)
+    """The model's parameter count and bytes in full (``parameters``, ``parameter_bytes_full``)."""
 
     def _row(self, index: int) -> ParameterRow:
         fqn, fields = self.entries[index]
@@ -108,18 +110,14 @@ class PlanReport:
 
     @property
     def parameter_count(self) -> int:
-        return sum(math.prod(fields[0]) for _, fields in self.entries)
+        return self.model_totals["parameters"]
 
     def totals(self) -> dict[str, int]:
         """The model's parameter count and bytes, and the largest rank's bytes of each kind."""
-        return dict(self._totals)
-
-    @functools.cached_property
-    def _totals(self) -> dict[str, int]:
         largest = max(self.ranks, key=lambda rank: rank.total_bytes)
         return {
-            "parameters": self.parameter_count,
-            "parameter_bytes_full": sum(math.prod(fields[0]) * _element_size(fields[1]) for _, fields in self.entries),
+            "parameters": self.model_totals["parameters"],
+            "parameter_bytes_full": self.model_totals["parameter_bytes_full"],
             "parameter_bytes_per_rank": largest.parameter_bytes,
             "gradient_bytes_per_rank": largest.gradient_bytes,
             "optimizer_bytes_per_rank": largest.optimizer_bytes,
@@ -208,94 +206,81 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
     axes = plan.context.axis_sizes
-    placed = _placements_by_parameter(plan)
-    rows = _Rows(axes)
-    entries = tuple((fqn, rows.fields(parameter, placed.get(fqn))) for fqn, parameter in _parameters(model))
-    alike = Counter(map(id, (fields for _, fields in entries)))
-    distinct = {id(fields): ParameterRow("", *fields) for _, fields in entries}
-    parameter_bytes = sum(distinct[key].bytes_per_rank * count for key, count in alike.items())
-    learnt = [(distinct[key], count) for key, count in alike.items() if distinct[key].requires_grad]
+    fqns, kinds, samples = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
+    placings, placed = _placings(plan)
+    # One computation per (kind, placing): a model's layers are mostly alike.
+    keys = [(kind, placed.get(fqn, 0)) for fqn, kind in zip(fqns, kinds, strict=True)]
+    counts = Counter(keys)
+    computed = {key: _fields(samples[key[0]], *placings[key[1]], axes) for key in counts}
+    entries = tuple(zip(fqns, map(computed.__getitem__, keys), strict=True))
+    row_of = {key: ParameterRow("", *fields) for key, fields in computed.items()}
+    rows = [(row_of[key], count) for key, count in counts.items()]
+    learnt = [(row, count) for row, count in rows if row.requires_grad]
+    parameter_bytes = sum(row.bytes_per_rank * count for row, count in rows)
     gradient = sum(row.bytes_per_rank * count for row, count in learnt)
     state = sum(_optimizer_bytes(row, optimizer) * count for row, count in learnt)
     ranks = tuple(
         RankRow(rank, MappingProxyType(coordinates), parameter_bytes, gradient, state)
         for rank, coordinates in enumerate(_rank_coordinates(axes))
     )
-    groups = tuple(
-        (str(fqn), tuple(members))
-        for fqn, members in index_groups(list(zip([fqn for fqn, _ in entries], rows.kinds, strict=True)))
-    )
-    representatives = [distinct[id(entries[members[0]][1])] for _, members in groups]
+    # Rows shown as one line share shape, dtype, placements and requires_grad (not the protocol).
+    codes: dict[tuple[Any, ...], int] = {}
+    code_of = {
+        key: codes.setdefault((row.shape, row.dtype, tuple(row.placements.items()), row.requires_grad), len(codes))
+        for key, row in row_of.items()
+    }
+    groups = tuple((fqn, tuple(members)) for fqn, members in _core.index_groups(fqns, list(map(code_of.__getitem__, keys))))
     whole = sorted(
-        (
-            WholeGroup(fqn, len(members), row.bytes_per_rank)
-            for (fqn, members), row in zip(groups, representatives, strict=True)
-            if row.whole
-        ),
+        (WholeGroup(fqn, len(members), row.bytes_per_rank) for fqn, members in groups if (row := row_of[keys[members[0]]]).whole),
         key=lambda group: -group.bytes_each * group.count,
     )
-    return PlanReport(optimizer, MappingProxyType(dict(axes)), ranks, tuple(whole), groups, entries)
+    model_totals = {
+        "parameters": sum(math.prod(row.shape) * count for row, count in rows),
+        "parameter_bytes_full": sum(math.prod(row.shape) * _element_size(row.dtype) * count for row, count in rows),
+    }
+    return PlanReport(
+        optimizer, MappingProxyType(dict(axes)), ranks, tuple(whole), groups, entries, MappingProxyType(model_totals)
+    )
 
 
-def _parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``named_parameters()``: each parameter once, under its first FQN; the modules come from
-    one Rust walk, each under its first FQN in ``named_modules()`` order."""
-    tree = PatternSet([]).walk(model, prune=False)
-    indices = range(tree.module_count)
-    seen: set[int] = set()
-    found: list[tuple[str, torch.Tensor]] = []
-    modules: list[nn.Module] = tree.modules(indices)  # type: ignore[assignment]
-    for prefix, module in zip(tree.module_fqns(indices), modules, strict=True):
-        for name, parameter in module._parameters.items():
-            if parameter is not None and id(parameter) not in seen:
-                seen.add(id(parameter))
-                found.append((f"{prefix}.{name}" if prefix else name, parameter))
-    return found
-
-
-def _placements_by_parameter(plan: ParallelPlan) -> dict[str, tuple[Mapping[str, Placement], str]]:
+def _placings(plan: ParallelPlan) -> tuple[list[tuple[Mapping[str, Placement], str | None]], dict[str, int]]:
+    """The plan's distinct ``(named placements, protocol)`` (the first: unplanned, whole) and the
+    index of each planned parameter's. Providers hand alike modules one spec, read once."""
+    placings: list[tuple[Mapping[str, Placement], str | None]] = [(_NOTHING, None)]
+    index_of: dict[tuple[int, str], int] = {}
+    paths_of: dict[tuple[int, str], list[tuple[str, int]]] = {}
     placed = {}
+    parallel = plan.parallel_modules
     for fqn, sharding in plan.sharding.items():
-        protocol = plan.parallel_modules[fqn].protocol
-        for path, named in sharding.params.items():
-            placed[f"{fqn}.{path}" if fqn else path] = (named, protocol)
-    return placed
+        protocol = parallel[fqn].protocol
+        paths = paths_of.get((id(sharding), protocol))
+        if paths is None:
+            paths = paths_of[id(sharding), protocol] = []
+            for path, named in sharding.params.items():
+                index = index_of.setdefault((id(named), protocol), len(placings))
+                if index == len(placings):
+                    placings.append((named, protocol))
+                paths.append((path, index))
+        prefix = f"{fqn}." if fqn else ""
+        for path, index in paths:
+            placed[prefix + path] = index
+    return placings, placed
 
 
-class _Rows:
-    """Builds the rows; parameters alike (shape, dtype, placements) share one computation, which
-    the layers of a model mostly are."""
-
-    def __init__(self, axes: Mapping[str, int]) -> None:
-        self.axes = axes
-        self.computed: dict[tuple[Any, ...], tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
-        """Each computation's fields and its kind: what rows shown as one group must share
-        (shape, dtype, placements, ``requires_grad``)."""
-        self.kinds: list[tuple[Any, ...]] = []
-        """The kind of every row made, in order."""
-
-    def fields(self, parameter: torch.Tensor, placed: tuple[Mapping[str, Placement], str] | None) -> tuple[Any, ...]:
-        """A row's fields but its FQN; the same object for parameters alike."""
-        named, protocol = placed if placed is not None else (_NOTHING, None)
-        key = (parameter.shape, parameter.dtype, id(named), protocol, parameter.requires_grad)
-        computed = self.computed.get(key)
-        if computed is None:
-            fields = self._fields(parameter, named, protocol)
-            computed = self.computed[key] = (fields, (fields[0], fields[1], tuple(fields[2].items()), fields[5]))
-        self.kinds.append(computed[1])
-        return computed[0]
-
-    def _fields(self, parameter: torch.Tensor, named: Mapping[str, Placement], protocol: str | None) -> tuple[Any, ...]:
-        shape = tuple(parameter.shape)
-        local = list(shape)
-        for axis, placement in named.items():
-            if isinstance(placement, (Shard, _StridedShard)) and 0 <= placement.dim < len(local):
-                local[placement.dim] //= self.axes.get(axis, 1)
-        local_shape = tuple(local)
-        placements = MappingProxyType({axis: str(p) for axis, p in named.items()})
-        dtype = str(parameter.dtype).removeprefix("torch.")
-        size = math.prod(local_shape) * parameter.element_size()
-        return shape, dtype, placements, local_shape, size, parameter.requires_grad, protocol
+def _fields(
+    sample: torch.Tensor, named: Mapping[str, Placement], protocol: str | None, axes: Mapping[str, int]
+) -> tuple[Any, ...]:
+    """A row's fields but its FQN, for every parameter like ``sample`` placed by ``named``."""
+    shape = tuple(sample.shape)
+    local = list(shape)
+    for axis, placement in named.items():
+        if isinstance(placement, (Shard, _StridedShard)) and 0 <= placement.dim < len(local):
+            local[placement.dim] //= axes.get(axis, 1)
+    local_shape = tuple(local)
+    placements = MappingProxyType({axis: str(p) for axis, p in named.items()})
+    dtype = str(sample.dtype).removeprefix("torch.")
+    size = math.prod(local_shape) * sample.element_size()
+    return shape, dtype, placements, local_shape, size, sample.requires_grad, protocol
 
 
 _NOTHING: Mapping[str, Placement] = MappingProxyType({})

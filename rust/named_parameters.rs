@@ -1,0 +1,88 @@
+//! A model's parameters as `named_parameters()` gives them — each once, under the first FQN of
+//! the first module holding it — from the parameters a full walk met, with each one's kind: the
+//! parameters of a kind share shape, dtype and `requires_grad`, so a caller that sizes them
+//! (the plan report) computes once per kind rather than once per parameter.
+//!
+//! Every read goes through `getattr`; nothing here depends on CPython's object layout.
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::names::NameTable;
+
+/// What makes two parameters alike: their shape, their dtype (the `torch.dtype` object, one per
+/// dtype) and whether they require grad.
+#[derive(PartialEq, Eq, Hash)]
+struct Kind {
+    shape: Vec<i64>,
+    dtype: usize,
+    requires_grad: bool,
+}
+
+/// The parameters found: `fqns[i]` and `kinds[i]` for each, and one parameter per kind.
+pub struct NamedParameters<'t> {
+    pub fqns: Vec<&'t str>,
+    pub kinds: Vec<u32>,
+    pub samples: Vec<Py<PyAny>>,
+}
+
+/// The distinct parameters among `names[i]`, `objects[i]` (a full walk's, in walk order: a
+/// shared module's parameters again under each alias, which `named_parameters()` leaves out).
+/// A parameter without a shape, dtype or `requires_grad` is a `TypeError` naming it.
+pub fn named_parameters<'t>(
+    py: Python<'_>,
+    names: &'t NameTable,
+    objects: &[Py<PyAny>],
+) -> PyResult<NamedParameters<'t>> {
+    let mut found = NamedParameters {
+        fqns: Vec::new(),
+        kinds: Vec::new(),
+        samples: Vec::new(),
+    };
+    let mut seen = FxHashSet::default();
+    let mut kinds: FxHashMap<Kind, u32> = FxHashMap::default();
+    for (fqn, parameter) in names.iter().zip(objects) {
+        if !seen.insert(parameter.as_ptr() as usize) {
+            continue;
+        }
+        let parameter = parameter.bind(py);
+        let kind = kind_of(parameter)
+            .map_err(|e| PyTypeError::new_err(format!("parameter '{fqn}' is not a tensor: {e}")))?;
+        let next = kinds.len() as u32;
+        let index = *kinds.entry(kind).or_insert(next);
+        if index == next {
+            found.samples.push(parameter.clone().unbind());
+        }
+        found.fqns.push(fqn);
+        found.kinds.push(index);
+    }
+    Ok(found)
+}
+
+fn kind_of(parameter: &Bound<'_, PyAny>) -> PyResult<Kind> {
+    let py = parameter.py();
+    let shape = parameter.getattr(intern!(py, "shape"))?;
+    // `torch.Size` is a tuple: read in place rather than through an iterator.
+    let shape = match shape.cast::<PyTuple>() {
+        Ok(sizes) => sizes
+            .iter()
+            .map(|size| size.extract::<i64>())
+            .collect::<PyResult<Vec<i64>>>(),
+        Err(_) => shape
+            .try_iter()?
+            .map(|size| size?.extract::<i64>())
+            .collect::<PyResult<Vec<i64>>>(),
+    }?;
+    let dtype = parameter.getattr(intern!(py, "dtype"))?.as_ptr() as usize;
+    let requires_grad = parameter
+        .getattr(intern!(py, "requires_grad"))?
+        .is_truthy()?;
+    Ok(Kind {
+        shape,
+        dtype,
+        requires_grad,
+    })
+}
