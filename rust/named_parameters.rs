@@ -13,8 +13,8 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::names::NameTable;
 
-/// What makes two parameters alike: their shape, their dtype (the `torch.dtype` object, one per
-/// dtype) and whether they require grad.
+/// What makes two parameters alike: their shape, their dtype (the address of the `torch.dtype`
+/// object, one per dtype) and whether they require grad.
 #[derive(PartialEq, Eq, Hash)]
 struct Kind {
     shape: Vec<i64>,
@@ -44,12 +44,14 @@ pub fn named_parameters<'t>(
     };
     let mut seen = FxHashSet::default();
     let mut kinds: FxHashMap<Kind, u32> = FxHashMap::default();
+    // Kinds compare dtypes by address: each one read is kept alive, so no address is reused.
+    let mut dtypes = Vec::new();
     for (fqn, parameter) in names.iter().zip(objects) {
         if !seen.insert(parameter.as_ptr() as usize) {
             continue;
         }
         let parameter = parameter.bind(py);
-        let kind = kind_of(parameter)
+        let kind = kind_of(parameter, &mut dtypes)
             .map_err(|e| PyTypeError::new_err(format!("parameter '{fqn}' is not a tensor: {e}")))?;
         let next = kinds.len() as u32;
         let index = *kinds.entry(kind).or_insert(next);
@@ -62,7 +64,10 @@ pub fn named_parameters<'t>(
     Ok(found)
 }
 
-fn kind_of(parameter: &Bound<'_, PyAny>) -> PyResult<Kind> {
+fn kind_of<'py>(
+    parameter: &Bound<'py, PyAny>,
+    dtypes: &mut Vec<Bound<'py, PyAny>>,
+) -> PyResult<Kind> {
     let py = parameter.py();
     let shape = parameter.getattr(intern!(py, "shape"))?;
     // `torch.Size` is a tuple: read in place rather than through an iterator.
@@ -76,13 +81,15 @@ fn kind_of(parameter: &Bound<'_, PyAny>) -> PyResult<Kind> {
             .map(|size| size?.extract::<i64>())
             .collect::<PyResult<Vec<i64>>>(),
     }?;
-    let dtype = parameter.getattr(intern!(py, "dtype"))?.as_ptr() as usize;
+    let dtype = parameter.getattr(intern!(py, "dtype"))?;
+    let address = dtype.as_ptr() as usize;
+    dtypes.push(dtype);
     let requires_grad = parameter
         .getattr(intern!(py, "requires_grad"))?
         .is_truthy()?;
     Ok(Kind {
         shape,
-        dtype,
+        dtype: address,
         requires_grad,
     })
 }
