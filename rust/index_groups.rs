@@ -20,13 +20,16 @@ fn is_index(segment: &str) -> bool {
 /// group's first entry. Entries that share a group but differ in no or several indices stay
 /// alone, each its own group.
 pub fn index_groups<S: AsRef<str>>(fqns: &[S], kinds: &[u32]) -> Vec<IndexGroup> {
+    let segments: Vec<Vec<&str>> = fqns
+        .iter()
+        .map(|f| f.as_ref().split('.').collect())
+        .collect();
     let mut groups: Vec<Vec<u32>> = Vec::new();
     let mut by_shape: HashMap<(u32, Vec<&str>), usize> = HashMap::new();
-    for (index, (fqn, &kind)) in fqns.iter().zip(kinds).enumerate() {
-        let shape: Vec<&str> = fqn
-            .as_ref()
-            .split('.')
-            .map(|s| if is_index(s) { "#" } else { s })
+    for (index, (parts, &kind)) in segments.iter().zip(kinds).enumerate() {
+        let shape = parts
+            .iter()
+            .map(|&s| if is_index(s) { "#" } else { s })
             .collect();
         let slot = *by_shape.entry((kind, shape)).or_insert_with(|| {
             groups.push(Vec::new());
@@ -36,14 +39,11 @@ pub fn index_groups<S: AsRef<str>>(fqns: &[S], kinds: &[u32]) -> Vec<IndexGroup>
     }
     let mut out = Vec::with_capacity(groups.len());
     for members in groups {
-        let first: Vec<&str> = fqns[members[0] as usize].as_ref().split('.').collect();
+        // Members share a shape: the same segments, numeric ones at the same positions.
+        let first = &segments[members[0] as usize];
         let varying: Vec<usize> = (0..first.len())
             .filter(|&i| is_index(first[i]))
-            .filter(|&i| {
-                members
-                    .iter()
-                    .any(|&m| fqns[m as usize].as_ref().split('.').nth(i) != Some(first[i]))
-            })
+            .filter(|&i| members.iter().any(|&m| segments[m as usize][i] != first[i]))
             .collect();
         if members.len() == 1 || varying.len() != 1 {
             out.extend(members.into_iter().map(|m| IndexGroup {
@@ -55,14 +55,7 @@ pub fn index_groups<S: AsRef<str>>(fqns: &[S], kinds: &[u32]) -> Vec<IndexGroup>
         let position = varying[0];
         let mut values: Vec<u128> = members
             .iter()
-            .filter_map(|&m| {
-                fqns[m as usize]
-                    .as_ref()
-                    .split('.')
-                    .nth(position)?
-                    .parse()
-                    .ok()
-            })
+            .filter_map(|&m| segments[m as usize][position].parse().ok())
             .collect();
         values.sort_unstable();
         values.dedup();

@@ -324,10 +324,10 @@ fn uint32_view<'py>(py: Python<'py>, values: &[u32]) -> PyResult<Bound<'py, PyAn
     view.call_method1(intern!(py, "cast"), ("I",))
 }
 
-/// What a walk saw: every FQN, the module and class behind it, and every match.
 /// `ModuleTree.named_parameters`: FQNs, each one's kind, one parameter per kind.
 type NamedParameterLists<'t> = (Vec<&'t str>, Vec<u32>, Vec<Py<PyAny>>);
 
+/// What a walk saw: every FQN, the module and class behind it, and every match.
 #[pyclass(name = "ModuleTree", module = "meshbind._core", frozen)]
 pub struct ModuleTree {
     index: TreeIndex,

@@ -20,12 +20,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Placement, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import Placement
 
 from meshbind import _core
 from meshbind._core import PatternSet
 from meshbind.resolution.plan import ParallelPlan
+from meshbind.specs import shard_dim
 
 OPTIMIZERS = ("none", "sgd-momentum", "adam", "adam-fp32-master")
 """The optimizers whose state the report counts, per parameter that requires grad: none; one
@@ -274,8 +274,9 @@ def _fields(
     shape = tuple(sample.shape)
     local = list(shape)
     for axis, placement in named.items():
-        if isinstance(placement, (Shard, _StridedShard)) and 0 <= placement.dim < len(local):
-            local[placement.dim] //= axes.get(axis, 1)
+        dim = shard_dim(placement)
+        if dim is not None and 0 <= dim < len(local):
+            local[dim] //= axes.get(axis, 1)
     local_shape = tuple(local)
     placements = MappingProxyType({axis: str(p) for axis, p in named.items()})
     dtype = str(sample.dtype).removeprefix("torch.")
@@ -286,9 +287,9 @@ def _fields(
 _NOTHING: Mapping[str, Placement] = MappingProxyType({})
 
 
-@functools.cache
 def _element_size(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype), device="meta").element_size()
+    itemsize: int = getattr(torch, dtype).itemsize
+    return itemsize
 
 
 def _optimizer_bytes(row: ParameterRow, optimizer: str) -> int:

@@ -39,7 +39,14 @@ from meshbind.errors import LayoutRefusal, PlanProblem
 from meshbind.resolution.candidates import literal_pattern
 from meshbind.resolution.messages import ModelNames
 from meshbind.resolution.plan import ParallelPlan
-from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, SourcedRequests
+from meshbind.specs import (
+    LayoutContext,
+    ModuleShardingSpec,
+    NativeParallelBindingRequest,
+    ParallelModuleSpec,
+    SourcedRequests,
+    shard_dim,
+)
 
 PROTOCOL = "hf_parallel_style"
 """The protocol of every spec ``from_hf_plan`` makes; ``options["rules"]`` holds the styles."""
@@ -234,16 +241,16 @@ class _GroupLayout:
                 placement = style_placement(ALL_PARALLEL_STYLES[style], parameter, len(shape))
                 params.setdefault(parameter, {})[kind] = placement
                 refusals += self._size_refusals(parameter, shape, placement, kind, context.size(kind))
-        if self.name.rpartition(".")[2] in ATTENTION_PROJECTIONS:
+        projection = self.name.rpartition(".")[2]
+        if projection in ATTENTION_PROJECTIONS:
             # Their sharded sizes are heads times head size: the heads are the fact that must divide.
-            refusals = self._head_refusals(params, context)
+            refusals = self._head_refusals(projection, params, context)
         if refusals:
             return "; ".join(dict.fromkeys(refusals))
         return ModuleShardingSpec(params=params)
 
-    def _head_refusals(self, params: Mapping[str, Mapping[str, Placement]], context: LayoutContext) -> list[str]:
-        projection = self.name.rpartition(".")[2]
-        if not any(_is_shard(p.get("tp")) for p in params.values()):
+    def _head_refusals(self, projection: str, params: Mapping[str, Mapping[str, Placement]], context: LayoutContext) -> list[str]:
+        if not any(shard_dim(p.get("tp")) is not None for p in params.values()):
             return []
         tp = context.size("tp")
         checked = [("num_attention_heads", self.facts.attention_heads)]
@@ -252,9 +259,9 @@ class _GroupLayout:
         return [f"{name} {heads} is not divisible by the 'tp' axis size {tp}" for name, heads in checked if heads and heads % tp]
 
     def _size_refusals(self, parameter: str, shape: Sequence[int], placement: Placement, kind: str, size: int) -> list[str]:
-        if not _is_shard(placement) or not 0 <= placement.dim < len(shape):  # type: ignore[attr-defined]
+        dim = shard_dim(placement)
+        if dim is None or not 0 <= dim < len(shape):
             return []  # a dimension beyond the rank is resolution's own layout problem
-        dim: int = placement.dim  # type: ignore[attr-defined]
         split = placement.split_factor if isinstance(placement, _StridedShard) else 1
         extent = shape[dim] // split
         if extent * split == shape[dim] and extent % size == 0:
@@ -272,10 +279,6 @@ class _GroupLayout:
                 f"each, of size {shape[dim] / split:g}, must be divisible by the {kind!r} axis size {size}"
             ]
         return []  # resolution's uneven-shard check names the parameter and dimension
-
-
-def _is_shard(placement: Placement | None) -> bool:
-    return isinstance(placement, (Shard, _StridedShard))
 
 
 def style_placement(style: object, parameter: str, ndim: int) -> Placement:

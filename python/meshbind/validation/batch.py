@@ -22,11 +22,10 @@ from operator import attrgetter, is_
 from typing import Any, Literal
 
 from torch import nn
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import Partial, Placement, Replicate
 
 from meshbind import _core
-from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
+from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec, shard_dim
 from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure, sharding_failure
 
 Kind = Literal["shard", "replicate", "partial"]
@@ -39,8 +38,8 @@ _SHAPE = attrgetter("shape")
 
 def _placement_kind(placement: Placement) -> tuple[Kind, int] | None:
     # A strided shard (transformers' packed projections) is checked as a shard of its dimension.
-    if isinstance(placement, (Shard, _StridedShard)):
-        return _SHARD, placement.dim
+    if (dim := shard_dim(placement)) is not None:
+        return _SHARD, dim
     if isinstance(placement, Replicate):
         return _REPLICATE, 0
     if isinstance(placement, Partial):
