@@ -16,6 +16,7 @@ use crate::layout_reads::{Lookahead, WIDE};
 use crate::matcher::{DfaState, MatchError, Matcher};
 use crate::names::NameTable;
 use crate::step_memo::StepMemo;
+use crate::walk_ahead::{Attributes, ChildrenAhead};
 
 /// Every FQN a walk visited (or every name given offline), what each one is, and what matched.
 #[derive(Default)]
@@ -138,6 +139,8 @@ struct Frame<'py> {
     /// Whether the walk entered the last child it met here: while it does, the look-ahead asks
     /// for the links to the children's own children, otherwise only for the children's names.
     entering: bool,
+    /// The cursor ahead of a wide module's children, where dicts are not read in place.
+    ahead: Option<ChildrenAhead>,
 }
 
 /// What a walk records. A full walk indexes every FQN, module and class (plan resolution needs
@@ -158,6 +161,7 @@ struct Walker<'m, 'a> {
     /// Whether each entered module's `_parameters` are read and matched too.
     parameters: bool,
     index: TreeIndex,
+    attributes: Attributes,
     module_ids: FxHashMap<usize, u32>,
     class_ids: FxHashMap<usize, u32>,
     scratch: Vec<u32>,
@@ -182,6 +186,7 @@ pub fn walk_tree(
             },
             ..TreeIndex::default()
         },
+        attributes: Attributes::default(),
         module_ids: FxHashMap::default(),
         class_ids: FxHashMap::default(),
         scratch: Vec::new(),
@@ -203,14 +208,21 @@ impl Walker<'_, '_> {
             WalkMode::Pruned => Lookahead::new(py),
             WalkMode::Full | WalkMode::PrunedModules => Lookahead::new(py).reading_matches(),
         };
-        let mut stack = vec![enter(
+        let children = children_of(
             root,
             modules_attr,
             &mut lookahead,
+            &mut self.attributes,
+            None,
+            &fqn,
+        )?;
+        let mut stack = vec![Frame::over(
+            children,
+            &lookahead,
             &fqn,
             root_identity,
             start,
-        )?];
+        )];
         if self.parameters {
             self.visit_parameters(root, &fqn, start)?;
         }
@@ -222,6 +234,17 @@ impl Walker<'_, '_> {
             if wide {
                 // SAFETY: the frame owns the dict.
                 unsafe { lookahead.ahead(frame.children.as_ptr(), frame.position, frame.entering) };
+                if let Some(ahead) = frame.ahead.as_mut() {
+                    // SAFETY: the frame owns the dict.
+                    unsafe {
+                        ahead.step(
+                            &frame.children,
+                            modules_attr,
+                            &self.attributes,
+                            frame.entering,
+                        )
+                    };
+                }
             }
             let (mut key, mut child) = (std::ptr::null_mut(), std::ptr::null_mut());
             // SAFETY: the frame owns a reference to the dict; key and child are borrowed from it
@@ -287,8 +310,14 @@ impl Walker<'_, '_> {
             };
             let identity = child.as_ptr() as usize;
             let descend = self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, below, true);
+            let mut taken_ahead = None;
             if let Some(frame) = stack.last_mut() {
                 frame.entering = descend;
+                let position = frame.position;
+                taken_ahead = frame
+                    .ahead
+                    .as_mut()
+                    .and_then(|a| a.take(position, child.as_ptr()));
             }
             let recorded =
                 self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, state, false);
@@ -314,8 +343,15 @@ impl Walker<'_, '_> {
             }
             if descend {
                 let child = child.to_owned();
-                let frame = enter(&child, modules_attr, &mut lookahead, &fqn, identity, below)?;
-                stack.push(frame);
+                let children = children_of(
+                    &child,
+                    modules_attr,
+                    &mut lookahead,
+                    &mut self.attributes,
+                    taken_ahead,
+                    &fqn,
+                )?;
+                stack.push(Frame::over(children, &lookahead, &fqn, identity, below));
                 if self.parameters {
                     self.visit_parameters(&child, &fqn, below)?;
                 }
@@ -334,8 +370,9 @@ impl Walker<'_, '_> {
         state: Option<DfaState>,
     ) -> Result<(), WalkError> {
         let py = module.py();
-        let parameters = module
-            .getattr(intern!(py, "_parameters"))
+        let parameters = self
+            .attributes
+            .get(module, intern!(py, "_parameters"))
             .map_err(|_| not_a_module(module, fqn))?;
         let parameters = parameters
             .cast_into::<PyDict>()
@@ -425,24 +462,28 @@ impl Walker<'_, '_> {
     }
 }
 
-/// A frame over the children of `module`. Its `_modules` is read in place where the look-ahead
-/// knows where it lies (a `getattr` per module is a sixth of a walk), else with `getattr`.
-fn enter<'py>(
+/// The `_modules` of `module`: read in place where the look-ahead knows where it lies (a
+/// `getattr` per module is a sixth of a walk), the dict the cursor ahead took where it took one,
+/// else through `getattr`.
+fn children_of<'py>(
     module: &Bound<'py, PyAny>,
     modules_attr: &Bound<'py, PyString>,
     lookahead: &mut Lookahead,
+    attributes: &mut Attributes,
+    taken_ahead: Option<Py<PyDict>>,
     fqn: &str,
-    identity: usize,
-    child_state: Option<DfaState>,
-) -> PyResult<Frame<'py>> {
+) -> PyResult<Bound<'py, PyDict>> {
     // SAFETY: the module is alive and `modules_attr` is the interned "_modules".
     let in_place = unsafe { lookahead.modules_in_place(module.as_ptr(), modules_attr.as_ptr()) };
-    let children = match in_place {
+    match (in_place, taken_ahead) {
         // SAFETY: a live dict held by the module's instance dict.
-        Some(dict) => unsafe { Bound::from_borrowed_ptr(module.py(), dict) }.cast_into::<PyDict>(),
-        None => {
-            let children = module
-                .getattr(modules_attr)
+        (Some(dict), _) => {
+            unsafe { Bound::from_borrowed_ptr(module.py(), dict) }.cast_into::<PyDict>()
+        }
+        (None, Some(dict)) => Ok(dict.into_bound(module.py())),
+        (None, None) => {
+            let children = attributes
+                .get(module, modules_attr)
                 .map_err(|_| not_a_module(module, fqn))?;
             let children = children.cast_into::<PyDict>();
             if let Ok(dict) = &children {
@@ -452,17 +493,32 @@ fn enter<'py>(
             children
         }
     }
-    .map_err(|e| not_a_module(&e.into_inner(), fqn))?;
-    let size = children.len() as ffi::Py_ssize_t;
-    Ok(Frame {
-        children,
-        position: 0,
-        size,
-        entering: true,
-        name_end: fqn.len(),
-        identity,
-        child_state,
-    })
+    .map_err(|e| not_a_module(&e.into_inner(), fqn))
+}
+
+impl<'py> Frame<'py> {
+    /// A frame over `children`, the `_modules` of the module at `fqn`; a wide one gets the cursor
+    /// ahead where dicts are not read in place.
+    fn over(
+        children: Bound<'py, PyDict>,
+        lookahead: &Lookahead,
+        fqn: &str,
+        identity: usize,
+        child_state: Option<DfaState>,
+    ) -> Self {
+        let size = children.len() as ffi::Py_ssize_t;
+        let ahead = (size >= WIDE && !lookahead.reads_dicts()).then(ChildrenAhead::default);
+        Frame {
+            children,
+            position: 0,
+            size,
+            entering: true,
+            name_end: fqn.len(),
+            identity,
+            child_state,
+            ahead,
+        }
+    }
 }
 
 fn not_a_module(object: &Bound<'_, PyAny>, fqn: &str) -> PyErr {

@@ -149,6 +149,68 @@ def test_the_walk_reads_modules_as_getattr_does() -> None:
     assert PatternSet(["*.hidden"]).walk(model).names() == [n for n in expected if n.endswith("hidden")]
 
 
+def _give_later_siblings_a_child(module: nn.Module) -> None:
+    """Once: every sibling after ``module`` gets a new ``_modules`` dict, with a child ``extra``."""
+    siblings = module.__dict__.pop("siblings", None)
+    if siblings is None:
+        return
+    later = list(siblings)
+    for sibling in later[later.index(module) + 1 :]:
+        sibling.__dict__["_modules"] = {**sibling.__dict__["_modules"], "extra": nn.ReLU()}
+
+
+class _ChangesSiblingsInGetattribute(nn.Module):
+    def __getattribute__(self, name: str) -> Any:
+        if name == "_modules":
+            _give_later_siblings_a_child(self)
+        return super().__getattribute__(name)
+
+
+class _ChangesSiblingsInGetattr(nn.Module):
+    """Its ``_modules`` is not in its instance dict: ``__getattr__`` gives it."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_modules":
+            _give_later_siblings_a_child(self)
+            return self.__dict__["kept_modules"]
+        return super().__getattr__(name)
+
+
+class _ChangesSiblingsInParameters(nn.Module):
+    """``_parameters`` behind a class property, read by a walk that reads parameters."""
+
+    @property  # type: ignore[override]
+    def _parameters(self) -> dict[str, nn.Parameter]:
+        _give_later_siblings_a_child(self)
+        kept: dict[str, nn.Parameter] = self.__dict__["kept_parameters"]
+        return kept
+
+    @_parameters.setter
+    def _parameters(self, value: dict[str, nn.Parameter]) -> None:
+        self.__dict__["kept_parameters"] = value
+
+
+@pytest.mark.parametrize("kind", [_ChangesSiblingsInGetattribute, _ChangesSiblingsInGetattr, _ChangesSiblingsInParameters])
+def test_python_code_run_by_a_lookup_is_seen_by_every_later_child(kind: type[nn.Module]) -> None:
+    """A wide module's children are walked one after another, as ``named_modules`` does, even
+    where the walk looks ahead of them: what the lookup of one child's ``_modules`` or
+    ``_parameters`` changes (here: every later sibling's ``_modules``) is what the walk meets."""
+    siblings = nn.ModuleList(nn.Sequential(nn.ReLU()) for _ in range(40))
+    # The first instance changes nothing: the walk has met the class before the second changes.
+    unchanging, changer = kind(), kind()
+    for module in (unchanging, changer):
+        if kind is _ChangesSiblingsInGetattr:
+            module.__dict__["kept_modules"] = module.__dict__.pop("_modules")
+    changer.__dict__["siblings"] = siblings
+    siblings.insert(1, unchanging)
+    siblings.insert(4, changer)
+    model = nn.ModuleDict({"layer": siblings})
+    walked = PatternSet([]).walk(model, prune=False, parameters=kind is _ChangesSiblingsInParameters)
+    expected = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    assert "layer.41.extra" in expected and "layer.3.extra" not in expected
+    assert walked.names() == expected
+
+
 def test_none_children_are_skipped_like_named_modules() -> None:
     model = nn.Module()
     model.register_module("empty", None)
