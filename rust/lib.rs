@@ -15,7 +15,6 @@ pub mod sequence;
 mod step_memo;
 pub mod suggest;
 pub mod walk;
-mod walk_ahead;
 
 /// Compiling a plan and indexing a walk make many small allocations; mimalloc serves them far
 /// faster than the system allocator (as pydantic-core does).

@@ -16,7 +16,6 @@ use crate::layout_reads::{Lookahead, WIDE};
 use crate::matcher::{DfaState, MatchError, Matcher};
 use crate::names::NameTable;
 use crate::step_memo::StepMemo;
-use crate::walk_ahead::{Attributes, ChildrenAhead};
 
 /// Every FQN a walk visited (or every name given offline), what each one is, and what matched.
 #[derive(Default)]
@@ -139,8 +138,6 @@ struct Frame<'py> {
     /// Whether the walk entered the last child it met here: while it does, the look-ahead asks
     /// for the links to the children's own children, otherwise only for the children's names.
     entering: bool,
-    /// The cursor ahead of a wide module's children, where dicts are not read in place.
-    ahead: Option<ChildrenAhead>,
 }
 
 /// What a walk records. A full walk indexes every FQN, module and class (plan resolution needs
@@ -161,7 +158,6 @@ struct Walker<'m, 'a> {
     /// Whether each entered module's `_parameters` are read and matched too.
     parameters: bool,
     index: TreeIndex,
-    attributes: Attributes,
     module_ids: FxHashMap<usize, u32>,
     class_ids: FxHashMap<usize, u32>,
     scratch: Vec<u32>,
@@ -186,7 +182,6 @@ pub fn walk_tree(
             },
             ..TreeIndex::default()
         },
-        attributes: Attributes::default(),
         module_ids: FxHashMap::default(),
         class_ids: FxHashMap::default(),
         scratch: Vec::new(),
@@ -208,21 +203,14 @@ impl Walker<'_, '_> {
             WalkMode::Pruned => Lookahead::new(py),
             WalkMode::Full | WalkMode::PrunedModules => Lookahead::new(py).reading_matches(),
         };
-        let children = children_of(
+        let mut stack = vec![enter(
             root,
             modules_attr,
             &mut lookahead,
-            &mut self.attributes,
-            None,
-            &fqn,
-        )?;
-        let mut stack = vec![Frame::over(
-            children,
-            &lookahead,
             &fqn,
             root_identity,
             start,
-        )];
+        )?];
         if self.parameters {
             self.visit_parameters(root, &fqn, start)?;
         }
@@ -234,17 +222,6 @@ impl Walker<'_, '_> {
             if wide {
                 // SAFETY: the frame owns the dict.
                 unsafe { lookahead.ahead(frame.children.as_ptr(), frame.position, frame.entering) };
-                if let Some(ahead) = frame.ahead.as_mut() {
-                    // SAFETY: the frame owns the dict.
-                    unsafe {
-                        ahead.step(
-                            &frame.children,
-                            modules_attr,
-                            &self.attributes,
-                            frame.entering,
-                        )
-                    };
-                }
             }
             let (mut key, mut child) = (std::ptr::null_mut(), std::ptr::null_mut());
             // SAFETY: the frame owns a reference to the dict; key and child are borrowed from it
@@ -310,14 +287,8 @@ impl Walker<'_, '_> {
             };
             let identity = child.as_ptr() as usize;
             let descend = self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, below, true);
-            let mut taken_ahead = None;
             if let Some(frame) = stack.last_mut() {
                 frame.entering = descend;
-                let position = frame.position;
-                taken_ahead = frame
-                    .ahead
-                    .as_mut()
-                    .and_then(|a| a.take(position, child.as_ptr()));
             }
             let recorded =
                 self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, state, false);
@@ -343,15 +314,8 @@ impl Walker<'_, '_> {
             }
             if descend {
                 let child = child.to_owned();
-                let children = children_of(
-                    &child,
-                    modules_attr,
-                    &mut lookahead,
-                    &mut self.attributes,
-                    taken_ahead,
-                    &fqn,
-                )?;
-                stack.push(Frame::over(children, &lookahead, &fqn, identity, below));
+                let frame = enter(&child, modules_attr, &mut lookahead, &fqn, identity, below)?;
+                stack.push(frame);
                 if self.parameters {
                     self.visit_parameters(&child, &fqn, below)?;
                 }
@@ -370,9 +334,8 @@ impl Walker<'_, '_> {
         state: Option<DfaState>,
     ) -> Result<(), WalkError> {
         let py = module.py();
-        let parameters = self
-            .attributes
-            .get(module, intern!(py, "_parameters"))
+        let parameters = module
+            .getattr(intern!(py, "_parameters"))
             .map_err(|_| not_a_module(module, fqn))?;
         let parameters = parameters
             .cast_into::<PyDict>()
@@ -462,28 +425,24 @@ impl Walker<'_, '_> {
     }
 }
 
-/// The `_modules` of `module`: read in place where the look-ahead knows where it lies (a
-/// `getattr` per module is a sixth of a walk), the dict the cursor ahead took where it took one,
-/// else through `getattr`.
-fn children_of<'py>(
+/// A frame over the children of `module`. Its `_modules` is read in place where the look-ahead
+/// knows where it lies (a `getattr` per module is a sixth of a walk), else with `getattr`.
+fn enter<'py>(
     module: &Bound<'py, PyAny>,
     modules_attr: &Bound<'py, PyString>,
     lookahead: &mut Lookahead,
-    attributes: &mut Attributes,
-    taken_ahead: Option<Py<PyDict>>,
     fqn: &str,
-) -> PyResult<Bound<'py, PyDict>> {
+    identity: usize,
+    child_state: Option<DfaState>,
+) -> PyResult<Frame<'py>> {
     // SAFETY: the module is alive and `modules_attr` is the interned "_modules".
     let in_place = unsafe { lookahead.modules_in_place(module.as_ptr(), modules_attr.as_ptr()) };
-    match (in_place, taken_ahead) {
+    let children = match in_place {
         // SAFETY: a live dict held by the module's instance dict.
-        (Some(dict), _) => {
-            unsafe { Bound::from_borrowed_ptr(module.py(), dict) }.cast_into::<PyDict>()
-        }
-        (None, Some(dict)) => Ok(dict.into_bound(module.py())),
-        (None, None) => {
-            let children = attributes
-                .get(module, modules_attr)
+        Some(dict) => unsafe { Bound::from_borrowed_ptr(module.py(), dict) }.cast_into::<PyDict>(),
+        None => {
+            let children = module
+                .getattr(modules_attr)
                 .map_err(|_| not_a_module(module, fqn))?;
             let children = children.cast_into::<PyDict>();
             if let Ok(dict) = &children {
@@ -493,32 +452,17 @@ fn children_of<'py>(
             children
         }
     }
-    .map_err(|e| not_a_module(&e.into_inner(), fqn))
-}
-
-impl<'py> Frame<'py> {
-    /// A frame over `children`, the `_modules` of the module at `fqn`; a wide one gets the cursor
-    /// ahead where dicts are not read in place.
-    fn over(
-        children: Bound<'py, PyDict>,
-        lookahead: &Lookahead,
-        fqn: &str,
-        identity: usize,
-        child_state: Option<DfaState>,
-    ) -> Self {
-        let size = children.len() as ffi::Py_ssize_t;
-        let ahead = (size >= WIDE && !lookahead.reads_dicts()).then(ChildrenAhead::default);
-        Frame {
-            children,
-            position: 0,
-            size,
-            entering: true,
-            name_end: fqn.len(),
-            identity,
-            child_state,
-            ahead,
-        }
-    }
+    .map_err(|e| not_a_module(&e.into_inner(), fqn))?;
+    let size = children.len() as ffi::Py_ssize_t;
+    Ok(Frame {
+        children,
+        position: 0,
+        size,
+        entering: true,
+        name_end: fqn.len(),
+        identity,
+        child_state,
+    })
 }
 
 fn not_a_module(object: &Bound<'_, PyAny>, fqn: &str) -> PyErr {

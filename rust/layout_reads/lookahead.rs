@@ -22,7 +22,6 @@
 //! walked, and only within the bounds that layout guarantees.
 
 use pyo3::prelude::*;
-use pyo3::types::PyString;
 use pyo3::{ffi, intern, Python};
 
 use super::DictOffsets;
@@ -183,11 +182,6 @@ impl Lookahead {
         }
     }
 
-    /// Whether dicts are read in place (else the walk looks ahead through the public API).
-    pub fn reads_dicts(&self) -> bool {
-        self.offsets.is_some()
-    }
-
     /// Also asks for the objects of the children's children (see `Link::Grandchildren`).
     pub fn reading_matches(mut self) -> Self {
         self.reads_matches = true;
@@ -257,8 +251,7 @@ impl Lookahead {
         if self.modules_slot.knows(class) {
             return;
         }
-        let slot = plain_getattr(object, &[intern!(object.py(), "_modules")])
-            .then(|| self.slot_holding(object.as_ptr(), modules));
+        let slot = plain_getattr(object).then(|| self.slot_holding(object.as_ptr(), modules));
         self.modules_slot.insert(class, slot.flatten());
     }
 
@@ -466,9 +459,9 @@ impl Lookahead {
     }
 }
 
-/// Whether `getattr(object, name)` reads the instance dict for each of `names`: the class has
-/// no attribute of that name (no descriptor to prefer) and does not override `__getattribute__`.
-pub(crate) fn plain_getattr(object: &Bound<'_, PyAny>, names: &[&Bound<'_, PyString>]) -> bool {
+/// Whether `getattr(object, "_modules")` reads the instance dict: the class has no attribute of
+/// that name (no descriptor to prefer) and does not override `__getattribute__`.
+fn plain_getattr(object: &Bound<'_, PyAny>) -> bool {
     let py = object.py();
     let class = object.get_type();
     let default = py
@@ -476,8 +469,5 @@ pub(crate) fn plain_getattr(object: &Bound<'_, PyAny>, names: &[&Bound<'_, PyStr
         .getattr(intern!(py, "__getattribute__"));
     let own = class.getattr(intern!(py, "__getattribute__"));
     let inherited = matches!((own, default), (Ok(own), Ok(default)) if own.is(&default));
-    inherited
-        && names
-            .iter()
-            .all(|name| !class.hasattr(name).unwrap_or(true))
+    inherited && !class.hasattr(intern!(py, "_modules")).unwrap_or(true)
 }

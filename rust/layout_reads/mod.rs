@@ -14,7 +14,7 @@ mod lookahead;
 mod offsets;
 
 pub(crate) use list_texts::{ListTexts, COMPACT_ASCII};
-pub(crate) use lookahead::{plain_getattr, prefetch, DictChain, Lookahead, SlotTable, WIDE};
+pub(crate) use lookahead::{DictChain, Lookahead, SlotTable, WIDE};
 pub(crate) use offsets::{DictOffsets, TextOffsets};
 
 use pyo3::prelude::*;
