@@ -28,7 +28,7 @@ DEMO_AXES = ["--axis", "dp=1", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep
 F32 = 4
 
 # At tp=8 Qwen3-235B-A22B's 4 key/value heads would be split: the check refuses it (transformers #48307).
-REAL_SIZES = {"deepseek_v3": {"tp": 8, "ep": 8}, "qwen3_moe_235b": {"tp": 4, "ep": 8}, "llama_405b": {"tp": 8}}
+REAL_SIZES = {"deepseek_v3": {"tp": 8, "ep": 8}, "qwen3_moe_235b": {"dp": 2, "tp": 4, "ep": 8}, "llama_405b": {"tp": 8}}
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,10 @@ def test_the_report_counts_every_parameter_and_its_bytes_per_rank_by_hand(real_m
     rank = report.ranks[0]
     assert rank.parameter_bytes == sum(p.bytes_per_rank for p in report.params)
     assert rank.gradient_bytes == rank.parameter_bytes and rank.optimizer_bytes == 2 * rank.parameter_bytes
-    assert len(report.ranks) == tp and [r.coordinates for r in report.ranks[:2]] == (
-        [{"tp": 0, "ep": 0}, {"tp": 1, "ep": 1}] if ep > 1 else [{"tp": 0}, {"tp": 1}]
+    first_two = [{"dp": 0} if "dp" in axes else {}] * 2
+    first_two = [{**first_two[0], "tp": 0}, {**first_two[1], "tp": 1}]
+    assert len(report.ranks) == axes.get("dp", 1) * tp and [r.coordinates for r in report.ranks[:2]] == (
+        [{**first_two[0], "ep": 0}, {**first_two[1], "ep": 1}] if ep > 1 else first_two
     )
 
 

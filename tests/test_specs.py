@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import threading
 
@@ -133,13 +135,31 @@ def test_layout_context_rejects_bad_sizes(sizes: object) -> None:
 
 
 def test_layout_context_is_read_only_and_names_a_missing_axis() -> None:
-    sizes = {"dp": 2, "ep": 4}
+    sizes = {"dp": 4, "ep": 4}
     context = LayoutContext(sizes)
     sizes["cp"] = 2
-    assert dict(context.axis_sizes) == {"dp": 2, "ep": 4}
+    assert dict(context.axis_sizes) == {"dp": 4, "ep": 4}
     assert context.size("ep") == 4
     with pytest.raises(ValueError, match="no 'cp' axis"):
         context.size("cp")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "because"),
+    [
+        ({"tp": 2, "ep": 4}, "ep=4 does not divide the world of 2 ranks (tp=2), so some experts would live on no rank"),
+        ({"ep": 2}, "ep=2 does not divide the world of 1 rank (no dp, cp or tp axis)"),
+        ({"dp": 3, "cp": 2, "ep": 4}, "ep=4 does not divide the world of 6 ranks (dp=3 * cp=2)"),
+    ],
+)
+def test_a_world_the_axes_cannot_make_is_refused_offline_with_the_sizes_that_work(sizes: dict[str, int], because: str) -> None:
+    # MeshContext.build and transformers' DistributedConfig refuse these too: half of the experts would live nowhere.
+    with pytest.raises(ValueError, match=re.escape(because)) as caught:
+        LayoutContext(sizes)
+    world = sizes.get("dp", 1) * sizes.get("cp", 1) * sizes.get("tp", 1)
+    fitting = ", ".join(str(size) for size in range(1, world + 1) if world % size == 0)
+    assert f"use ep = {fitting}, or axes dp, cp, tp whose product is a multiple of {sizes['ep']}" in str(caught.value)
+    assert LayoutContext({**sizes, "dp": sizes["ep"] * sizes.get("dp", 1)}).size("ep") == sizes["ep"]
 
 
 def test_required_must_be_a_bool() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -229,6 +230,7 @@ class LayoutContext:
             if not is_int_from(size, 1):
                 raise ValueError(f"LayoutContext.axis_sizes[{axis!r}] must be an int from 1 to 2**63 - 1, got {size!r}")
         _set(self, "axis_sizes", MappingProxyType(dict(self.axis_sizes)))
+        _check_expert_axis(self.axis_sizes)
 
     def __hash__(self) -> int:
         return hash(tuple(self.axis_sizes.items()))
@@ -238,6 +240,28 @@ class LayoutContext:
         if axis not in self.axis_sizes:
             raise ValueError(f"the layout context has no {axis!r} axis (axes: {', '.join(self.axis_sizes) or 'none'})")
         return self.axis_sizes[axis]
+
+
+DENSE_AXES = ("dp", "cp", "tp")
+"""The axes whose sizes multiply to the world; ``ep`` is laid over the same ranks (SPEC §6)."""
+
+
+def _check_expert_axis(sizes: Mapping[str, int]) -> None:
+    """``ep`` must divide the world the dense axes make, as ``MeshContext.build`` requires: otherwise
+    some experts would live on no rank. Refused with the sizes that would work."""
+    ep = sizes.get("ep", 1)
+    named = {axis: sizes[axis] for axis in DENSE_AXES if axis in sizes}
+    world = math.prod(named.values())
+    if world % ep == 0:
+        return
+    product = " * ".join(f"{axis}={size}" for axis, size in named.items()) or "no dp, cp or tp axis"
+    fitting = [size for size in range(1, min(world, 64) + 1) if world % size == 0]
+    fitting_text = ", ".join(map(str, fitting)) + (" or another divisor of it" if world > 64 else "")
+    raise ValueError(
+        f"LayoutContext: ep={ep} does not divide the world of {world} rank{'s' if world != 1 else ''} ({product}), so some "
+        f"experts would live on no rank (the expert mesh lays ep over the same ranks): use ep = {fitting_text}, or axes "
+        f"{', '.join(DENSE_AXES)} whose product is a multiple of {ep}"
+    )
 
 
 @dataclass(frozen=True)
