@@ -64,7 +64,7 @@ def _check(args: argparse.Namespace) -> int:
         plan = resolve_plan(model, requests, context)
     except PlanError as error:
         if args.json:
-            problems = [{"code": p.code, "fqn": p.fqn, "request": p.request, "message": p.message} for p in error.problems]
+            problems = [p.to_dict() for p in error.problems]
             print(json.dumps({"ok": False, "problems": problems, "plan": None}))
         print(str(error), file=sys.stderr)
         return 1

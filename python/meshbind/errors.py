@@ -41,17 +41,24 @@ class PatternError(MeshbindError, ValueError):
 
 @dataclass(frozen=True)
 class PlanProblem:
-    """One problem: its code (SPEC §4), the FQN it concerns (``None`` for a pattern), the request, why."""
+    """One problem: its code (SPEC §4), the FQN it concerns, the request, why. A problem of no one
+    module says what it is about instead: ``pattern``, ``key`` (of a transformers plan), ``class``
+    (a family class) or ``axes`` (an axis the plan cannot use)."""
 
     code: str
     fqn: str | None
     request: str | None
     message: str
+    about: str = "module"
 
     def line(self) -> str:
-        where = "(pattern)" if self.fqn is None else repr(self.fqn)
+        where = f"({self.about})" if self.fqn is None else repr(self.fqn)
         source = f" [{self.request}]" if self.request else ""
         return f"{self.code:<9} {where}: {self.message}{source}"
+
+    def to_dict(self) -> dict[str, str | None]:
+        """JSON-ready."""
+        return {"code": self.code, "fqn": self.fqn, "about": self.about, "request": self.request, "message": self.message}
 
 
 class LayoutRefusal(MeshbindError, ValueError):

@@ -13,6 +13,7 @@ against the axes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,6 @@ from transformers.distributed.tensor_parallel import (
 from meshbind._core import PatternSet
 from meshbind.errors import LayoutRefusal, PlanProblem
 from meshbind.resolution.candidates import literal_pattern
-from meshbind.resolution.messages import ModelNames
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import (
     LayoutContext,
@@ -64,8 +64,14 @@ ATTENTION_PROJECTIONS = frozenset(
 KEY_VALUE_PROJECTIONS = frozenset({"k_proj", "v_proj", "qkv_proj", "query_key_value"})
 """Projections whose sharded dimension is key/value heads: ``num_key_value_heads`` must divide."""
 
-SIZE_FACTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size")
-"""Config sizes a sharded dimension is named after when it equals one."""
+EMBEDDING_FACTS = ("vocab_size", "hidden_size")
+"""What each dimension of an embedding or output-embedding weight is (``[vocab, hidden]``)."""
+INNER_FACTS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "hidden_size")
+"""The sizes another projection's sharded dimension may be: a dense MLP's first, in this order."""
+EXPERT_INNER_FACTS = ("moe_intermediate_size", "intermediate_size", "hidden_size")
+SHARED_EXPERT_INNER_FACTS = ("shared_expert_intermediate_size", "moe_intermediate_size", "intermediate_size", "hidden_size")
+SIZE_FACTS = tuple(dict.fromkeys(EMBEDDING_FACTS + INNER_FACTS))
+"""Every config size a sharded dimension is named after."""
 EXPERT_FACTS = ("num_experts", "num_local_experts", "n_routed_experts")
 """What configs call the number of routed experts."""
 PAD_VOCABULARY = "pad the vocabulary in the model's config to a multiple of it (Megatron's make-vocab-size-divisible-by)"
@@ -133,7 +139,7 @@ class HFPlan:
         active = self.active_plans(context)
         missing = [
             PlanProblem("layout", None, f"{kind}_plan", f"the {kind!r} axis has size {context.axis_sizes[kind]}, "
-                        f"but {type(model).__name__} has no {kind}_plan")
+                        f"but {type(model).__name__} has no {kind}_plan", about="axes")
             for kind in PLANS if context.axis_sizes.get(kind, 1) > 1 and not self.plans[kind]
         ]  # fmt: skip
         # transformers looks names up with their layer indices as '*': a key with an index selects nothing.
@@ -152,58 +158,167 @@ class HFPlan:
             if modules or parameters:
                 found.add(rule)
         facts = _ConfigFacts.of(self.model)
+        output_embeddings = _output_embeddings(self.model)
         requests = [
             NativeParallelBindingRequest(
                 (hf_key_pattern(name),),
                 ParallelModuleSpec(PROTOCOL, options={"key": name, "rules": group}, version=transformers.__version__),
-                _GroupLayout(name, group, facts),
+                _GroupLayout(name, group, facts, output_embeddings),
             )
             for name, group in groups.items()
         ]
+        problems = [*missing, *_tie_problems(self.model, groups)]
         unmatched = self._unmatched([rule for rule in rules if rule not in found])
         if self.strict:
-            return SourcedRequests(requests, [*missing, *unmatched])
-        return SourcedRequests(requests, missing, unmatched)
+            return SourcedRequests(requests, [*problems, *unmatched])
+        return SourcedRequests(requests, problems, unmatched)
 
     def _unmatched(self, rules: Sequence[tuple[str, str, str]]) -> list[PlanProblem]:
-        names: ModelNames | None = None
+        keys: _PlanKeys | None = None
         problems = []
         for kind, key, style in rules:
             generic = replace_layer_number_by_wildcard(key)
             if generic != key:
                 hint = f"; transformers writes layer indices as '*': {generic!r}"
             else:
-                names = names or ModelNames.of(self.model)
-                nearest = names.nearest(hf_key_pattern(key))
-                hint = f"; did you mean {', '.join(nearest)}?" if nearest else ""
+                keys = keys or _PlanKeys.of(self.model)
+                nearest = keys.nearest(key)
+                hint = f"; did you mean {', '.join(map(repr, nearest))}?" if nearest else ""
             message = f"key {key!r} ({style}) selects no module or parameter{hint}"
-            problems.append(PlanProblem("unmatched", None, f"{kind}_plan[{key!r}]", message))
+            problems.append(PlanProblem("unmatched", None, f"{kind}_plan[{key!r}]", message, about="key"))
         return problems
 
 
-@dataclass(frozen=True)
+class _PlanKeys:
+    """The keys a transformers plan could hold for this model: every module and parameter name with
+    its layer indices written ``*``, as transformers looks them up ("did you mean" in the plan's form)."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.keys = keys
+        self.index = PatternSet([]).index_names(keys, prune=False)
+
+    @staticmethod
+    def of(model: nn.Module) -> _PlanKeys:
+        tree = PatternSet([]).walk(model, prune=False, parameters=True)
+        names = [*tree.names(), *tree.parameter_names()]
+        return _PlanKeys(list(dict.fromkeys(map(replace_layer_number_by_wildcard, names))))
+
+    def nearest(self, key: str) -> list[str]:
+        """Up to three keys nearest to ``key``, those naming the same leaf first: a rule for
+        ``mlp.gate_proj`` is likelier meant for ``mlp.shared_expert.gate_proj`` than the router ``mlp.gate``."""
+        pattern = ".".join(part if part == "*" else literal_pattern(part) for part in key.split("."))
+        leaf = key.rpartition(".")[2]
+        alike = [name for name in self.keys if name.rpartition(".")[2] == leaf]
+        first = PatternSet([]).index_names(alike, prune=False).nearest(pattern, 3) if alike else []
+        rest = [name for name in self.index.nearest(pattern, 3) if name not in first]
+        return [*first, *rest][:3]
+
+
+def _output_embeddings(model: PreTrainedModel) -> nn.Module | None:
+    """The model's output embeddings (``lm_head``), whose weight is ``[vocab, hidden]`` like an embedding's."""
+    try:
+        found = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+    except (AttributeError, NotImplementedError):
+        return None
+    return found if isinstance(found, nn.Module) else None
+
+
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """Every FQN of a parameter that ``named_parameters()`` also yields under an earlier FQN (a tie:
+    ``lm_head.weight`` holding ``model.embed_tokens.weight``), mapped to that earlier FQN."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(parameter), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
+def _tie_problems(model: PreTrainedModel, groups: Mapping[str, Mapping[str, _Rules]]) -> list[PlanProblem]:
+    """transformers ties weights again after sharding (the target takes the source's parameter), so
+    the two FQNs of a tie must have one layout: a tie whose sides the plan places differently is a
+    ``layout`` problem of the target's module."""
+    ties = getattr(model, "all_tied_weights_keys", None) or {}
+    problems = []
+    for target, source in ties.items():
+        try:
+            parameter = model.get_parameter(target)
+        except AttributeError:
+            continue  # a buffer, or a tie transformers itself does not make
+        if not _owned_parameter_is(model, source, parameter):
+            continue
+        placed = {fqn: _placed_by_rules(groups, fqn, parameter.ndim) for fqn in (target, source)}
+        differing = [kind for kind in PLANS if placed[target].get(kind) != placed[source].get(kind)]
+        if not differing:
+            continue
+        texts = {fqn: ", ".join(f"{kind}:{p}" for kind, p in placed[fqn].items()) or "whole" for fqn in placed}
+        message = (
+            f"{target!r} is the parameter {source!r} (tied), given two layouts: {texts[target]} against {texts[source]}; "
+            "transformers ties them again after sharding, so both must be placed alike"
+        )
+        module = target.rpartition(".")[0]
+        problems.append(PlanProblem("layout", module, f"{differing[0]}_plan", message))
+    return problems
+
+
+def _owned_parameter_is(model: nn.Module, fqn: str, parameter: nn.Parameter) -> bool:
+    try:
+        return model.get_parameter(fqn) is parameter
+    except AttributeError:
+        return False
+
+
+def _placed_by_rules(groups: Mapping[str, Mapping[str, _Rules]], fqn: str, ndim: int) -> dict[str, Placement]:
+    """The placement per plan that the rules give the parameter ``fqn`` (none: whole)."""
+    module, _, parameter = fqn.rpartition(".")
+    group = groups.get(replace_layer_number_by_wildcard(module), {})
+    placed = {}
+    for kind, rules in group.items():
+        style = rules.style_of(parameter)
+        if style is not None:
+            placed[kind] = style_placement(ALL_PARALLEL_STYLES[style], parameter, ndim)
+    return placed
+
+
+@dataclass(frozen=True, eq=False)
 class _ConfigFacts:
-    """What the text config says about the sizes a plan shards."""
+    """What the text config says about the sizes a plan shards; a config whose layers differ (its
+    ``per_layer_config``) gives each such layer facts of its own."""
 
     attention_heads: int | None
     key_value_heads: int | None
     experts: tuple[str, int] | None
-    sizes: tuple[tuple[str, int], ...]
+    sizes: Mapping[str, int]
+    layers: Mapping[int, _ConfigFacts] = field(default_factory=dict)
 
     @staticmethod
     def of(model: PreTrainedModel) -> _ConfigFacts:
         config = model.config.get_text_config()
+        varying = frozenset(getattr(config, "per_layer_attributes", None) or ())
+        facts = _ConfigFacts.read(config, varying)
+        if not varying & {"num_attention_heads", "num_key_value_heads", *EXPERT_FACTS, *SIZE_FACTS}:
+            return facts
+        layers = {index: _ConfigFacts.read(layer, frozenset()) for index, layer in enumerate(config.per_layer_config)}
+        return dataclasses.replace(facts, layers=layers)
 
+    @staticmethod
+    def read(config: Any, varying: frozenset[str]) -> _ConfigFacts:
+        """The facts of ``config`` but those in ``varying``, which differ between layers."""
         aliases = getattr(config, "attribute_map", {})  # name the field the config itself holds
 
         def fact(name: str) -> int | None:
-            value = None if name in aliases else getattr(config, name, None)
+            value = None if name in aliases or name in varying else getattr(config, name, None)
             return value if isinstance(value, int) and not isinstance(value, bool) else None
 
         heads = fact("num_attention_heads")
         experts = next(((name, value) for name in EXPERT_FACTS if (value := fact(name)) is not None), None)
-        sizes = tuple((name, value) for name in SIZE_FACTS if (value := fact(name)) is not None)
+        sizes = {name: value for name in SIZE_FACTS if (value := fact(name)) is not None}
         return _ConfigFacts(heads, fact("num_key_value_heads") or heads, experts, sizes)
+
+    def at(self, layer: int | None) -> _ConfigFacts:
+        """The facts of layer ``layer`` (``None``: a module in no layer)."""
+        return self.layers.get(layer, self) if layer is not None else self
 
 
 @dataclass(frozen=True)
@@ -214,22 +329,35 @@ class _GroupLayout:
     name: str
     group: Mapping[str, _Rules]
     facts: _ConfigFacts
+    output_embeddings: nn.Module | None
 
     layouts: dict[tuple[Any, ...], ModuleShardingSpec | str] = field(default_factory=dict, compare=False)
-    """Each answer by the shapes it depends on: the layers of a group share one layout object,
-    which validation then checks once."""
+    """Each answer by the shapes, facts and role it depends on: the layers of a group share one
+    layout object, which validation then checks once."""
 
     def __call__(self, module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
         assert module is not None  # requests_for walks a module tree
         shapes = tuple((name, value.shape) for name, value in module._parameters.items() if value is not None)
-        answer = self.layouts.get((context, shapes))
+        embedding = isinstance(module, nn.Embedding) or module is self.output_embeddings
+        facts = self.facts.at(self._layer_of(fqn))
+        key = (context, shapes, embedding, id(facts))
+        answer = self.layouts.get(key)
         if answer is None:
-            answer = self.layouts[context, shapes] = self._layout(shapes, context)
+            answer = self.layouts[key] = self._layout(shapes, context, facts, embedding)
         if isinstance(answer, str):
             raise LayoutRefusal(answer)
         return answer
 
-    def _layout(self, shapes: tuple[tuple[str, Any], ...], context: LayoutContext) -> ModuleShardingSpec | str:
+    def _layer_of(self, fqn: str) -> int | None:
+        """The layer index of ``fqn``: where the group's key has its first ``*``."""
+        parts = self.name.split(".")
+        if "*" not in parts[1:]:
+            return None
+        return int(fqn.split(".")[parts.index("*", 1)])
+
+    def _layout(
+        self, shapes: tuple[tuple[str, Any], ...], context: LayoutContext, facts: _ConfigFacts, embedding: bool
+    ) -> ModuleShardingSpec | str:
         """The layout of a module whose own parameters have ``shapes``, or why it is refused."""
         params: dict[str, dict[str, Placement]] = {}
         refusals: list[str] = []
@@ -240,45 +368,85 @@ class _GroupLayout:
                     continue
                 placement = style_placement(ALL_PARALLEL_STYLES[style], parameter, len(shape))
                 params.setdefault(parameter, {})[kind] = placement
-                refusals += self._size_refusals(parameter, shape, placement, kind, context.size(kind))
+                refusals += _size_refusals(self.name, facts, embedding, parameter, shape, placement, kind, context.size(kind))
         projection = self.name.rpartition(".")[2]
-        if projection in ATTENTION_PROJECTIONS:
+        if projection in ATTENTION_PROJECTIONS and self._splits_heads(params):
             # Their sharded sizes are heads times head size: the heads are the fact that must divide.
-            refusals = self._head_refusals(projection, params, context)
+            refusals = _head_refusals(projection, facts, context)
         if refusals:
             return "; ".join(dict.fromkeys(refusals))
         return ModuleShardingSpec(params=params)
 
-    def _head_refusals(self, projection: str, params: Mapping[str, Mapping[str, Placement]], context: LayoutContext) -> list[str]:
-        if not any(shard_dim(p.get("tp")) is not None for p in params.values()):
-            return []
-        tp = context.size("tp")
-        checked = [("num_attention_heads", self.facts.attention_heads)]
-        if projection in KEY_VALUE_PROJECTIONS:
-            checked.append(("num_key_value_heads", self.facts.key_value_heads))
-        return [f"{name} {heads} is not divisible by the 'tp' axis size {tp}" for name, heads in checked if heads and heads % tp]
+    def _splits_heads(self, params: Mapping[str, Mapping[str, Placement]]) -> bool:
+        """Whether the module's tp style leaves each rank some of the heads: a column split whose output
+        stays sharded, or a row split whose input arrives sharded. A gathered output
+        (``colwise_gather_output``) keeps every head whole, as transformers' ``get_kv_heads_per_rank`` counts."""
+        if not any(shard_dim(placed.get("tp")) is not None for placed in params.values()):
+            return False
+        rules = self.group["tp"]
+        styles = [rules.module] if rules.module is not None else list(rules.params.values())
+        return any(_style_splits_heads(ALL_PARALLEL_STYLES[style]) for style in styles)
 
-    def _size_refusals(self, parameter: str, shape: Sequence[int], placement: Placement, kind: str, size: int) -> list[str]:
-        dim = shard_dim(placement)
-        if dim is None or not 0 <= dim < len(shape):
-            return []  # a dimension beyond the rank is resolution's own layout problem
-        split = placement.split_factor if isinstance(placement, _StridedShard) else 1
-        extent = shape[dim] // split
-        if extent * split == shape[dim] and extent % size == 0:
-            return []
-        if kind == "ep" and self.facts.experts and extent == self.facts.experts[1]:
-            name, experts = self.facts.experts
-            return [f"{name} {experts} is not divisible by the 'ep' axis size {size}"]
-        for name, value in self.facts.sizes:
-            if extent == value:
-                hint = f": {PAD_VOCABULARY}" if name == "vocab_size" else ""
-                return [f"{name} {value} is not divisible by the {kind!r} axis size {size}{hint}"]
-        if split > 1:
-            return [
-                f"{parameter} packs {split} projections along dimension {dim} (size {shape[dim]}): "
-                f"each, of size {shape[dim] / split:g}, must be divisible by the {kind!r} axis size {size}"
-            ]
-        return []  # resolution's uneven-shard check names the parameter and dimension
+
+def _style_splits_heads(style: object) -> bool:
+    if isinstance(style, (PackedColwiseParallel, PackedRowwiseParallel)):
+        return True
+    if isinstance(style, ColwiseParallel):
+        return isinstance(style.output_layouts, Shard)
+    if isinstance(style, RowwiseParallel):
+        return isinstance(style.input_layouts, Shard)
+    return False
+
+
+def _head_refusals(projection: str, facts: _ConfigFacts, context: LayoutContext) -> list[str]:
+    tp = context.size("tp")
+    checked = [("num_attention_heads", facts.attention_heads)]
+    if projection in KEY_VALUE_PROJECTIONS:
+        checked.append(("num_key_value_heads", facts.key_value_heads))
+    return [f"{name} {heads} is not divisible by the 'tp' axis size {tp}" for name, heads in checked if heads and heads % tp]
+
+
+def _size_refusals(
+    group: str,
+    facts: _ConfigFacts,
+    embedding: bool,
+    parameter: str,
+    shape: Sequence[int],
+    placement: Placement,
+    kind: str,
+    size: int,
+) -> list[str]:
+    """Why ``size`` does not split the dimension ``placement`` shards, named after the config field
+    that dimension is by the parameter's role: an embedding's vocabulary or hidden size, an expert
+    count, or the inner size of the projection's kind of MLP."""
+    dim = shard_dim(placement)
+    if dim is None or not 0 <= dim < len(shape):
+        return []  # a dimension beyond the rank is resolution's own layout problem
+    split = placement.split_factor if isinstance(placement, _StridedShard) else 1
+    extent = shape[dim] // split
+    if extent * split == shape[dim] and extent % size == 0:
+        return []
+    if kind == "ep" and facts.experts and extent == facts.experts[1]:
+        name, experts = facts.experts
+        return [f"{name} {experts} is not divisible by the 'ep' axis size {size}"]
+    if embedding:
+        names: tuple[str, ...] = (EMBEDDING_FACTS[dim],) if dim < len(EMBEDDING_FACTS) else ()
+    elif "shared_expert" in group:
+        names = SHARED_EXPERT_INNER_FACTS
+    elif "expert" in group:
+        names = EXPERT_INNER_FACTS
+    else:
+        names = INNER_FACTS
+    for name in names:
+        if facts.sizes.get(name) == extent:
+            hint = f": {PAD_VOCABULARY}" if name == "vocab_size" else ""
+            return [f"{name} {extent} is not divisible by the {kind!r} axis size {size}{hint}"]
+    if split > 1:
+        return [
+            f"{parameter} packs {split} projections along dimension {dim} (size {shape[dim]}): "
+            f"each, of size {shape[dim] / split:g}, must be divisible by the {kind!r} axis size {size}"
+        ]
+    return []  # resolution's uneven-shard check names the parameter and dimension
 
 
 def style_placement(style: object, parameter: str, ndim: int) -> Placement:
@@ -328,8 +496,16 @@ def apply_hf_plan(
     """Apply a resolved Hugging Face plan with transformers' own ``apply_tensor_parallelism`` and
     ``apply_expert_parallelism``, given the exact plans (no second matching). EP runs, as in
     transformers, when the EP plan dispatches tokens (``ep_dispatch_experts``); it needs the ``tp``
-    mesh too (size 1 without TP): the ranks that share a batch."""
-    exact = expanded_plans(model, plan)
+    mesh too (size 1 without TP): the ranks that share a batch.
+
+    A tied parameter (``lm_head.weight`` holding the embedding's) is sharded under its first FQN
+    only, then tied again, as transformers' own loading does: one tensor, placed alike on both
+    sides (resolution refuses a tie whose sides the plan places differently)."""
+    ties = tied_parameters(model)
+    exact = {
+        kind: {name: style for name, style in rules.items() if name not in ties}
+        for kind, rules in expanded_plans(model, plan).items()
+    }
     if exact["tp"]:
         if tp_mesh is None:
             raise ValueError("the plan has tensor-parallel rules: pass tp_mesh")
@@ -338,5 +514,8 @@ def apply_hf_plan(
         if ep_mesh is None or tp_mesh is None:
             raise ValueError("the plan has expert-parallel rules: pass ep_mesh and tp_mesh (size 1 without TP)")
         model = apply_expert_parallelism(model, ep_mesh, tp_mesh, exact["ep"], ep_implementation=ep_implementation)
+    for alias, canonical in ties.items():
+        owner, _, name = alias.rpartition(".")
+        setattr(model.get_submodule(owner), name, model.get_parameter(canonical))
     result: nn.Module = model
     return result

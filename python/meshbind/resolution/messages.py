@@ -46,7 +46,7 @@ def unmatched_problems(
         else:
             continue
         hint = f"; did you mean {', '.join(nearest)}?" if nearest else ""
-        found = PlanProblem("unmatched", None, source, f"pattern {pattern!r} does not select {what}{hint}")
+        found = PlanProblem("unmatched", None, source, f"pattern {pattern!r} does not select {what}{hint}", about="pattern")
         (problems if owner < 0 or requests[owner].required else warnings).append(found)
     return problems, warnings
 

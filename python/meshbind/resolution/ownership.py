@@ -67,7 +67,7 @@ def family_specs(classes: Sequence[type]) -> tuple[dict[int, ParallelModuleSpec]
             continue
         if not isinstance(spec, ParallelModuleSpec):
             message = f"{cls.__qualname__}.parallel_spec must be a ParallelModuleSpec, got {type(spec).__name__}"
-            problems.append(PlanProblem("binding", None, f"family {cls.__qualname__}", message))
+            problems.append(PlanProblem("binding", None, f"family {cls.__qualname__}", message, about="class"))
             continue
         specs[index] = spec
     return specs, problems

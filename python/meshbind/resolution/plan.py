@@ -50,7 +50,7 @@ class ParallelPlan:
         """JSON-ready: the context and every planned module with its spec and sharding."""
         return {
             "context": dict(self.context.axis_sizes),
-            "warnings": [{"code": w.code, "fqn": w.fqn, "request": w.request, "message": w.message} for w in self.warnings],
+            "warnings": [w.to_dict() for w in self.warnings],
             "modules": [
                 {
                     "fqn": fqn,
