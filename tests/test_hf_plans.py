@@ -8,13 +8,16 @@ import re
 from typing import Any
 
 import pytest
+import torch
+from torch.distributed.tensor import Shard
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.distributed.configuration_utils import DistributedConfig
 
-from meshbind import LayoutContext, PatternSet, PlanError, resolve_plan
-from meshbind.interop.hf_plans import expanded_plans, from_hf_plan, hf_key_pattern
+from meshbind import LayoutContext, PatternSet, PlanError, plan_report, resolve_plan
+from meshbind.interop.hf_plans import expanded_plans, from_hf_plan, hf_key_pattern, tied_parameters
 from meshbind.launch import run_local_world
 
-from hf_models import SMALL, hf_model
+from hf_models import SMALL, THREE_KV_HEADS, hf_model
 from rank_checks import failures_of
 
 AXES = {"tp2": {"tp": 2}, "ep2": {"dp": 2, "ep": 2}, "tp2-ep2": {"tp": 2, "ep": 2}, "tp4-ep4": {"tp": 4, "ep": 4}}
@@ -176,7 +179,108 @@ def test_the_plan_source_refuses_another_model() -> None:
         from_hf_plan(object())  # type: ignore[arg-type]
 
 
-CHECKS = ["llama tp2", "qwen3_moe tp2", "qwen3_moe ep2", "mixtral tp2 ep2", "deepseek_v3 tp2"]
+def test_tied_embeddings_are_expanded_under_both_names_and_counted_once() -> None:
+    # Qwen3 tied (as Qwen3-0.6B, Llama-3.2-1B and Gemma 3 ship): the plan names lm_head.weight, a tied copy.
+    model = hf_model("qwen3_tied")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2}))
+    exact = expanded_plans(model, plan)["tp"]
+    assert exact["lm_head.weight"] == "colwise_gather_output" and exact["model.embed_tokens.weight"] == "embedding_rowwise"
+    assert tied_parameters(model) == {"lm_head.weight": "model.embed_tokens.weight"}
+    report = plan_report(model, plan, optimizer="none")
+    assert report.parameter_count == sum(p.numel() for p in model.parameters())  # one tensor, not two
+    assert "lm_head.weight" not in {row.fqn for row in report.params}
+    assert row_of(report, "model.embed_tokens.weight").local_shape == (64, 64)  # the vocabulary split over tp
+
+
+def row_of(report: Any, fqn: str) -> Any:
+    return next(row for row in report.params if row.fqn == fqn)
+
+
+def test_a_tie_whose_sides_are_placed_differently_is_refused() -> None:
+    model = hf_model("qwen3_tied")
+    model.tp_plan = {**model.tp_plan, "model.embed_tokens": "embedding_colwise"}  # Shard(1) against lm_head's Shard(0)
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2}))
+    (problem,) = caught.value.problems
+    assert (problem.code, problem.fqn, problem.request) == ("layout", "lm_head", "tp_plan")
+    assert problem.message.startswith(
+        "'lm_head.weight' is the parameter 'model.embed_tokens.weight' (tied), given two layouts: tp:S(0) against tp:S(1)"
+    )
+
+
+def test_heads_are_checked_only_where_the_style_splits_them() -> None:
+    # Phi-3 and OLMoE gather q/k/v outputs (colwise_gather_output): every rank keeps every head.
+    for name in ("phi3_kv3", "olmoe_kv3"):
+        model = hf_model(name)
+        plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2}))
+        assert (
+            str(
+                plan.sharding["model.layers.0.self_attn." + ("qkv_proj" if name == "phi3_kv3" else "k_proj")].params["weight"][
+                    "tp"
+                ]
+            )
+            == "S(0)"
+        )
+    # Real Phi-3-medium: 40 heads, 10 key/value heads, 7680 qkv rows split evenly at tp=4.
+    medium = dict(
+        num_hidden_layers=40, hidden_size=5120, intermediate_size=17920, num_attention_heads=40, num_key_value_heads=10,
+        vocab_size=32064, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    config = AutoConfig.for_model("phi3", **medium)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 4}))
+    assert plan.sharding["model.layers.39.self_attn.qkv_proj"].params["weight"]["tp"] == Shard(0)
+    # A plain column split of 3 key/value heads over 2 ranks fails transformers' own reshape: still refused.
+    model = hf_model("qwen3_tied", **THREE_KV_HEADS)
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2}))
+    assert {(p.fqn, p.message) for p in caught.value.problems} == {
+        (f"model.layers.{i}.self_attn.{proj}", "num_key_value_heads 3 is not divisible by the 'tp' axis size 2")
+        for i in range(2) for proj in ("k_proj", "v_proj")
+    }  # fmt: skip
+
+
+def test_an_expert_world_the_axes_cannot_make_is_refused_before_any_report() -> None:
+    # tp=2, ep=4: two ranks would each hold one of four experts' shares, and half would live nowhere.
+    with pytest.raises(ValueError, match=r"ep=4 does not divide the world of 2 ranks \(tp=2\).*use ep = 1, 2,"):
+        LayoutContext({"tp": 2, "ep": 4})
+    model = hf_model("qwen3_moe")
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2, "ep": 2}))
+    assert {rank.coordinates["ep"] for rank in plan_report(model, plan).ranks} == {0, 1}
+
+
+def test_a_size_is_named_after_the_field_its_parameter_is_not_an_equal_value() -> None:
+    # intermediate_size == vocab_size: the MLP is told about its intermediate size, the embeddings about the vocabulary.
+    model = hf_model("llama", intermediate_size=129, vocab_size=129)
+    with pytest.raises(PlanError) as caught:
+        resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2}))
+    by_fqn = {p.fqn: p.message for p in caught.value.problems}
+    for projection in ("gate_proj", "up_proj", "down_proj"):
+        message = by_fqn[f"model.layers.0.mlp.{projection}"]
+        assert message == "intermediate_size 129 is not divisible by the 'tp' axis size 2", message
+    for embedding in ("model.embed_tokens", "lm_head"):
+        assert by_fqn[embedding].startswith("vocab_size 129 is not divisible by the 'tp' axis size 2: pad the vocabulary")
+
+
+def test_a_key_for_a_module_the_model_lacks_is_offered_the_same_leaf_in_the_plans_form() -> None:
+    # Qwen2-MoE's stock plan keeps dense MLP rules; every layer is sparse, with a shared expert.
+    model = hf_model("qwen2_moe")
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2}))
+    (gate,) = [w for w in plan.warnings if "'model.layers.*.mlp.gate_proj'" in w.message]
+    assert gate.line().startswith("unmatched (key): key 'model.layers.*.mlp.gate_proj' (colwise) selects no module")
+    assert "did you mean 'model.layers.*.mlp.shared_expert.gate_proj'" in gate.message
+
+
+CHECKS = [
+    "llama tp2", "qwen3_moe tp2", "qwen3_moe ep2", "mixtral tp2 ep2", "deepseek_v3 tp2",
+    "qwen3_tied tp2", "gemma3_text tp2", "phi3_kv3 tp2", "olmoe_kv3 tp2", "olmoe ep2", "qwen2_moe tp2", "qwen2_moe ep2",
+    "mistral tp2", "granitemoe tp2", "gpt_oss ep2", "deepseek_v2 tp2", "glm4_moe tp2 ep2",
+]  # fmt: skip
+"""The stock plans of fifteen architectures applied by transformers on 2 ranks, logits compared with one
+process and each rank's bytes with the report: tied embeddings, gathered outputs over 3 key/value heads,
+shared experts, packed and biased experts, MLA attention."""
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,8 @@ def _check(args: argparse.Namespace) -> int:
         print(str(error), file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - started
-    report = plan_report(model, plan, optimizer=args.optimizer) if args.report or args.html else None
+    # --json carries everything the check knows, the report included.
+    report = plan_report(model, plan, optimizer=args.optimizer) if args.report or args.html or args.json else None
     misfits = None if args.checkpoint is None else checkpoint_fit(model, args.checkpoint)
     if args.html:
         with open(args.html, "w", encoding="utf-8") as page:
