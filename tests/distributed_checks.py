@@ -398,13 +398,14 @@ def check_binding(context: MeshContext) -> None:
         raise AssertionError("wrapping the same meshes again should be the same owner")
     validate_materialized_modules(model)
     # A plan checked against another layout binds nothing.
-    other_layout = LayoutContext({**context.axis_sizes(), "ep": 2 * context.axis_sizes()["ep"]})
+    sizes = context.axis_sizes()
+    other_layout = LayoutContext({**sizes, "dp": 2 * sizes["dp"], "ep": 2 * sizes["ep"]})  # a world twice as large
     fresh = nn.Module()
     fresh.blocks = nn.ModuleList(Block(2 * num_experts) for _ in range(2))
     elsewhere = resolve_plan(fresh, [_experts_plan(2 * num_experts)], other_layout)
     _expect(
         ValueError,
-        f"resolved for ep={2 * context.axis_sizes()['ep']}, but the meshes have ep=",
+        f"resolved for dp={2 * sizes['dp']}, ep={2 * sizes['ep']}, but the meshes have dp={sizes['dp']}, ep={sizes['ep']}",
         lambda: bind_parallel_modules(fresh, elsewhere, context),
         code="mesh",
     )
