@@ -21,9 +21,9 @@ from meshbind.binding import submodule, unwrapped
 from meshbind.errors import LayoutError
 from meshbind.family import family_spec, record_family_distribution
 from meshbind.mesh import DEVICE_MESH_DIMS, EXPERT_MESH_DIMS, MeshContext, check_resolved_for
+from meshbind.placements import placements_text, split_dim
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import ParallelModuleSpec
-from meshbind.validation.rules import placements_text
 
 
 @dataclass
@@ -138,8 +138,8 @@ def _even_local_shape(shape: torch.Size, mesh: DeviceMesh, placements: tuple[Pla
     chunks, left to ``distribute_tensor``)."""
     local = list(shape)
     for placement, size in zip(placements, mesh.shape, strict=True):
-        if isinstance(placement, Shard):
-            dim = placement.dim % len(local)
+        dim = split_dim(placement, len(local)) if isinstance(placement, Shard) else None
+        if dim is not None:
             if local[dim] % size:
                 return None
             local[dim] //= size

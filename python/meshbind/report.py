@@ -24,8 +24,8 @@ from torch.distributed.tensor import Placement
 
 from meshbind import _core
 from meshbind._core import PatternSet
+from meshbind.placements import local_shape
 from meshbind.resolution.plan import ParallelPlan
-from meshbind.specs import shard_dim
 
 OPTIMIZERS = ("none", "sgd-momentum", "adam", "adam-fp32-master")
 """The optimizers whose state the report counts, per parameter that requires grad: none; one
@@ -272,16 +272,11 @@ def _fields(
 ) -> tuple[Any, ...]:
     """A row's fields but its FQN, for every parameter like ``sample`` placed by ``named``."""
     shape = tuple(sample.shape)
-    local = list(shape)
-    for axis, placement in named.items():
-        dim = shard_dim(placement)
-        if dim is not None and 0 <= dim < len(local):
-            local[dim] //= axes.get(axis, 1)
-    local_shape = tuple(local)
+    local = local_shape(shape, named, axes)
     placements = MappingProxyType({axis: str(p) for axis, p in named.items()})
     dtype = str(sample.dtype).removeprefix("torch.")
-    size = math.prod(local_shape) * sample.element_size()
-    return shape, dtype, placements, local_shape, size, sample.requires_grad, protocol
+    size = math.prod(local) * sample.element_size()
+    return shape, dtype, placements, local, size, sample.requires_grad, protocol
 
 
 _NOTHING: Mapping[str, Placement] = MappingProxyType({})

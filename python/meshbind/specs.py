@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from torch.distributed.tensor import Placement, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import Placement
 
 from meshbind._core import check_patterns
 
@@ -34,12 +33,6 @@ NamedPlacement = Mapping[str, Placement]
 
 ShardingProvider = Callable[["nn.Module | None", str, "LayoutContext"], "ModuleShardingSpec"]
 """``sharding(module, fqn, context)``; offline (a plan over FQNs only) ``module`` is ``None``."""
-
-
-def shard_dim(placement: Placement | None) -> int | None:
-    """The dimension ``placement`` splits: a ``Shard``'s, or a strided shard's (transformers' packed
-    projections, which torch does not make a ``Shard``); ``None`` for any other placement."""
-    return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
 
 
 def _set(instance: object, name: str, value: object) -> None:

@@ -37,6 +37,7 @@ from transformers.distributed.tensor_parallel import (
 
 from meshbind._core import PatternSet
 from meshbind.errors import LayoutRefusal, PlanProblem
+from meshbind.placements import shard_dim, split_dim
 from meshbind.resolution.candidates import literal_pattern
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import (
@@ -45,7 +46,6 @@ from meshbind.specs import (
     NativeParallelBindingRequest,
     ParallelModuleSpec,
     SourcedRequests,
-    shard_dim,
 )
 
 PROTOCOL = "hf_parallel_style"
@@ -419,8 +419,8 @@ def _size_refusals(
     """Why ``size`` does not split the dimension ``placement`` shards, named after the config field
     that dimension is by the parameter's role: an embedding's vocabulary or hidden size, an expert
     count, or the inner size of the projection's kind of MLP."""
-    dim = shard_dim(placement)
-    if dim is None or not 0 <= dim < len(shape):
+    dim = split_dim(placement, len(shape))
+    if dim is None:
         return []  # a dimension beyond the rank is resolution's own layout problem
     split = placement.split_factor if isinstance(placement, _StridedShard) else 1
     extent = shape[dim] // split

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from torch import nn
 
 from meshbind.errors import LayoutRefusal, PlanProblem
+from meshbind.placements import placements_text
 from meshbind.resolution.candidates import Candidate
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest
-from meshbind.validation.rules import placements_text
 
 Provider = Callable[[nn.Module | None, str, LayoutContext], ModuleShardingSpec]
 

@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate
 
 from meshbind import _core
-from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec, shard_dim
+from meshbind.placements import shard_dim
+from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure, sharding_failure
 
 Kind = Literal["shard", "replicate", "partial"]

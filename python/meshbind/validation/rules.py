@@ -9,10 +9,8 @@ arithmetic runs in Rust over every module at once (``batch.py``); rule 6 is the 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
 
-from torch.distributed.tensor import Placement
-
+from meshbind.placements import placements_text
 from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
 
 Failure = tuple[str, str]
@@ -87,8 +85,3 @@ def sharding_failure(sharding: ModuleShardingSpec) -> Failure | None:
             "the module must restore its own output layout",
         )
     return None
-
-
-def placements_text(placements: Mapping[str, Placement]) -> str:
-    """A named placement as messages show it: ``{ep: S(0), cp: R}``."""
-    return "{" + ", ".join(f"{axis}: {p}" for axis, p in placements.items()) + "}"

@@ -1,0 +1,44 @@
+"""Placement arithmetic in one place: which dimension a placement splits (a negative ``Shard(d)``
+counted from the end, as torch counts it), each rank's local shape under balanced shards, and how a
+named placement reads in a message. Resolution, layouts, the report and the Hugging Face plans all
+use these; the Rust checks (``rust/checks.rs``) mirror them and are tested against them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+def shard_dim(placement: Placement | None) -> int | None:
+    """The dimension ``placement`` splits as written (possibly negative): a ``Shard``'s, or a strided
+    shard's (transformers' packed projections, which torch does not make a ``Shard``); ``None`` for
+    any other placement."""
+    return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
+
+
+def split_dim(placement: Placement | None, ndim: int) -> int | None:
+    """The dimension ``placement`` splits in a tensor of rank ``ndim``, from 0 (``Shard(-1)`` of a
+    matrix is dimension 1); ``None`` when it splits none, or names a dimension the rank lacks."""
+    dim = shard_dim(placement)
+    if dim is None or not -ndim <= dim < ndim:
+        return None
+    return dim % ndim
+
+
+def local_shape(shape: Sequence[int], named: Mapping[str, Placement], axes: Mapping[str, int]) -> tuple[int, ...]:
+    """Each rank's shape of a tensor of ``shape`` placed by ``named`` on axes of sizes ``axes``:
+    every split dimension divided by the sizes of the axes splitting it (balanced, as resolution
+    requires; an axis ``axes`` lacks counts 1)."""
+    local = list(shape)
+    for axis, placement in named.items():
+        dim = split_dim(placement, len(local))
+        if dim is not None:
+            local[dim] //= axes.get(axis, 1)
+    return tuple(local)
+
+
+def placements_text(placements: Mapping[str, Placement]) -> str:
+    """A named placement as messages show it: ``{ep: S(0), cp: R}``."""
+    return "{" + ", ".join(f"{axis}: {p}" for axis, p in placements.items()) + "}"
