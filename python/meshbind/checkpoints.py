@@ -1,43 +1,183 @@
-"""Checkpoints that reshard (SPEC §8): a model's state saved under one layout with
-``torch.distributed.checkpoint`` loads under another, after a check that it fits.
+"""Checkpoints that reshard (SPEC §8), written atomically and verified (SPEC §10): a model's state
+saved under one layout with ``torch.distributed.checkpoint`` loads under another, after a check
+that it is whole and that it fits.
 
 Every rank enters ``save_checkpoint`` and writes its own shards (gathering a DTensor is a
-collective, so a save that only rank 0 enters would hang). ``load_checkpoint`` first compares the
-checkpoint's metadata with the model's state dict — every key the model has must be there, at
-its global shape — and names every misfit at once before any tensor changes.
+collective, so a save that only rank 0 enters would hang). The shards and DCP's ``.metadata`` go
+into a fresh folder beside the target; each rank records its files' sizes and sha256 digests,
+rank 0 writes them to a manifest, and only once every rank has reported does rank 0 put the new
+folder in the target's place (the old one moved aside, then removed). A save killed at any point
+leaves the previous checkpoint as it was. ``load_checkpoint`` first verifies the manifest (every
+file there, at its size and digest, and no other), then compares the metadata with the model's
+state dict — every key the model has must be there, at its global shape — and names every
+problem at once before any tensor changes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
+from torch.distributed.tensor import DTensor
 
 from meshbind.errors import CheckpointError
 
-__all__ = ["CheckpointError", "Misfit", "checkpoint_fit", "checkpoint_misfits", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "Misfit",
+    "checkpoint_fit",
+    "checkpoint_misfits",
+    "load_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
 
 
 _SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 """torch's warning when a checkpoint is read or written by one process, which here is meant."""
+MANIFEST = "meshbind-manifest.json"
+"""Each file of a checkpoint with its size and sha256, written last, by rank 0."""
+_CHUNK = 1 << 22
+
+
+def _in_world() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _gathered(value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order (one process: itself)."""
+    if not _in_world():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str]) -> None:
-    """Write the model's state (DTensors as their shards) to ``directory``; every rank calls it
-    (in a process with no world, that process alone writes it)."""
+    """Write the model's state (DTensors as their shards) to ``directory``, replacing what was
+    there only once the new state is complete; every rank calls it (in a process with no world,
+    that process alone writes it). A non-finite value on any rank refuses the save on every rank."""
+    target = Path(directory)
+    state = model.state_dict()
+    _refuse_non_finite(state)
+    rank = dist.get_rank() if _in_world() else 0
+    staging = target.parent / f".{target.name}.saving"
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
+        staging.mkdir(parents=True)
+    if _in_world():
+        dist.barrier()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", _SINGLE_PROCESS)
-        save(model.state_dict(), checkpoint_id=directory)
+        save(state, checkpoint_id=staging)
+    own = sorted(path.name for path in staging.glob(f"__{rank}_*"))
+    reported = _gathered({name: _file_entry(staging / name) for name in own})  # every rank's shards are written
+    if rank == 0:
+        files = {name: entry for entries in reported for name, entry in entries.items()}
+        files[".metadata"] = _file_entry(staging / ".metadata")
+        _write_durably(staging / MANIFEST, json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True))
+        _publish(staging, target)
+    if _in_world():
+        dist.barrier()  # no rank returns before the new checkpoint is in place
+
+
+def _refuse_non_finite(state: dict[str, Any]) -> None:
+    """A NaN or infinity in any floating tensor of any rank's shard refuses the save everywhere."""
+    first = None
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if not bool(torch.isfinite(local).all()):
+                first = key
+                break
+    found = [(rank, key) for rank, key in enumerate(_gathered(first)) if key is not None]
+    if found:
+        raise CheckpointError(
+            [f"{key!r} holds a non-finite value (NaN or infinity) on rank {rank}" for rank, key in found]
+            + ["the save is refused: the previous checkpoint, if any, is left as it was"]
+        )
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Put the complete ``staging`` folder in ``target``'s place. Between the two renames the target
+    is absent, never a mix: the old folder is whole beside it until the new one is in place."""
+    aside = target.parent / f".{target.name}.replaced"
+    shutil.rmtree(aside, ignore_errors=True)
+    if target.exists():
+        os.rename(target, aside)
+    os.rename(staging, target)
+    directory = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def verify_checkpoint(directory: str | os.PathLike[str], *, no_dist: bool = False) -> bool:
+    """Whether the manifest in ``directory`` holds: every file it lists there at its size and
+        sha256, no other file beside them. ``False`` for a checkpoint without one (written by torchtitan
+        or plain ``torch.distributed.checkpoint``: it cannot be verified); a ``CheckpointError`` naming
+        every damaged, missing or foreign file otherwise. In a world every rank calls it and hashes its
+    share of the files (``no_dist``: one process hashes them all)."""
+    path = Path(directory)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return False
+    files = _json(manifest).get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError([f"{os.fspath(manifest)!r} lists no files: the manifest is damaged"])
+    present = sorted(file.name for file in path.iterdir() if file.is_file() and file.name != MANIFEST)
+    problems = [f"{name!r}: not in the manifest (left by another save?)" for name in present if name not in files]
+    together = _in_world() and not no_dist
+    rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+    mine = sorted(files)[rank::world]
+    found = [problem for name in mine if (problem := _file_problem(path / name, files[name]))]
+    problems += [problem for share in (_gathered(found) if together else [found]) for problem in share]
+    if problems:
+        raise CheckpointError([f"{os.fspath(directory)!r} is damaged:", *problems])
+    return True
+
+
+def _file_problem(path: Path, entry: Any) -> str | None:
+    if not path.is_file():
+        return f"{path.name!r}: missing"
+    if not isinstance(entry, dict):
+        return f"{path.name!r}: the manifest's entry is damaged"
+    size = path.stat().st_size
+    if size != entry.get("bytes"):
+        return f"{path.name!r}: {size} bytes, the manifest says {entry.get('bytes')} (truncated or replaced)"
+    if _file_entry(path)["sha256"] != entry.get("sha256"):
+        return f"{path.name!r}: its sha256 differs from the manifest's (damaged)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -78,10 +218,19 @@ def stored_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...
     if (path / ".metadata").is_file():
         try:
             metadata = FileSystemReader(path).read_metadata()
-        except (OSError, ValueError) as error:
+        except Exception as error:  # a truncated or empty pickle raises EOFError, UnpicklingError, ...
             raise CheckpointError(
-                [f"{os.fspath(directory)!r}: unreadable torch.distributed.checkpoint metadata: {error}"]
+                [
+                    f"{os.fspath(path / '.metadata')!r} is unreadable torch.distributed.checkpoint metadata: "
+                    f"{type(error).__name__}: {error}"
+                ]
             ) from error
+        referenced = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+        missing = [name for name in referenced if not (path / name).is_file()]
+        if missing:
+            raise CheckpointError(
+                [f"{os.fspath(path / name)!r}: the metadata stores tensors there, but it is missing" for name in missing]
+            )
         return {
             key: tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
             for key, entry in metadata.state_dict_metadata.items()
@@ -91,6 +240,12 @@ def stored_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...
         files = sorted(set(_json(index).get("weight_map", {}).values()))
     else:
         files = sorted(file.name for file in path.glob("*.safetensors"))
+    aside = path.parent / f".{path.name}.replaced"
+    if not files and not path.exists() and aside.is_dir():
+        raise CheckpointError(
+            [f"{os.fspath(directory)!r} is missing: a save was stopped while replacing it, and the previous "
+             f"checkpoint is whole in {os.fspath(aside)!r} (move it back)"]
+        )  # fmt: skip
     if not files:
         raise CheckpointError(
             [f"{os.fspath(directory)!r} is neither a torch.distributed.checkpoint directory (no .metadata) "
@@ -136,10 +291,15 @@ def checkpoint_misfits(model: nn.Module, directory: str | os.PathLike[str]) -> l
 def load_checkpoint(model: nn.Module, directory: str | os.PathLike[str], *, no_dist: bool = False) -> None:
     """Load the checkpoint into the model's own tensors, whatever layout saved it; every rank of
     the world calls it (``no_dist``: one process reads it alone). Raises ``CheckpointError``
-    naming every misfit before any tensor changes."""
+    naming every damaged file or misfit before any tensor changes; a checkpoint without a manifest
+    loads with a warning that it could not be verified."""
+    verified = verify_checkpoint(directory, no_dist=no_dist)
     misfits = checkpoint_misfits(model, directory)
     if misfits:
         raise CheckpointError(misfits)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", _SINGLE_PROCESS)
         load(model.state_dict(), checkpoint_id=directory, no_dist=no_dist)
+    if not verified:
+        message = f"{os.fspath(directory)!r} has no {MANIFEST} (not written by meshbind): loaded without verifying its files"
+        warnings.warn(message, stacklevel=2)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from meshbind import LayoutContext, NativeParallelBindingRequest, PlanError, from_torch_plan, resolve_plan
-from meshbind.checkpoints import Misfit, checkpoint_fit
+from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verify_checkpoint
 from meshbind.errors import index_groups
 from meshbind.report import OPTIMIZERS, plan_report
 from meshbind.report_page import report_page
@@ -71,7 +71,14 @@ def _check(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     # --json carries everything the check knows, the report included.
     report = plan_report(model, plan, optimizer=args.optimizer) if args.report or args.html or args.json else None
-    misfits = None if args.checkpoint is None else checkpoint_fit(model, args.checkpoint)
+    misfits, verified = None, False
+    if args.checkpoint is not None:
+        try:  # a damaged checkpoint is a finding (exit 1), like a misfit
+            verified = verify_checkpoint(args.checkpoint)
+            misfits = checkpoint_fit(model, args.checkpoint)
+        except CheckpointError as error:
+            print(str(error), file=sys.stderr)
+            return 1
     if args.html:
         with open(args.html, "w", encoding="utf-8") as page:
             page.write(report_page(report, f"meshbind plan report: {type(model).__name__}"))  # type: ignore[arg-type]
@@ -81,6 +88,7 @@ def _check(args: argparse.Namespace) -> int:
             result["report"] = report.to_dict()
         if misfits is not None:
             result["checkpoint"] = [{"kind": m.kind, "key": m.key, "reason": m.reason} for m in misfits]
+            result["checkpoint_verified"] = verified
         print(json.dumps(result))
     else:
         print(report.text() if report is not None and args.report else plan.explain())
@@ -89,7 +97,8 @@ def _check(args: argparse.Namespace) -> int:
         print(_misfit_text(misfits, args.checkpoint), file=sys.stderr)
         return 1
     if misfits is not None and not args.json:
-        print(f"the checkpoint in {args.checkpoint} fits the model", file=sys.stderr)
+        how = "every file verified against its manifest" if verified else "unverified: no meshbind manifest"
+        print(f"the checkpoint in {args.checkpoint} fits the model ({how})", file=sys.stderr)
     return 0
 
 

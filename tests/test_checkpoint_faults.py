@@ -1,0 +1,140 @@
+"""Checkpoints are atomic and verified (SPEC §10), shown by causing the faults: a rank killed at
+each phase of a save on a real gloo world, over an existing checkpoint and into a new folder;
+flipped bytes, deleted and truncated files, stale files and non-finite values."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_faults import PHASES, loss_of, model_of
+from torch import nn
+
+from meshbind.checkpoints import MANIFEST, CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
+from meshbind.cli import main
+from meshbind.launch import run_local_world
+
+
+def loaded_loss(directory: Path) -> float:
+    model = model_of(99, sharded=False)
+    load_checkpoint(model, directory, no_dist=True)
+    return loss_of(model)
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+@pytest.mark.parametrize("over_existing", [True, False], ids=["over an existing checkpoint", "into a new folder"])
+def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_whole(
+    tmp_path: Path, phase: str, over_existing: bool
+) -> None:
+    target = tmp_path / "checkpoint"
+    if over_existing:
+        (saved,) = set(run_local_world(2, "checkpoint_faults:save_then_die", str(target), 1, None, timeout=60))
+        assert loaded_loss(target) == saved
+    with pytest.raises(RuntimeError, match="died without a result"):
+        run_local_world(2, "checkpoint_faults:save_then_die", str(target), 2, phase, timeout=60)
+    if over_existing:
+        assert verify_checkpoint(target) and loaded_loss(target) == saved  # the old state, whole
+    else:
+        assert not target.exists()
+    # The next save goes through, whatever the killed one left beside the target.
+    (again,) = set(run_local_world(2, "checkpoint_faults:save_then_die", str(target), 3, None, timeout=60))
+    assert loaded_loss(target) == again != loss_of(model_of(2, sharded=False))
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    save_checkpoint(model_of(1, sharded=False), tmp_path / "checkpoint")
+    return tmp_path / "checkpoint"
+
+
+def shard_of(directory: Path) -> Path:
+    (shard,) = directory.glob("*.distcp")
+    return shard
+
+
+def refused(directory: Path, *expected: str) -> None:
+    """Loading is refused naming each of ``expected``, the model unchanged; ``check --checkpoint`` exits 1."""
+    model = model_of(99, sharded=False)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(model, directory, no_dist=True)
+    for text in expected:
+        assert text in str(caught.value), str(caught.value)
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+def test_a_save_writes_a_manifest_that_the_load_verifies(saved: Path) -> None:
+    manifest = json.loads((saved / MANIFEST).read_text())
+    assert set(manifest["files"]) == {".metadata", shard_of(saved).name}
+    assert all(len(entry["sha256"]) == 64 and entry["bytes"] > 0 for entry in manifest["files"].values())
+    assert verify_checkpoint(saved) and loaded_loss(saved) == loss_of(model_of(1, sharded=False))
+    assert not list(saved.parent.glob(".checkpoint.*"))  # nothing left beside it
+
+
+def test_flipped_bytes_are_named_before_any_tensor_changes(saved: Path) -> None:
+    shard = shard_of(saved)
+    data = bytearray(shard.read_bytes())
+    data[100:116] = bytes(255 - b for b in data[100:116])
+    shard.write_bytes(bytes(data))
+    refused(saved, f"'{shard.name}': its sha256 differs from the manifest's (damaged)")
+
+
+def test_a_deleted_or_truncated_file_is_named_with_or_without_a_manifest(saved: Path) -> None:
+    shard = shard_of(saved)
+    metadata = (saved / ".metadata").read_bytes()
+    (saved / ".metadata").write_bytes(metadata[: len(metadata) // 2])
+    refused(saved, f"'.metadata': {len(metadata) // 2} bytes, the manifest says {len(metadata)} (truncated or replaced)")
+    (saved / MANIFEST).unlink()  # as plain torch.distributed.checkpoint would have left it
+    refused(saved, "/.metadata' is unreadable torch.distributed.checkpoint metadata")
+    (saved / ".metadata").write_bytes(b"")
+    refused(saved, "/.metadata' is unreadable torch.distributed.checkpoint metadata")
+    (saved / ".metadata").write_bytes(metadata)
+    shard.unlink()
+    refused(saved, f"{shard.name}': the metadata stores tensors there, but it is missing")
+
+
+def test_a_file_another_save_left_is_named(saved: Path) -> None:
+    shutil.copy(shard_of(saved), saved / "__1_0.distcp")
+    refused(saved, "'__1_0.distcp': not in the manifest (left by another save?)")
+
+
+def test_a_non_finite_value_refuses_the_save_and_keeps_the_previous_checkpoint(saved: Path) -> None:
+    model = model_of(2, sharded=False)
+    with torch.no_grad():
+        model.weight[3, 4] = float("nan")
+    with pytest.raises(CheckpointError, match=r"'weight' holds a non-finite value \(NaN or infinity\) on rank 0"):
+        save_checkpoint(model, saved)
+    assert loaded_loss(saved) == loss_of(model_of(1, sharded=False))
+
+
+def test_a_checkpoint_without_a_manifest_loads_said_to_be_unverified(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (saved / MANIFEST).unlink()
+    with pytest.warns(UserWarning, match="loaded without verifying its files"):
+        assert loaded_loss(saved) == loss_of(model_of(1, sharded=False))
+
+
+def test_check_checkpoint_names_a_damaged_file_and_says_what_it_verified(
+    saved: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = types.ModuleType("fault_models")
+    module.linear = lambda: nn.Linear(8, 8)  # type: ignore[attr-defined]
+    module.plan = []  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fault_models", module)
+    arguments = ["check", "fault_models:linear", "fault_models:plan", "--axis", "tp=1", "--checkpoint", str(saved)]
+    assert main(arguments) == 0
+    assert "fits the model (every file verified against its manifest)" in capsys.readouterr().err
+    shard = shard_of(saved)
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert main(arguments) == 1
+    assert f"'{shard.name}': " in capsys.readouterr().err
+
+
+def test_a_save_stopped_between_its_two_renames_says_where_the_previous_checkpoint_is(saved: Path) -> None:
+    aside = saved.parent / f".{saved.name}.replaced"
+    saved.rename(aside)  # what a save killed after moving the old folder aside, before the new one took its place
+    refused(saved, f"is missing: a save was stopped while replacing it, and the previous checkpoint is whole in '{aside}'")
