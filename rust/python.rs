@@ -149,7 +149,10 @@ impl PyPatternSet {
 
     /// The ascending indices of the patterns matching `name`.
     #[pyo3(name = "match")]
-    fn match_name(&self, name: &str) -> PyResult<Vec<u32>> {
+    fn match_name(&self, name: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
+        let name = name
+            .to_str()
+            .map_err(|_| not_utf8_error("name", name.as_any()))?;
         let mut out = Vec::new();
         self.inner
             .with_matcher(|m| m.match_name(name, &mut out))

@@ -247,3 +247,29 @@ def test_a_hugging_face_config_that_cannot_work_is_a_usage_error(
     argv = [str(qwen3_moe_config) if a == "CONFIG" else str(tmp_path / "list.json") if a == "NOT_A_CONFIG" else a for a in argv]
     assert main(["check", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("where", "because"),
+    [("missing/page.html", "does not exist"), (".", "is a directory, not a file to write")],
+)
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
+    tmp_path: Path, where: str, because: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page = tmp_path / where
+    assert main(["check", MODEL, PLAN, "--axis", "tp=2", "--html", str(page)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"meshbind check: --html {page}: ") and because in err
+    assert "building" not in err and len(err.strip().splitlines()) == 1  # refused before the model was built
+
+
+def test_a_config_field_left_to_its_default_is_said_to_be(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hf_models import REAL
+
+    values = {key: value for key, value in REAL["qwen3_moe"].items() if key != "num_attention_heads"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3_moe", **values}))
+    main(["check", "--hf-config", str(path), "--axis", "tp=2"])
+    err = capsys.readouterr().err
+    assert f"--hf-config {path}: the file sets no num_attention_heads: checked against 32, Qwen3MoeConfig's default" in err
+    assert "the file sets no num_key_value_heads" not in err and "the file sets no vocab_size" not in err

@@ -255,3 +255,11 @@ def test_any_text_compiles_or_is_a_pattern_error_and_then_matches_without_failin
     tree = ps.index_names(names, prune=False)
     for pattern in pattern_list:
         assert set(tree.nearest(pattern, 3)) <= set(names)
+
+
+def test_a_name_that_cannot_be_encoded_is_a_value_error_naming_it() -> None:
+    patterns = PatternSet(["a.*"])
+    with pytest.raises(ValueError, match=r"name is not valid UTF-8: 'a\.\\ud800'"):
+        patterns.match("a.\ud800")
+    with pytest.raises(ValueError, match=r"names\[1\] is not valid UTF-8"):
+        patterns.match_many(["a.b", "a.\ud800"])

@@ -53,6 +53,8 @@ def _check(args: argparse.Namespace) -> int:
     if twice is not None:
         raise _UsageError(f"--axis {twice} is given more than once")
     context = LayoutContext(dict(args.axis))
+    if args.html is not None:
+        _check_writable(args.html, "--html")
     if args.hf_config is not None:
         if args.model_factory or args.plan or args.torch_plan:
             raise _UsageError("--hf-config builds the model and reads its own plans: give no MODEL_FACTORY, PLAN or --torch-plan")
@@ -80,8 +82,11 @@ def _check(args: argparse.Namespace) -> int:
             print(str(error), file=sys.stderr)
             return 1
     if args.html:
-        with open(args.html, "w", encoding="utf-8") as page:
-            page.write(report_page(report, f"meshbind plan report: {type(model).__name__}"))  # type: ignore[arg-type]
+        try:
+            with open(args.html, "w", encoding="utf-8") as page:
+                page.write(report_page(report, f"meshbind plan report: {type(model).__name__}"))  # type: ignore[arg-type]
+        except OSError as error:
+            raise _UsageError(f"--html {args.html}: cannot be written ({error.strerror})") from None
     if args.json:
         result: dict[str, Any] = {"ok": not misfits, "problems": [], "plan": plan.to_dict(), "seconds": elapsed}
         if report is not None:
@@ -148,10 +153,15 @@ def _hf_model_and_plan(path: str, strict: bool) -> tuple[torch.nn.Module, Any]:
         raise _UsageError(f"--hf-config {path}: a transformers config.json is an object with a 'model_type'")
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    from meshbind.interop.hf_plans import from_hf_plan
+    from meshbind.interop.hf_plans import defaulted_facts, from_hf_plan
 
     model_type = values.pop("model_type")
     config = _user_code(f"--hf-config {path}", lambda: AutoConfig.for_model(model_type, **values))
+    for name, value in defaulted_facts(config.get_text_config(), values).items():
+        print(
+            f"--hf-config {path}: the file sets no {name}: checked against {value}, {type(config).__name__}'s default",
+            file=sys.stderr,
+        )
     print(f"building {type(config).__name__} ({model_type}) on meta ...", file=sys.stderr)
 
     def build() -> Any:
@@ -194,6 +204,17 @@ def _torch_plan_requests(reference: str) -> Sequence[NativeParallelBindingReques
 
 class _UsageError(Exception):
     """A bad command line: one line on stderr, exit status 2."""
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """An output path is checked before any work: its folder must exist and be writable."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise _UsageError(f"{flag} {path}: is a directory, not a file to write")
+    if not os.path.isdir(folder):
+        raise _UsageError(f"{flag} {path}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise _UsageError(f"{flag} {path}: the directory {folder} is not writable")
 
 
 def _load(reference: str, what: str) -> Any:

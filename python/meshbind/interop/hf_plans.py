@@ -14,7 +14,7 @@ against the axes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,6 +212,27 @@ class _PlanKeys:
         first = PatternSet([]).index_names(alike, prune=False).nearest(pattern, 3) if alike else []
         rest = [name for name in self.index.nearest(pattern, 3) if name not in first]
         return [*first, *rest][:3]
+
+
+CHECKED_FACTS = ("num_attention_heads", "num_key_value_heads", *EXPERT_FACTS, *SIZE_FACTS)
+"""Every config field the checks read."""
+
+
+def defaulted_facts(config: Any, given: Collection[str]) -> dict[str, int]:
+    """The checked fields ``config`` holds that a config file setting only ``given`` left to the
+    config class's default (or to the value derived from another field): a check then cites a value
+    the file never held, and the command line says so."""
+    aliases = getattr(config, "attribute_map", {})
+    named = set(given) | {aliases[key] for key in given if key in aliases}
+    defaulted = {}
+    for name in CHECKED_FACTS:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # a field that differs between layers has no one value
+            continue
+        if name not in named and isinstance(value, int) and not isinstance(value, bool):
+            defaulted[name] = value
+    return defaulted
 
 
 def _output_embeddings(model: PreTrainedModel) -> nn.Module | None:
