@@ -25,6 +25,7 @@ from meshbind.errors import (
     MeshbindError,
     PatternError,
     PlanError,
+    RankMismatchError,
 )
 from meshbind.errors import PlanProblem as PlanProblem
 from meshbind.family import FamilyBuildInfo as FamilyBuildInfo
@@ -76,6 +77,7 @@ __all__ = [
     "PatternError",
     "PatternSet",
     "PlanError",
+    "RankMismatchError",
     "apply_hf_plan",
     "apply_layouts",
     "bind_parallel_modules",

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 from torch.distributed.tensor import DTensor
 
+from meshbind.agreement import check_ranks_agree, model_entries
 from meshbind.errors import CheckpointError
 
 __all__ = [
@@ -293,6 +294,8 @@ def load_checkpoint(model: nn.Module, directory: str | os.PathLike[str], *, no_d
     the world calls it (``no_dist``: one process reads it alone). Raises ``CheckpointError``
     naming every damaged file or misfit before any tensor changes; a checkpoint without a manifest
     loads with a warning that it could not be verified."""
+    if not no_dist:
+        check_ranks_agree("load_checkpoint", lambda: [*model_entries(model), ("checkpoint", os.fspath(directory))])
     verified = verify_checkpoint(directory, no_dist=no_dist)
     misfits = checkpoint_misfits(model, directory)
     if misfits:

@@ -13,6 +13,7 @@ LayoutError            ValueError      ``layout`` (``apply_layouts``: every prob
 CheckpointError        ValueError      ``checkpoint`` (every misfit key in ``problems``)
 BindingError           RuntimeError    ``bind_parallel``
 MaterializationError   ValueError      ``materialization``
+RankMismatchError      RuntimeError    ``rank_mismatch``
 =====================  ==============  ==========================================================
 """
 
@@ -173,6 +174,19 @@ class BindingError(MeshbindError, RuntimeError):
         if restore_failures:
             restored += f", but unbind_parallel failed for {'; '.join(restore_failures)}"
         super().__init__(f"bind_parallel of {fqn!r} failed ({restored}): {type(error).__name__}: {error}")
+
+
+class RankMismatchError(MeshbindError, RuntimeError):
+    """The ranks of a world were about to do different things (another model, plan or mesh), or
+    one did not arrive: raised on every rank before anything changed. ``what`` names the entry
+    point, ``differences`` the ranks that differ and the first entry where each does."""
+
+    code = "rank_mismatch"
+
+    def __init__(self, what: str, differences: Sequence[str]) -> None:
+        self.what, self.differences = what, tuple(differences)
+        lines = "\n".join(f"  {line}" for line in self.differences)
+        super().__init__(f"the ranks do not agree before {what}; nothing was changed:\n{lines}")
 
 
 class MaterializationError(MeshbindError, ValueError):

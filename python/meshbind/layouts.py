@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from meshbind.agreement import check_ranks_agree, plan_agreement
 from meshbind.binding import submodule, unwrapped
 from meshbind.errors import LayoutError
 from meshbind.family import family_spec, record_family_distribution
@@ -54,6 +55,7 @@ def apply_layouts(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContex
     if not isinstance(mesh_context, MeshContext):
         raise TypeError(f"mesh_context must be a MeshContext, got {type(mesh_context).__name__}")
     check_resolved_for(plan.context, mesh_context)
+    check_ranks_agree("apply_layouts", lambda: plan_agreement(model, plan, mesh_context))
     planned = _planned_parameters(model, plan, mesh_context)
     pending = [entry for entry in planned if not _already_there(entry)]
     # Every new parameter exists before any attribute changes.

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshbind.agreement import check_ranks_agree, mesh_entries, model_entries, plan_entries
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
 
@@ -130,6 +131,7 @@ def _layout_of(style: ParallelStyle) -> Any:
 def parallelize_checked(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh) -> nn.Module:
     """Apply a resolved torch plan with torch's own ``parallelize_module``, on exact FQNs (the
     matching is done: each planned module gets its key's style, once)."""
+    check_ranks_agree("parallelize_checked", lambda: [*model_entries(model), *plan_entries(plan), *mesh_entries(tp_mesh)])
     exact: dict[str, Any] = {
         fqn: spec.options["style"] for fqn, spec in plan.parallel_modules.items() if spec.protocol == PROTOCOL
     }

@@ -1,0 +1,133 @@
+"""Ranks agree before the first collective (SPEC §10).
+
+Every entry point that leads to collectives (``apply_layouts``, ``bind_parallel_modules``,
+``apply_hf_plan``, ``parallelize_checked``, ``load_checkpoint``) first calls ``check_ranks_agree``:
+each rank digests what it is about to do — its model's parameters (FQN, shape, dtype), the resolved
+plan (FQN, protocol, placements) and its meshes' layout — and the ranks compare digests in two
+all-reduces of four integers (a minimum and a maximum: equal everywhere exactly when every rank's
+digest is the same), on the default group, creating none. Only when they differ do the ranks
+exchange more, to name who differs and where. A rank that never arrives is named within
+``MESHBIND_RANK_CHECK_TIMEOUT`` seconds (gloo's monitored barrier); ``MESHBIND_NO_RANK_CHECK=1``
+turns the check off.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshbind._core import PatternSet
+from meshbind.errors import RankMismatchError
+from meshbind.mesh import MeshContext
+from meshbind.placements import placements_text
+from meshbind.resolution.plan import ParallelPlan
+
+SWITCH = "MESHBIND_NO_RANK_CHECK"
+TIMEOUT = "MESHBIND_RANK_CHECK_TIMEOUT"
+_DEFAULT_TIMEOUT = 300.0
+_SHOWN = 3
+"""How many disagreeing ranks a message describes (the others are counted)."""
+
+
+Entry = tuple[str, str]
+"""What a rank is about to do, one thing at a time: ``("parameter layers.0.weight", "(16, 16) float32")``."""
+
+
+def model_entries(model: nn.Module) -> list[Entry]:
+    """Each parameter once, as ``named_parameters()`` gives it: FQN, global shape, dtype."""
+    fqns, kinds, samples = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
+    described = [f"{tuple(sample.shape)} {str(sample.dtype).removeprefix('torch.')}" for sample in samples]
+    return [(f"parameter {fqn}", described[kind]) for fqn, kind in zip(fqns, kinds, strict=True)]
+
+
+def plan_entries(plan: ParallelPlan) -> list[Entry]:
+    """The plan's axes, and each planned module: protocol and version, its parameters' placements."""
+    entries = [("plan axes", str(dict(plan.context.axis_sizes)))]
+    for fqn, spec in plan.parallel_modules.items():
+        placed = ", ".join(f"{path}={placements_text(named)}" for path, named in plan.sharding[fqn].params.items())
+        entries.append((f"plan {fqn or '<root>'}", f"{spec.protocol} v{spec.version} {placed}"))
+    return entries
+
+
+def mesh_entries(*meshes: DeviceMesh | None) -> list[Entry]:
+    """Each mesh's dim names and shape (not its rank list: that is the world's size)."""
+    return [
+        (f"mesh {index}", f"{mesh.mesh_dim_names} {tuple(mesh.shape)}") for index, mesh in enumerate(meshes) if mesh is not None
+    ]
+
+
+def plan_agreement(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext) -> list[Entry]:
+    """What ranks applying or binding ``plan`` over ``mesh_context`` must agree on."""
+    return [
+        *model_entries(model),
+        *plan_entries(plan),
+        *mesh_entries(mesh_context.device_mesh, mesh_context.fsdp_moe_mesh),
+    ]
+
+
+def check_ranks_agree(what: str, entries: Callable[[], Sequence[Entry]]) -> None:
+    """Raise ``RankMismatchError`` on every rank unless every rank's ``entries()`` are the same;
+    nothing else happens first, so nothing has changed when it raises. A no-op outside a world of
+    several ranks, and under ``MESHBIND_NO_RANK_CHECK=1``."""
+    if os.environ.get(SWITCH) == "1" or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = list(entries())
+    digest = hashlib.sha256("\n".join(f"{key}\t{value}" for key, value in mine).encode("utf-8", "surrogatepass")).digest()
+    _everyone_arrives(what)
+    words = torch.frombuffer(bytearray(digest), dtype=torch.int64).clone()
+    low, high = words.clone(), words.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if torch.equal(low, high):
+        return
+    raise RankMismatchError(what, _differences(mine, words))
+
+
+def _everyone_arrives(what: str) -> None:
+    """Gloo's monitored barrier names the ranks that do not arrive in time (other backends wait
+    for their process group's own timeout)."""
+    if dist.get_backend() != "gloo":
+        return
+    seconds = float(os.environ.get(TIMEOUT, _DEFAULT_TIMEOUT))
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True)
+    except RuntimeError as error:
+        raise RankMismatchError(what, [f"not every rank arrived within {seconds:g} s ({error})"]) from None
+
+
+def _differences(mine: list[Entry], digest: torch.Tensor) -> list[str]:
+    """Which ranks differ from the ranks most agree with, and their first differing entry."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    digests = [torch.empty_like(digest) for _ in range(world)]
+    dist.all_gather(digests, digest)
+    keys = [tuple(d.tolist()) for d in digests]
+    common = Counter(keys).most_common(1)[0][0]
+    reference = keys.index(common)
+    others = [r for r, key in enumerate(keys) if key != common]
+    shared: list[object] = [mine if rank == reference else None]
+    dist.broadcast_object_list(shared, src=reference)
+    theirs = shared[0]
+    assert isinstance(theirs, list)
+    found = _first_difference(mine, theirs, reference) if rank in others[:_SHOWN] else None
+    described: list[object] = [None] * world
+    dist.all_gather_object(described, found)
+    lines = [f"rank {r} differs from rank {reference} first at {described[r]}" for r in others[:_SHOWN]]
+    if len(others) > _SHOWN:
+        lines.append(f"and {len(others) - _SHOWN} more ranks differ from rank {reference}")
+    return lines
+
+
+def _first_difference(mine: Sequence[Entry], theirs: Sequence[Entry], reference: int) -> str:
+    ours, its = dict(mine), dict(theirs)
+    for key in [*ours, *(key for key in its if key not in ours)]:
+        if ours.get(key) != its.get(key):
+            return f"{key}: {ours.get(key, 'absent')} here, {its.get(key, 'absent')} on rank {reference}"
+    return "the order of its entries"

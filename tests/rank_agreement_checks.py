@@ -1,0 +1,105 @@
+"""Ranks that are about to do different things (run on every rank by test_rank_agreement.py):
+each scenario makes the last rank differ, then calls an entry point that leads to collectives."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from meshbind import (
+    LayoutContext,
+    MeshContext,
+    ModuleShardingSpec,
+    NativeParallelBindingRequest,
+    ParallelModuleSpec,
+    RankMismatchError,
+    apply_layouts,
+    resolve_plan,
+)
+
+SPEC = ParallelModuleSpec("plain")
+
+
+def blocks(count: int, meta: bool, wide: int | None = None) -> nn.Module:
+    """``count`` Linear(16, 16) blocks; ``wide``: that block is Linear(16, 32)."""
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        model = nn.Module()
+        model.layers = nn.ModuleList(nn.Linear(16, 32 if index == wide else 16) for index in range(count))
+    return model
+
+
+def request(pattern: str, shard_two_by: int = 0) -> NativeParallelBindingRequest:
+    def layout(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        dim = shard_two_by if fqn == "layers.2" else 0
+        return ModuleShardingSpec(params={"weight": {"tp": Shard(dim)}})
+
+    return NativeParallelBindingRequest((pattern,), SPEC, layout)
+
+
+def scenarios(last: bool) -> dict[str, Callable[[bool], tuple[nn.Module, NativeParallelBindingRequest]]]:
+    """Each scenario's model and request on this rank (``last``: the rank that differs)."""
+    return {
+        "one more layer": lambda meta: (blocks(5 if last else 4, meta), request("layers.*")),
+        "another pattern": lambda meta: (blocks(4, meta), request("layers.<0-2>" if last else "layers.*")),
+        "another placement": lambda meta: (blocks(4, meta), request("layers.*", shard_two_by=1 if last else 0)),
+        "another shape": lambda meta: (blocks(4, meta, wide=1 if last else None), request("layers.*")),
+        "the same": lambda meta: (blocks(4, meta), request("layers.*")),
+    }
+
+
+def run_scenarios(meta: bool) -> dict[str, str | None]:
+    """Each scenario's error text on this rank (``None``: it applied), and whether anything changed."""
+    world = dist.get_world_size()
+    context = MeshContext.build(dp=world // 2, tp=2)
+    last = dist.get_rank() == world - 1
+    found: dict[str, str | None] = {}
+    for name, build in scenarios(last).items():
+        model, planned = build(meta)
+        before = {fqn: (type(p), p.clone()) for fqn, p in model.named_parameters()}
+        plan = resolve_plan(model, [planned], context.layout_context())
+        try:
+            apply_layouts(model, plan, context)
+            found[name] = None
+        except RankMismatchError as error:
+            changed = [fqn for fqn, p in model.named_parameters() if type(p) is not before[fqn][0] or isinstance(p, DTensor)]
+            if not meta:
+                changed += [fqn for fqn, p in model.named_parameters() if not torch.equal(p, before[fqn][1])]
+            found[name] = str(error) + (f"\nCHANGED {changed}" if changed else "")
+    return found
+
+
+def one_rank_late(seconds: float, written: str) -> None:
+    """The last rank arrives ``seconds`` late; the others give up first, naming it, and rank 0
+    writes what it raised to ``written`` (the timed-out group is closed: the world ends failed)."""
+    os.environ["MESHBIND_RANK_CHECK_TIMEOUT"] = "2"
+    context = MeshContext.build(dp=dist.get_world_size() // 2, tp=2)
+    model, planned = blocks(4, True), request("layers.*")
+    plan = resolve_plan(model, [planned], context.layout_context())
+    if dist.get_rank() == dist.get_world_size() - 1:
+        time.sleep(seconds)
+        return
+    started = time.monotonic()
+    try:
+        apply_layouts(model, plan, context)
+        outcome = "applied"
+    except RankMismatchError as error:
+        outcome = f"{time.monotonic() - started:.1f} s: {error}"
+    if dist.get_rank() == 0:
+        with open(written, "w", encoding="utf-8") as file:
+            file.write(outcome)
+
+
+def switched_off() -> str | None:
+    """With MESHBIND_NO_RANK_CHECK=1 the check is skipped: another placement on meta then applies."""
+    os.environ["MESHBIND_NO_RANK_CHECK"] = "1"
+    try:
+        return run_scenarios(True)["another placement"]
+    finally:
+        del os.environ["MESHBIND_NO_RANK_CHECK"]

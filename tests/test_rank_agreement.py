@@ -1,0 +1,55 @@
+"""Ranks agree before the first collective (SPEC §10): on real 2- and 4-rank gloo worlds, on real
+weights and on meta, a last rank that builds another model, writes another pattern or placement,
+or arrives late makes every rank raise RankMismatchError naming it, before anything changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rank_agreement_checks import scenarios
+
+from meshbind.launch import run_local_world
+
+EXPECTED = {
+    "one more layer": "parameter layers.4.weight: (16, 16) float32 here, absent on rank 0",
+    "another pattern": "plan layers.3: absent here, plain v1 weight={tp: S(0)} on rank 0",
+    "another placement": "plan layers.2: plain v1 weight={tp: S(1)} here, plain v1 weight={tp: S(0)} on rank 0",
+    "another shape": "parameter layers.1.weight: (32, 16) float32 here, (16, 16) float32 on rank 0",
+}
+
+
+@pytest.fixture(scope="module", params=[(2, False), (2, True), (4, True)], ids=["2 ranks", "2 ranks on meta", "4 ranks on meta"])
+def world(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, str | None]]]:
+    size, meta = request.param
+    return size, run_local_world(size, "rank_agreement_checks:run_scenarios", meta, timeout=60)
+
+
+@pytest.mark.parametrize("scenario", list(scenarios(False)))
+def test_every_rank_refuses_a_divergence_naming_the_rank_and_entry(
+    world: tuple[int, list[dict[str, str | None]]], scenario: str
+) -> None:
+    size, results = world
+    texts = [result[scenario] for result in results]
+    if scenario == "the same":
+        assert texts == [None] * size
+        return
+    for text in texts:
+        assert text is not None and "CHANGED" not in text, text
+        assert text.startswith("the ranks do not agree before apply_layouts; nothing was changed:")
+        assert f"rank {size - 1} differs from rank 0 first at {EXPECTED[scenario]}" in text, text
+    assert len(set(texts)) == 1  # every rank says the same
+
+
+def test_a_rank_that_does_not_arrive_is_named_within_the_timeout(tmp_path: Path) -> None:
+    written = tmp_path / "rank0.txt"
+    with pytest.raises(RuntimeError):  # the group that timed out is closed: the world ends failed
+        run_local_world(2, "rank_agreement_checks:one_rank_late", 8.0, str(written), timeout=60)
+    text = written.read_text()
+    assert text.startswith(("2.", "3.")), text  # seconds: the timeout, not the late rank's 8
+    assert "not every rank arrived within 2 s" in text and "Ranks 1 failed to pass monitoredBarrier" in text, text
+
+
+def test_the_switch_turns_the_check_off() -> None:
+    # Off, a divergence on meta goes through unseen: the silent inconsistency the check exists for.
+    assert run_local_world(2, "rank_agreement_checks:switched_off", timeout=60) == [None, None]
