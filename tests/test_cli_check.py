@@ -37,7 +37,7 @@ def test_json_output_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", MODEL, PLAN, "--axis", "tp=1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is True and len(report["plan"]["modules"]) == 118
-    assert report["report"]["totals"]["parameters"] > 0 and report["report"]["ranks"]  # without --report too
+    assert report["report"]["totals"]["parameters"] > 0 and report["report"]["rank_groups"]  # without --report too
 
 
 @pytest.mark.parametrize(

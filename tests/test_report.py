@@ -18,7 +18,7 @@ from torch import nn
 from meshbind import LayoutContext, PlanError, demo, from_hf_plan, plan_report, resolve_plan
 from meshbind.cli import main
 from meshbind.demo import DemoConfig
-from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig
+from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.report import size_text
 
 from hf_models import REAL, hf_model
@@ -112,7 +112,8 @@ def test_check_prints_the_report_and_carries_it_in_json(capsys: pytest.CaptureFi
     assert "every one of the 4 ranks holds: parameters" in out and "whole on every rank, largest first:" in out
     assert main(["check", *DEMO, *DEMO_AXES, "--report", "--json", "--optimizer", "sgd-momentum"]) == 0
     report = json.loads(capsys.readouterr().out)["report"]
-    assert set(report) >= {"ranks", "params", "whole_on_every_rank", "totals"}
+    assert set(report) >= {"rank_groups", "params", "whole_on_every_rank", "totals"}
+    assert [(g["first"], g["count"]) for g in report["rank_groups"]] == [(0, 4)]
     assert report["totals"]["optimizer_bytes_per_rank"] == report["totals"]["parameter_bytes_per_rank"]
     assert report["totals"]["parameters"] == sum(math.prod(p["shape"]) for p in report["params"])
 
@@ -143,7 +144,9 @@ def test_the_page_loads_in_headless_chromium_and_shows_the_jsons_totals(
         }
         assert shown == totals
         bars = driver.find_elements(By.CSS_SELECTOR, "#bars .bar")
-        assert [int(bar.get_attribute("data-total")) for bar in bars] == [totals["total_bytes_per_rank"]] * 4
+        drawn = [tuple(int(bar.get_attribute(f"data-{key}")) for key in ("first", "count", "total")) for bar in bars]
+        assert drawn == [(0, 4, totals["total_bytes_per_rank"])]
+        assert "ranks 0\u20133 (4 ranks, each the same)" in bars[0].text
         assert driver.find_elements(By.XPATH, "//summary[contains(., 'blocks')]")
         parameter = driver.find_element(By.XPATH, "//div[@class='param' and contains(., 'w_gate')]")
         assert "ep: S(0)" in parameter.get_attribute("title") and "[4,64,32]" in parameter.get_attribute("title")
@@ -213,3 +216,19 @@ def test_the_report_needs_a_resolved_plan() -> None:
         plan_report(model, {})  # type: ignore[arg-type]
     with pytest.raises(PlanError):
         resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 3}))
+
+
+def test_a_world_of_ten_to_the_eleven_ranks_costs_what_one_of_eight_does(capsys: pytest.CaptureFixture[str]) -> None:
+    # One group of ranks alike, every rank's row made when read: no list as long as the world.
+    axes = ["--axis", "dp=100000000000", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]
+    assert main(["check", *DEMO, *axes, "--report", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["report"]
+    assert report["totals"]["world_size"] == 4 * 10**11
+    assert [(g["first"], g["count"]) for g in report["rank_groups"]] == [(0, 4 * 10**11)]
+    model = MoETransformer(TransformerConfig())
+    plan = resolve_plan(model, [loss_head_request()], LayoutContext({"dp": 10**11, "cp": 2, "tp": 2, "ep": 2}))
+    ranks = plan_report(model, plan).ranks
+    assert len(ranks) == 4 * 10**11
+    assert dict(ranks[-1].coordinates) == {"dp": 10**11 - 1, "cp": 1, "tp": 1, "ep": 1}
+    assert dict(ranks[6].coordinates) == {"dp": 1, "cp": 1, "tp": 0, "ep": 0}
+    assert ranks[6].parameter_bytes == ranks[0].parameter_bytes

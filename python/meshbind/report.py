@@ -4,7 +4,8 @@ Everything comes from the model's parameters (on ``meta`` or anywhere) and the p
 placements; no process group is needed. Resolution refuses uneven shards (SPEC §9, balanced
 layouts), so a parameter's local shape is the same on every rank: each dimension divided by the
 product of the sizes of the axes that shard it. Every rank of the world therefore holds the same
-bytes; the report still lists each rank by its coordinates, which is what a launch script names.
+bytes: the report keeps ranks alike as one group, so a world of 10^11 ranks costs what one of 8
+does, and gives any rank's row (its coordinates, which is what a launch script names) on demand.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import product
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -73,6 +73,59 @@ class RankRow:
 
 
 @dataclass(frozen=True)
+class RankGroup:
+    """Consecutive ranks that hold the same bytes: ranks ``first`` to ``first + count - 1``."""
+
+    first: int
+    count: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+class RankRows(Sequence[RankRow]):
+    """Every rank's row, made when read: ``len`` is the world size, ``rows[r]`` rank ``r``'s
+    coordinates and bytes. Nothing is kept per rank."""
+
+    def __init__(self, axes: Mapping[str, int], groups: Sequence[RankGroup]) -> None:
+        self.axes, self.groups = axes, groups
+        self.world_axes = [axis for axis in axes if axis not in EXPERT_AXES]
+        self.size = math.prod(axes[axis] for axis in self.world_axes)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[rank] for rank in range(*index.indices(self.size))]
+        rank = index + self.size if index < 0 else index
+        if not 0 <= rank < self.size:
+            raise IndexError(f"rank {index} is outside the world of {self.size} ranks")
+        group = next(g for g in self.groups if g.first <= rank < g.first + g.count)
+        return RankRow(
+            rank, MappingProxyType(self.coordinates(rank)), group.parameter_bytes, group.gradient_bytes, group.optimizer_bytes
+        )
+
+    def __iter__(self) -> Iterator[RankRow]:
+        return (self[rank] for rank in range(self.size))
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Rank ``rank``'s coordinates: the world axes in their order, the last varying fastest;
+        an expert axis laid over the same ranks, innermost."""
+        coordinates, rest = {}, rank
+        for axis in reversed(self.world_axes):
+            rest, coordinates[axis] = divmod(rest, self.axes[axis])
+        ordered = {axis: coordinates[axis] for axis in self.world_axes}
+        if "ep" in self.axes:
+            ordered["ep"] = rank % self.axes["ep"]
+        return ordered
+
+
+@dataclass(frozen=True)
 class WholeGroup:
     """Parameters that stay whole on every rank and differ only in a layer index."""
 
@@ -89,7 +142,8 @@ class PlanReport:
 
     optimizer: str
     axes: Mapping[str, int]
-    ranks: tuple[RankRow, ...]
+    rank_groups: tuple[RankGroup, ...]
+    """Consecutive ranks that hold the same bytes (under a balanced plan, one group: the world)."""
     whole_on_every_rank: tuple[WholeGroup, ...]
     """Ranked by the bytes of each group on every rank, largest first."""
     groups: tuple[tuple[str, tuple[int, ...]], ...]
@@ -108,13 +162,18 @@ class PlanReport:
         """One row per parameter of the model, in ``named_parameters()`` order."""
         return tuple(ParameterRow(fqn, *fields) for fqn, fields in self.entries)
 
+    @functools.cached_property
+    def ranks(self) -> RankRows:
+        """Every rank's row (coordinates and bytes), made when read."""
+        return RankRows(self.axes, self.rank_groups)
+
     @property
     def parameter_count(self) -> int:
         return self.model_totals["parameters"]
 
     def totals(self) -> dict[str, int]:
         """The model's parameter count and bytes, and the largest rank's bytes of each kind."""
-        largest = max(self.ranks, key=lambda rank: rank.total_bytes)
+        largest = max(self.rank_groups, key=lambda group: group.total_bytes)
         return {
             "parameters": self.model_totals["parameters"],
             "parameter_bytes_full": self.model_totals["parameter_bytes_full"],
@@ -122,26 +181,28 @@ class PlanReport:
             "gradient_bytes_per_rank": largest.gradient_bytes,
             "optimizer_bytes_per_rank": largest.optimizer_bytes,
             "total_bytes_per_rank": largest.total_bytes,
-            "world_size": len(self.ranks),
+            "world_size": sum(group.count for group in self.rank_groups),
         }
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``ranks``, ``params``, ``whole_on_every_rank``, ``totals``, and ``groups`` (the
-        parameters shown as one line: a written FQN and indices into ``params``)."""
+        """JSON-ready: ``rank_groups`` (consecutive ranks holding the same bytes), ``params``,
+        ``whole_on_every_rank``, ``totals``, and ``groups`` (the parameters shown as one line: a
+        written FQN and indices into ``params``)."""
         return {
             "optimizer": self.optimizer,
             "axes": dict(self.axes),
             "totals": self.totals(),
-            "ranks": [
+            "rank_groups": [
                 {
-                    "rank": r.rank,
-                    "coordinates": dict(r.coordinates),
-                    "parameter_bytes": r.parameter_bytes,
-                    "gradient_bytes": r.gradient_bytes,
-                    "optimizer_bytes": r.optimizer_bytes,
-                    "total_bytes": r.total_bytes,
+                    "first": g.first,
+                    "count": g.count,
+                    "first_coordinates": self.ranks.coordinates(g.first),
+                    "parameter_bytes": g.parameter_bytes,
+                    "gradient_bytes": g.gradient_bytes,
+                    "optimizer_bytes": g.optimizer_bytes,
+                    "total_bytes": g.total_bytes,
                 }
-                for r in self.ranks
+                for g in self.rank_groups
             ],
             "params": [
                 {
@@ -178,10 +239,13 @@ class PlanReport:
             f"{size_text(totals['gradient_bytes_per_rank'])}, optimizer ({self.optimizer}) "
             f"{size_text(totals['optimizer_bytes_per_rank'])}, total {size_text(totals['total_bytes_per_rank'])}"
         )
-        if len({(r.parameter_bytes, r.gradient_bytes, r.optimizer_bytes) for r in self.ranks}) == 1:
-            lines.append(f"every one of the {len(self.ranks)} ranks holds: {kinds}")
+        if len(self.rank_groups) == 1:
+            lines.append(f"every one of the {self.rank_groups[0].count:,} ranks holds: {kinds}")
         else:
-            lines += [f"rank {r.rank} {dict(r.coordinates)}: {size_text(r.total_bytes)}" for r in self.ranks]
+            lines += [
+                f"ranks {g.first}-{g.first + g.count - 1} (from {self.ranks.coordinates(g.first)}): {size_text(g.total_bytes)}"
+                for g in self.rank_groups
+            ]
         if self.whole_on_every_rank:
             lines.append("whole on every rank, largest first:")
             for group in self.whole_on_every_rank[:whole_rows]:
@@ -219,10 +283,8 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
     parameter_bytes = sum(row.bytes_per_rank * count for row, count in rows)
     gradient = sum(row.bytes_per_rank * count for row, count in learnt)
     state = sum(_optimizer_bytes(row, optimizer) * count for row, count in learnt)
-    ranks = tuple(
-        RankRow(rank, MappingProxyType(coordinates), parameter_bytes, gradient, state)
-        for rank, coordinates in enumerate(_rank_coordinates(axes))
-    )
+    world = math.prod(size for axis, size in axes.items() if axis not in EXPERT_AXES)
+    rank_groups = (RankGroup(0, world, parameter_bytes, gradient, state),)
     # Rows shown as one line share shape, dtype, placements and requires_grad (not the protocol).
     codes: dict[tuple[Any, ...], int] = {}
     code_of = {
@@ -239,7 +301,7 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
         "parameter_bytes_full": sum(math.prod(row.shape) * _element_size(row.dtype) * count for row, count in rows),
     }
     return PlanReport(
-        optimizer, MappingProxyType(dict(axes)), ranks, tuple(whole), groups, entries, MappingProxyType(model_totals)
+        optimizer, MappingProxyType(dict(axes)), rank_groups, tuple(whole), groups, entries, MappingProxyType(model_totals)
     )
 
 
@@ -297,19 +359,6 @@ def _optimizer_bytes(row: ParameterRow, optimizer: str) -> int:
         return 2 * row.bytes_per_rank
     master = 0 if row.dtype in ("float32", "float64") else local * 4  # a float32 copy of a low-precision parameter
     return master + 2 * local * max(4, _element_size(row.dtype))
-
-
-def _rank_coordinates(axes: Mapping[str, int]) -> list[dict[str, int]]:
-    """Each rank's coordinates: the world is the product of the axes besides the expert ones, in
-    their order (the last varies fastest); an expert axis is laid over the same ranks, innermost."""
-    world_axes = [axis for axis in axes if axis not in EXPERT_AXES]
-    coordinates = []
-    for rank, position in enumerate(product(*(range(axes[axis]) for axis in world_axes))):
-        entry = dict(zip(world_axes, position, strict=True))
-        if "ep" in axes:
-            entry["ep"] = rank % axes["ep"]
-        coordinates.append(entry)
-    return coordinates
 
 
 def size_text(count: int) -> str:

@@ -72,15 +72,17 @@ function firstProtocol(node) {
 draw(root, document.getElementById("tree"));
 
 const bars = document.getElementById("bars");
-const largest = Math.max(...report.ranks.map(r => r.total_bytes), 1);
-for (const rank of report.ranks) {
+const largest = Math.max(...report.rank_groups.map(g => g.total_bytes), 1);
+for (const rank of report.rank_groups) {
   const bar = document.createElement("div");
   bar.className = "bar";
-  bar.dataset.rank = String(rank.rank);
+  bar.dataset.first = String(rank.first);
+  bar.dataset.count = String(rank.count);
   bar.dataset.total = String(rank.total_bytes);
   const label = document.createElement("span");
   label.className = "label";
-  label.textContent = `rank ${rank.rank} ${JSON.stringify(rank.coordinates)}`;
+  label.textContent = rank.count === 1 ? `rank ${rank.first} ${JSON.stringify(rank.first_coordinates)}`
+    : `ranks ${rank.first}–${rank.first + rank.count - 1} (${rank.count.toLocaleString()} ranks, each the same)`;
   bar.append(label);
   for (const [kind, bytes] of [["parameters", rank.parameter_bytes], ["gradients", rank.gradient_bytes], ["optimizer", rank.optimizer_bytes]]) {
     const piece = document.createElement("div");
