@@ -263,3 +263,35 @@ def test_a_name_that_cannot_be_encoded_is_a_value_error_naming_it() -> None:
         patterns.match("a.\ud800")
     with pytest.raises(ValueError, match=r"names\[1\] is not valid UTF-8"):
         patterns.match_many(["a.b", "a.\ud800"])
+
+
+LIMIT = 4096
+"""The longest pattern (README: limits)."""
+
+
+def test_a_pattern_over_the_limit_is_refused_before_it_is_compiled() -> None:
+    with pytest.raises(PatternError, match=f"a pattern of {LIMIT + 1} characters exceeds the limit of {LIMIT}") as caught:
+        PatternSet(["a" * (LIMIT + 1)])
+    assert caught.value.position == LIMIT
+    with pytest.raises(PatternError, match="a pattern of 1000000 characters"):
+        PatternSet(["a*" * 500_000])  # once: a match of it ran for minutes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(piece=st.sampled_from(["a*", "*a", "?", "a.", "[a-z]*", "<0-99>.", "{a,b.c}*", "**.a"]), name_length=st.integers(1, 4000))
+def test_patterns_up_to_the_limit_compile_and_match_in_bounded_time_and_memory(piece: str, name_length: int) -> None:
+    import resource
+    import time
+
+    pattern = (piece * (LIMIT // len(piece)))[:LIMIT].rstrip(".")
+    names = ["a" * name_length, ".".join(["a"] * (name_length // 2 + 1)), "b" * name_length + ".a"]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    try:
+        PatternSet([pattern]).match_many(names)
+    except PatternError as error:  # a piece whose repetition breaks a rule (braces expanding too far)
+        assert "expansion" in error.reason or "segment" in error.reason, error
+    elapsed = time.perf_counter() - started
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB on Linux
+    assert elapsed < 2.0, (piece, name_length, elapsed)
+    assert grown < 256 * 1024, (piece, name_length, grown)

@@ -77,6 +77,10 @@ impl PatternError {
 
 pub const REGEX_PREFIX: &str = "re:";
 
+/// The longest pattern, in characters (a documented limit, see README): real FQN patterns are a
+/// few hundred at most, and the limit keeps compiling and matching any pattern cheap.
+pub const MAX_PATTERN_CHARS: usize = 4096;
+
 impl Pattern {
     pub fn compile(text: &str) -> Result<Pattern, PatternError> {
         let fail = |e: PatternSyntaxError| PatternError {
@@ -84,6 +88,13 @@ impl Pattern {
             position: e.position,
             reason: e.reason,
         };
+        let length = text.chars().count();
+        if length > MAX_PATTERN_CHARS {
+            return Err(fail(PatternSyntaxError::new(
+                MAX_PATTERN_CHARS,
+                format!("a pattern of {length} characters exceeds the limit of {MAX_PATTERN_CHARS}"),
+            )));
+        }
         if text.is_empty() {
             return Ok(Pattern {
                 text: String::new(),
@@ -316,6 +327,15 @@ mod tests {
                 .is_match(name),
             (_, None) => name.is_empty(),
         }
+    }
+
+    #[test]
+    fn refuses_a_pattern_over_the_length_limit() {
+        let at_limit = "a".repeat(MAX_PATTERN_CHARS);
+        assert!(Pattern::compile(&at_limit).is_ok());
+        let error = Pattern::compile(&(at_limit + "a")).unwrap_err();
+        assert_eq!(error.position, MAX_PATTERN_CHARS);
+        assert!(error.reason.contains("exceeds the limit of 4096"));
     }
 
     #[test]
