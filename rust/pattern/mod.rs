@@ -92,7 +92,9 @@ impl Pattern {
         if length > MAX_PATTERN_CHARS {
             return Err(fail(PatternSyntaxError::new(
                 MAX_PATTERN_CHARS,
-                format!("a pattern of {length} characters exceeds the limit of {MAX_PATTERN_CHARS}"),
+                format!(
+                    "a pattern of {length} characters exceeds the limit of {MAX_PATTERN_CHARS}"
+                ),
             )));
         }
         if text.is_empty() {
