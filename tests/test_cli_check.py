@@ -273,3 +273,28 @@ def test_a_config_field_left_to_its_default_is_said_to_be(tmp_path: Path, capsys
     err = capsys.readouterr().err
     assert f"--hf-config {path}: the file sets no num_attention_heads: checked against 32, Qwen3MoeConfig's default" in err
     assert "the file sets no num_key_value_heads" not in err and "the file sets no vocab_size" not in err
+
+
+def test_slow_layout_providers_show_progress_in_the_command_line_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import time
+
+    from torch import nn
+
+    from meshbind import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, resolve_plan
+
+    def slow(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
+        time.sleep(0.1)  # a provider that reads a file or asks a service
+        return ModuleShardingSpec()
+
+    module = types.ModuleType("slow_plans")
+    module.model = lambda: nn.ModuleList(nn.Linear(2, 2) for _ in range(30))  # type: ignore[attr-defined]
+    module.plan = [NativeParallelBindingRequest(("*",), ParallelModuleSpec("slow"), slow)]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "slow_plans", module)
+    assert main(["check", "slow_plans:model", "slow_plans:plan", "--axis", "tp=1"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"\rlayout providers: \[#+\.*\] \d+/30 \d s", err), err
+    assert "layout providers: [" + "#" * 30 + "] 30/30" in err
+    resolve_plan(module.model(), module.plan, LayoutContext({"tp": 1}))
+    assert capsys.readouterr().err == ""  # a library call is silent unless asked

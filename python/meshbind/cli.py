@@ -63,7 +63,7 @@ def _check(args: argparse.Namespace) -> int:
         model, requests = _factory_model_and_plan(args)
     started = time.perf_counter()
     try:
-        plan = resolve_plan(model, requests, context)
+        plan = resolve_plan(model, requests, context, progress=_ProgressBar())
     except PlanError as error:
         if args.json:
             problems = [p.to_dict() for p in error.problems]
@@ -200,6 +200,28 @@ def _torch_plan_requests(reference: str) -> Sequence[NativeParallelBindingReques
         return from_torch_plan(plan)
     except TypeError as error:
         raise _UsageError(f"--torch-plan {reference}: {error}") from None
+
+
+class _ProgressBar:
+    """A bar on stderr for a step that has run two seconds or more (as tqdm users expect), redrawn
+    at most twice a second; nothing for a quick one."""
+
+    WIDTH = 30
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.drawn = 0.0
+
+    def __call__(self, step: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        finished = done >= total
+        if now - self.started < 2.0 or (not finished and now - self.drawn < 0.5) or (finished and not self.drawn):
+            return
+        self.drawn = now
+        filled = self.WIDTH * done // max(total, 1)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        end = "\n" if finished else ""
+        print(f"\r{step}: [{bar}] {done:,}/{total:,} {now - self.started:.0f} s", end=end, file=sys.stderr, flush=True)
 
 
 class _UsageError(Exception):

@@ -32,7 +32,7 @@ from meshbind.resolution.nesting import nested_problems
 from meshbind.resolution.overrides import Override, checked_overrides, merge_overrides, override_hits
 from meshbind.resolution.ownership import assign_requests, family_specs, join_families
 from meshbind.resolution.plan import ParallelPlan
-from meshbind.resolution.providers import provide_layouts
+from meshbind.resolution.providers import Progress, provide_layouts
 from meshbind.specs import LayoutContext, NativeParallelBindingRequest, PlanSource, SourcedRequests, is_int_from
 from meshbind.validation.batch import ValidationBatch
 
@@ -49,6 +49,7 @@ def resolve_plan(
     *,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     param_shapes: Mapping[str, Sequence[int]] | None = None,
+    progress: Progress | None = None,
 ) -> ParallelPlan:
     """Resolve and validate a plan over a module tree or, offline, a sequence of FQNs.
 
@@ -58,14 +59,17 @@ def resolve_plan(
     receive ``module=None``, and the class-level rules and ``validate`` (which need a module) do
     not run; with a module, whose own parameters give the shapes, ``param_shapes`` is refused.
     ``requests`` may be a ``PlanSource`` (``from_hf_plan``): it gives the requests for ``context``,
-    and what it found reading its plan joins the problems and warnings.
+    and what it found reading its plan joins the problems and warnings. ``progress(step, done,
+    total)``, when given, hears how far the layout providers (user code, possibly slow) have come;
+    a library call is silent otherwise (``meshbind check`` shows a bar after two seconds).
     Raises ``PlanError`` listing every problem.
     """
     if not isinstance(context, LayoutContext):
         raise TypeError(f"context must be a LayoutContext, got {type(context).__name__}")
     sourced = requests.requests_for(model, context) if isinstance(requests, PlanSource) else SourcedRequests(requests)
     checked = SourcedRequests(_checked_requests(sourced.requests), sourced.problems, sourced.warnings)
-    return _resolve(model, checked, context, checked_overrides(overrides), _checked_param_shapes(param_shapes, model))
+    shapes = _checked_param_shapes(param_shapes, model)
+    return _resolve(model, checked, context, checked_overrides(overrides), shapes, progress)
 
 
 def _resolve(
@@ -74,6 +78,7 @@ def _resolve(
     context: LayoutContext,
     override_items: list[Override],
     shapes: dict[str, tuple[int, ...]] | None,
+    progress: Progress | None,
 ) -> ParallelPlan:
     """``resolve_plan`` on checked arguments."""
     requests = sourced.requests
@@ -82,7 +87,7 @@ def _resolve(
     if owners := parameter_owners(model, patterns, tree):
         # Patterns naming parameters plan the modules that hold them: resolve those modules by name.
         owning = SourcedRequests(selecting_owners(requests, patterns, owners), sourced.problems, sourced.warnings)
-        return _resolve(model, owning, context, override_items, shapes)
+        return _resolve(model, owning, context, override_items, shapes, progress)
     problems = cycle_problems(tree) + list(sourced.problems)
 
     ownership = assign_requests(tree, patterns, requests)
@@ -103,7 +108,7 @@ def _resolve(
     unmatched, warnings = unmatched_problems(tree, patterns, requests, candidates, model)
     problems += unmatched
     problems += nested_problems(candidates, tree)
-    problems += provide_layouts(candidates, requests, context)
+    problems += provide_layouts(candidates, requests, context, progress)
     problems += merge_overrides(candidates, override_items)
     laid_out = [candidate for candidate in candidates if candidate.sharding is not None]
 

@@ -18,6 +18,8 @@ from meshbind.resolution.candidates import Candidate
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest
 
 Provider = Callable[[nn.Module | None, str, LayoutContext], ModuleShardingSpec]
+Progress = Callable[[str, int, int], None]
+"""``progress(step, done, total)``: how far a slow step of resolution has come."""
 
 
 def family_sharding(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
@@ -30,15 +32,21 @@ def family_sharding(module: nn.Module | None, fqn: str, context: LayoutContext) 
 
 
 def provide_layouts(
-    candidates: Sequence[Candidate], requests: Sequence[NativeParallelBindingRequest], context: LayoutContext
+    candidates: Sequence[Candidate],
+    requests: Sequence[NativeParallelBindingRequest],
+    context: LayoutContext,
+    progress: Progress | None = None,
 ) -> list[PlanProblem]:
     """Sets every candidate's sharding from its provider (``None`` after a problem), then drops
-    the sharding of a module whose sharing requests' providers disagree."""
+    the sharding of a module whose sharing requests' providers disagree. The providers are user
+    code, possibly slow: ``progress`` hears of each call."""
     # Index FAMILY (-1) is the last entry: the family member's own method.
     providers: list[Provider] = [request.sharding for request in requests] + [family_sharding]
     problems: list[PlanProblem] = []
-    for candidate in candidates:
+    for done, candidate in enumerate(candidates, 1):
         candidate.sharding = _provided(providers[candidate.request], candidate, candidate.source, context, problems)
+        if progress is not None:
+            progress("layout providers", done, len(candidates))
     shared = [(c, other) for c in candidates if c.shared_with and c.sharding is not None for other in c.shared_with]
     if shared:
         problems += _check_shared_layouts(shared, providers, requests, context)
