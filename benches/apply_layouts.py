@@ -8,6 +8,7 @@ Every rank of a local gloo world (``tp`` over two ranks, ``ep`` over all of them
 - ``meshbind``: ``apply_layouts`` of a resolved plan — attention ``qkv`` ``Shard(0)`` and ``out``
   ``Shard(1)`` on ``tp``, the fused expert weights ``Shard(0)`` and the router ``Replicate`` on
   ``ep`` — every placement checked before any parameter changes;
+- ``meshbind_unchecked``: the same without the check that the ranks agree (the difference is its cost);
 - ``torch``: ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` for the
   attention projections and ``distribute_module`` with ``Shard(0)`` for the experts' weights.
 
@@ -19,6 +20,7 @@ slowest rank.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -28,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from meshbind import MeshContext, ModuleShardingSpec, NativeParallelBindingRequest, apply_layouts, resolve_plan
+from meshbind import MeshContext, ModuleShardingSpec, NativeParallelBindingRequest, agreement, apply_layouts, resolve_plan
 from meshbind.examples.moe_transformer import (
     CPAttention,
     DecoderBlock,
@@ -42,7 +44,9 @@ from meshbind.specs import LayoutContext
 
 from timing import timed_on_fresh
 
-METHODS = ("meshbind", "torch")
+METHODS = ("meshbind", "meshbind_unchecked", "torch")
+"""``meshbind_unchecked``: ``apply_layouts`` with the ranks' agreement check off
+(``MESHBIND_NO_RANK_CHECK=1``), so the same run shows what the check costs."""
 
 
 def _attention_tp(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
@@ -103,8 +107,17 @@ def rank_timings(layers: int, experts: int, repeat: int) -> dict[str, tuple[floa
         plan = resolve_plan(MoETransformer(config), _requests(config), mesh_context.layout_context())
     return {
         "meshbind": _timed(config, lambda model: apply_layouts(model, plan, mesh_context), repeat),
+        "meshbind_unchecked": _timed(config, lambda model: _unchecked(model, plan, mesh_context), repeat),
         "torch": _timed(config, lambda model: _torch(model, mesh_context), repeat),
     }
+
+
+def _unchecked(model: MoETransformer, plan: Any, mesh_context: MeshContext) -> None:
+    os.environ[agreement.SWITCH] = "1"
+    try:
+        apply_layouts(model, plan, mesh_context)
+    finally:
+        del os.environ[agreement.SWITCH]
 
 
 def rows_of(ranks: Sequence[dict[str, tuple[float, list[Any]]]], layers: int, experts: int) -> list[dict[str, Any]]:

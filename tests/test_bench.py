@@ -133,11 +133,12 @@ def test_the_layouts_benchmark_places_the_same_parameters_by_both_methods(capsys
     out = capsys.readouterr().out
     # Per layer: qkv and out on tp, three fused expert weights and the router on ep.
     assert "| 2 | 4 | 12 | meshbind |" in out and "| 2 | 4 | 12 | torch |" in out
+    assert "| 2 | 4 | 12 | meshbind_unchecked |" in out
 
 
 def test_the_layouts_benchmark_fails_when_torch_places_other_parameters() -> None:
     placed = [("blocks.0.attn.qkv.weight", ("S(0)",), (6, 4))]
-    good = {"meshbind": (0.1, placed), "torch": (0.2, placed)}
-    assert [row["x_meshbind"] for row in apply_layouts_bench.rows_of([good, good], 1, 4)] == [1.0, 2.0]
+    good = {"meshbind": (0.1, placed), "meshbind_unchecked": (0.08, placed), "torch": (0.2, placed)}
+    assert [row["x_meshbind"] for row in apply_layouts_bench.rows_of([good, good], 1, 4)] == pytest.approx([1.0, 0.8, 2.0])
     with pytest.raises(AssertionError, match="torch on rank 1 placed other parameters"):
         apply_layouts_bench.rows_of([good, {**good, "torch": (0.2, [])}], 1, 4)
