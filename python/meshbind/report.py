@@ -58,11 +58,9 @@ class ParameterRow(NamedTuple):
 
 
 @dataclass(frozen=True)
-class RankRow:
-    """What one rank holds, by its coordinates on the axes."""
+class _StateBytes:
+    """A rank's parameter, gradient and optimizer-state bytes."""
 
-    rank: int
-    coordinates: Mapping[str, int]
     parameter_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
@@ -73,18 +71,19 @@ class RankRow:
 
 
 @dataclass(frozen=True)
-class RankGroup:
+class RankGroup(_StateBytes):
     """Consecutive ranks that hold the same bytes: ranks ``first`` to ``first + count - 1``."""
 
     first: int
     count: int
-    parameter_bytes: int
-    gradient_bytes: int
-    optimizer_bytes: int
 
-    @property
-    def total_bytes(self) -> int:
-        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+@dataclass(frozen=True)
+class RankRow(_StateBytes):
+    """What one rank holds, by its coordinates on the axes."""
+
+    rank: int
+    coordinates: Mapping[str, int]
 
 
 class RankRows(Sequence[RankRow]):
@@ -107,7 +106,7 @@ class RankRows(Sequence[RankRow]):
             raise IndexError(f"rank {index} is outside the world of {self.size} ranks")
         group = next(g for g in self.groups if g.first <= rank < g.first + g.count)
         return RankRow(
-            rank, MappingProxyType(self.coordinates(rank)), group.parameter_bytes, group.gradient_bytes, group.optimizer_bytes
+            group.parameter_bytes, group.gradient_bytes, group.optimizer_bytes, rank, MappingProxyType(self.coordinates(rank))
         )
 
     def __iter__(self) -> Iterator[RankRow]:
@@ -284,7 +283,7 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
     gradient = sum(row.bytes_per_rank * count for row, count in learnt)
     state = sum(_optimizer_bytes(row, optimizer) * count for row, count in learnt)
     world = math.prod(size for axis, size in axes.items() if axis not in EXPERT_AXES)
-    rank_groups = (RankGroup(0, world, parameter_bytes, gradient, state),)
+    rank_groups = (RankGroup(parameter_bytes, gradient, state, first=0, count=world),)
     # Rows shown as one line share shape, dtype, placements and requires_grad (not the protocol).
     codes: dict[tuple[Any, ...], int] = {}
     code_of = {
