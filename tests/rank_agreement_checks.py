@@ -103,3 +103,40 @@ def switched_off() -> str | None:
         return run_scenarios(True)["another placement"]
     finally:
         del os.environ["MESHBIND_NO_RANK_CHECK"]
+
+
+def other_entry_points() -> dict[str, str | None]:
+    """The last rank differs at each other entry point that leads to collectives; the error text
+    each raised on this rank (``None``: it went through)."""
+    import tempfile
+
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from meshbind import apply_hf_plan, from_hf_plan, from_torch_plan, parallelize_checked
+    from meshbind.checkpoints import load_checkpoint, save_checkpoint
+
+    from hf_models import hf_model
+
+    world = dist.get_world_size()
+    last = dist.get_rank() == world - 1
+    context = MeshContext.build(dp=world // 2, tp=2)
+    found: dict[str, str | None] = {}
+
+    def attempt(name: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+            found[name] = None
+        except RankMismatchError as error:
+            found[name] = str(error)
+
+    torch_model = blocks(5 if last else 4, meta=True)
+    torch_plan = resolve_plan(torch_model, from_torch_plan({"layers.*": ColwiseParallel()}), context.layout_context())
+    attempt("parallelize_checked", lambda: parallelize_checked(torch_model, torch_plan, context.device_mesh["tp"]))
+    hf = hf_model("llama", layers=3 if last else 2)
+    hf_plan = resolve_plan(hf, from_hf_plan(hf), context.layout_context())
+    attempt("apply_hf_plan", lambda: apply_hf_plan(hf, hf_plan, tp_mesh=context.device_mesh["tp"]))
+    directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    save_checkpoint(blocks(4, meta=False), f"{directory[0]}/checkpoint")
+    attempt("load_checkpoint", lambda: load_checkpoint(blocks(5 if last else 4, meta=False), f"{directory[0]}/checkpoint"))
+    return found

@@ -53,3 +53,16 @@ def test_a_rank_that_does_not_arrive_is_named_within_the_timeout(tmp_path: Path)
 def test_the_switch_turns_the_check_off() -> None:
     # Off, a divergence on meta goes through unseen: the silent inconsistency the check exists for.
     assert run_local_world(2, "rank_agreement_checks:switched_off", timeout=60) == [None, None]
+
+
+def test_every_entry_point_that_leads_to_collectives_checks_first() -> None:
+    results = run_local_world(2, "rank_agreement_checks:other_entry_points", timeout=120)
+    for what, first in {
+        "parallelize_checked": "parameter layers.4.weight: (16, 16) float32 here, absent on rank 0",
+        "apply_hf_plan": "parameter model.layers.2.self_attn.q_proj.weight: (64, 64) float32 here, absent on rank 0",
+        "load_checkpoint": "parameter layers.4.weight: (16, 16) float32 here, absent on rank 0",
+    }.items():
+        for result in results:
+            assert result[what] == (
+                f"the ranks do not agree before {what}; nothing was changed:\n  rank 1 differs from rank 0 first at {first}"
+            ), result[what]
