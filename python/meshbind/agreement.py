@@ -4,8 +4,9 @@ Every entry point that leads to collectives (``apply_layouts``, ``bind_parallel_
 ``apply_hf_plan``, ``parallelize_checked``, ``load_checkpoint``) first calls ``check_ranks_agree``:
 each rank digests what it is about to do — its model's parameters (FQN, shape, dtype), the resolved
 plan (FQN, protocol, placements) and its meshes' layout — and the ranks compare digests in two
-all-reduces of four integers (a minimum and a maximum: equal everywhere exactly when every rank's
-digest is the same), on the default group, creating none. Only when they differ do the ranks
+all-reduce of eight integers (the maximum of the digest's four words and of their negations:
+the maximum and the minimum agree exactly when every rank's digest is the same), on the default
+group, creating none. Only when they differ do the ranks
 exchange more, to name who differs and where. A rank that never arrives is named within
 ``MESHBIND_RANK_CHECK_TIMEOUT`` seconds (gloo's monitored barrier); ``MESHBIND_NO_RANK_CHECK=1``
 turns the check off.
@@ -83,10 +84,11 @@ def check_ranks_agree(what: str, entries: Callable[[], Sequence[Entry]]) -> None
     digest = hashlib.sha256("\n".join(f"{key}\t{value}" for key, value in mine).encode("utf-8", "surrogatepass")).digest()
     _everyone_arrives(what)
     words = torch.frombuffer(bytearray(digest), dtype=torch.int64).clone()
-    low, high = words.clone(), words.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    if torch.equal(low, high):
+    # One all-reduce: the maximum of the words and of their negations (minus the minimum); both
+    # equal every rank's words exactly when every rank holds the same digest.
+    extremes = torch.cat([words, -words])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if torch.equal(extremes[:4], -extremes[4:]):
         return
     raise RankMismatchError(what, _differences(mine, words))
 
