@@ -137,6 +137,7 @@ def other_entry_points() -> dict[str, str | None]:
     attempt("apply_hf_plan", lambda: apply_hf_plan(hf, hf_plan, tp_mesh=context.device_mesh["tp"]))
     directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(directory, src=0)
+    attempt("save_checkpoint", lambda: save_checkpoint(blocks(5 if last else 4, meta=False), f"{directory[0]}/other"))
     save_checkpoint(blocks(4, meta=False), f"{directory[0]}/checkpoint")
     attempt("load_checkpoint", lambda: load_checkpoint(blocks(5 if last else 4, meta=False), f"{directory[0]}/checkpoint"))
     return found

@@ -60,6 +60,7 @@ def test_every_entry_point_that_leads_to_collectives_checks_first() -> None:
     for what, first in {
         "parallelize_checked": "parameter layers.4.weight: (16, 16) float32 here, absent on rank 0",
         "apply_hf_plan": "parameter model.layers.2.self_attn.q_proj.weight: (64, 64) float32 here, absent on rank 0",
+        "save_checkpoint": "parameter layers.4.weight: (16, 16) float32 here, absent on rank 0",
         "load_checkpoint": "parameter layers.4.weight: (16, 16) float32 here, absent on rank 0",
     }.items():
         for result in results:

@@ -1,7 +1,7 @@
 """Ranks agree before the first collective (SPEC §10).
 
 Every entry point that leads to collectives (``apply_layouts``, ``bind_parallel_modules``,
-``apply_hf_plan``, ``parallelize_checked``, ``load_checkpoint``) first calls ``check_ranks_agree``:
+``apply_hf_plan``, ``parallelize_checked``, ``save_checkpoint``, ``load_checkpoint``) first calls ``check_ranks_agree``:
 each rank digests what it is about to do — its model's parameters (FQN, shape, dtype), the resolved
 plan (FQN, protocol, placements) and its meshes' layout — and the ranks compare digests in two
 all-reduce of eight integers (the maximum of the digest's four words and of their negations:

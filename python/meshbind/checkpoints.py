@@ -72,6 +72,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str]) -> None
     there only once the new state is complete; every rank calls it (in a process with no world,
     that process alone writes it). A non-finite value on any rank refuses the save on every rank."""
     target = Path(directory)
+    check_ranks_agree("save_checkpoint", lambda: [*model_entries(model), ("checkpoint", os.fspath(target))])
     state = model.state_dict()
     _refuse_non_finite(state)
     rank = dist.get_rank() if _in_world() else 0
