@@ -75,6 +75,8 @@ SIZE_FACTS = tuple(dict.fromkeys(EMBEDDING_FACTS + INNER_FACTS))
 """Every config size a sharded dimension is named after."""
 EXPERT_FACTS = ("num_experts", "num_local_experts", "n_routed_experts")
 """What configs call the number of routed experts."""
+CHECKED_FACTS = ("num_attention_heads", "num_key_value_heads", *EXPERT_FACTS, *SIZE_FACTS)
+"""Every config field the checks read."""
 PAD_VOCABULARY = "pad the vocabulary in the model's config to a multiple of it (Megatron's make-vocab-size-divisible-by)"
 
 
@@ -215,10 +217,6 @@ class _PlanKeys:
         return [*first, *rest][:3]
 
 
-CHECKED_FACTS = ("num_attention_heads", "num_key_value_heads", *EXPERT_FACTS, *SIZE_FACTS)
-"""Every config field the checks read."""
-
-
 def defaulted_facts(config: Any, given: Collection[str]) -> dict[str, int]:
     """The checked fields ``config`` holds that a config file setting only ``given`` left to the
     config class's default (or to the value derived from another field): a check then cites a value
@@ -319,7 +317,7 @@ class _ConfigFacts:
         config = model.config.get_text_config()
         varying = frozenset(getattr(config, "per_layer_attributes", None) or ())
         facts = _ConfigFacts.read(config, varying)
-        if not varying & {"num_attention_heads", "num_key_value_heads", *EXPERT_FACTS, *SIZE_FACTS}:
+        if not varying.intersection(CHECKED_FACTS):
             return facts
         layers = {index: _ConfigFacts.read(layer, frozenset()) for index, layer in enumerate(config.per_layer_config)}
         return dataclasses.replace(facts, layers=layers)
