@@ -128,15 +128,40 @@ def planned_model_types() -> list[str]:
     ]
 
 
+HEAD_SIZES = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
 def tiny_model(model_type: str) -> PreTrainedModel:
     """The model of ``model_type`` on ``meta``, from its config class's defaults with the fields of
-    ``TINY`` it has shrunk; raises whatever transformers raises for a type that cannot be built so."""
-    from transformers import CONFIG_MAPPING, AutoModel
+    ``TINY`` it has shrunk. A config class whose validators refuse that is tried again: with as
+    many key/value heads as heads, then keeping its own head sizes, then keeping every field the
+    refusal names. Raises the last refusal for a type that cannot be built so."""
+    from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    defaults = config_class()
-    fields = defaults.to_dict()
-    config = config_class(**{k: v for k, v in TINY.items() if k in fields}, **TINY_BUILDER.get(model_type, {}))
+    fields = config_class().to_dict()
+    shrunk = {key: value for key, value in TINY.items() if key in fields}
+    attempts = [
+        shrunk,
+        shrunk | {"num_key_value_heads": shrunk.get("num_attention_heads")},
+        {key: value for key, value in shrunk.items() if key not in HEAD_SIZES and key != "num_key_value_heads"},
+    ]
+    error: Exception | None = None
+    for values in attempts + [None]:
+        if values is None:  # keep every field the last refusal names
+            named = {key for key in shrunk if key in str(error)}
+            values = {key: value for key, value in attempts[-1].items() if key not in named}
+        try:
+            return _built(config_class(**{k: v for k, v in values.items() if v is not None}, **TINY_BUILDER.get(model_type, {})))
+        except Exception as refused:
+            error = refused
+    assert error is not None
+    raise error
+
+
+def _built(config: Any) -> PreTrainedModel:
+    from transformers import AutoModel
+
     with torch.device("meta"):
         try:
             model: PreTrainedModel = AutoModelForCausalLM.from_config(config)
