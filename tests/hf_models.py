@@ -147,7 +147,7 @@ def tiny_model(model_type: str) -> PreTrainedModel:
         {key: value for key, value in shrunk.items() if key not in HEAD_SIZES and key != "num_key_value_heads"},
     ]
     error: Exception | None = None
-    for values in attempts + [None]:
+    for values in [*attempts, None]:
         if values is None:  # keep every field the last refusal names
             named = {key for key in shrunk if key in str(error)}
             values = {key: value for key, value in attempts[-1].items() if key not in named}
