@@ -18,6 +18,9 @@ from meshbind import (
     PatternError,
     PatternSet,
     PlanError,
+    PlanProblem,
+    ProblemCode,
+    describe_problem_codes,
     resolve_plan,
     validate_materialized_modules,
 )
@@ -77,3 +80,26 @@ CONTEXT = LayoutContext({"tp": 1})
 
 def _none(module: object, fqn: str, context: LayoutContext) -> meshbind.ModuleShardingSpec:
     return meshbind.ModuleShardingSpec()
+
+
+def test_problem_codes_are_one_enum_that_covers_every_code_the_package_raises() -> None:
+    """Every code used in the package (Python ``ProblemCode.X``, Rust ``ProblemCode::X => "text"``)
+    is a member; every member is raised somewhere; no problem is made from a bare string; the
+    README lists each code with its line."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    python = "\n".join(path.read_text() for path in (root / "python" / "meshbind").rglob("*.py"))
+    rust_texts = set(re.findall(r'ProblemCode::\w+ => "(\w+)"', (root / "rust" / "checks.rs").read_text()))
+    used = {ProblemCode[name] for name in re.findall(r"ProblemCode\.([A-Z]+)\b", python)}
+    assert rust_texts <= {code.value for code in ProblemCode} and rust_texts
+    assert used | {ProblemCode(text) for text in rust_texts} == set(ProblemCode)
+    assert not re.search(r'PlanProblem\("', python)
+    with pytest.raises(ValueError, match="'layot' is not a valid ProblemCode"):
+        PlanProblem("layot", "x", None, "a typo in a code")  # type: ignore[arg-type]
+    readme = (root / "README.md").read_text()
+    for code, line in describe_problem_codes().items():
+        assert f"| `{code}` | {line} |" in readme
+    problem = PlanProblem("layout", "x", None, "m")  # type: ignore[arg-type]
+    assert problem.code is ProblemCode.LAYOUT and problem.code == "layout" and f"{problem.code:<9}|" == "layout   |"

@@ -28,6 +28,8 @@ from meshbind.errors import (
     RankMismatchError,
 )
 from meshbind.errors import PlanProblem as PlanProblem
+from meshbind.errors import ProblemCode as ProblemCode
+from meshbind.errors import describe_problem_codes
 from meshbind.family import FamilyBuildInfo as FamilyBuildInfo
 from meshbind.family import FamilyLayout as FamilyLayout
 from meshbind.family import get_family_build_info
@@ -82,6 +84,7 @@ __all__ = [
     "apply_layouts",
     "bind_parallel_modules",
     "bound_modules",
+    "describe_problem_codes",
     "from_hf_plan",
     "from_torch_plan",
     "get_family_build_info",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 
 class MeshbindError(Exception):
@@ -40,17 +41,58 @@ class PatternError(MeshbindError, ValueError):
     reason: str
 
 
+class ProblemCode(str, Enum):
+    """Every code a ``PlanProblem`` carries (SPEC §4, §5); ``describe_problem_codes()`` gives one
+    line on each. A problem made with any other code is a ``ValueError``."""
+
+    UNMATCHED = "unmatched"
+    CONFLICT = "conflict"
+    NESTED = "nested"
+    LAYOUT = "layout"
+    STAGE = "stage"
+    BINDING = "binding"
+    EXPERT = "expert"
+    VALIDATOR = "validator"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+_PROBLEM_CODE_LINES = {
+    ProblemCode.UNMATCHED: "a pattern or key that selects nothing (with up to three 'did you mean')",
+    ProblemCode.CONFLICT: "a module selected by two requests with different specs or layouts, or against its family's own spec",
+    ProblemCode.NESTED: "a bound module inside another bound module of the same binding kind",
+    ProblemCode.LAYOUT: "a layout provider or override failure, an axis the context lacks, a shard dimension beyond the rank "
+    "or not divisible by its axes, a config fact an axis does not divide, a tie placed two ways",
+    ProblemCode.STAGE: "a stage the class lacks or that refuses its keywords; in_src/in_dst or out_src/out_dst that differ",
+    ProblemCode.BINDING: "a binding kind without bind_parallel(binding), or a family class without a valid parallel_spec",
+    ProblemCode.EXPERT: "num_experts no int, below 1 or not divisible by ep; expert weights not Shard(0) over the experts",
+    ProblemCode.VALIDATOR: "the spec's own validate(module=, sharding=, context=) raised or returned something",
+}
+
+
+def describe_problem_codes() -> dict[str, str]:
+    """Every problem code with one line on what it means, in ``ProblemCode`` order."""
+    return {code.value: _PROBLEM_CODE_LINES[code] for code in ProblemCode}
+
+
 @dataclass(frozen=True)
 class PlanProblem:
     """One problem: its code (SPEC §4), the FQN it concerns, the request, why. A problem of no one
     module says what it is about instead: ``pattern``, ``key`` (of a transformers plan), ``class``
     (a family class) or ``axes`` (an axis the plan cannot use)."""
 
-    code: str
+    code: ProblemCode
     fqn: str | None
     request: str | None
     message: str
     about: str = "module"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "code", ProblemCode(self.code))  # a code outside the enum is a ValueError
 
     def line(self) -> str:
         where = f"({self.about})" if self.fqn is None else repr(self.fqn)
@@ -59,7 +101,7 @@ class PlanProblem:
 
     def to_dict(self) -> dict[str, str | None]:
         """JSON-ready."""
-        return {"code": self.code, "fqn": self.fqn, "about": self.about, "request": self.request, "message": self.message}
+        return {"code": self.code.value, "fqn": self.fqn, "about": self.about, "request": self.request, "message": self.message}
 
 
 class LayoutRefusal(MeshbindError, ValueError):

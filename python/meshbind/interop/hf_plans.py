@@ -37,7 +37,7 @@ from transformers.distributed.tensor_parallel import (
 
 from meshbind._core import PatternSet
 from meshbind.agreement import check_ranks_agree, mesh_entries, model_entries, plan_entries
-from meshbind.errors import LayoutRefusal, PlanProblem
+from meshbind.errors import LayoutRefusal, PlanProblem, ProblemCode
 from meshbind.placements import shard_dim, split_dim
 from meshbind.resolution.candidates import literal_pattern
 from meshbind.resolution.plan import ParallelPlan
@@ -141,7 +141,7 @@ class HFPlan:
             raise ValueError("resolve_plan was given another model than the one from_hf_plan read the plans of")
         active = self.active_plans(context)
         missing = [
-            PlanProblem("layout", None, f"{kind}_plan", f"the {kind!r} axis has size {context.axis_sizes[kind]}, "
+            PlanProblem(ProblemCode.LAYOUT, None, f"{kind}_plan", f"the {kind!r} axis has size {context.axis_sizes[kind]}, "
                         f"but {type(model).__name__} has no {kind}_plan", about="axes")
             for kind in PLANS if context.axis_sizes.get(kind, 1) > 1 and not self.plans[kind]
         ]  # fmt: skip
@@ -188,7 +188,7 @@ class HFPlan:
                 nearest = keys.nearest(key)
                 hint = f"; did you mean {', '.join(map(repr, nearest))}?" if nearest else ""
             message = f"key {key!r} ({style}) selects no module or parameter{hint}"
-            problems.append(PlanProblem("unmatched", None, f"{kind}_plan[{key!r}]", message, about="key"))
+            problems.append(PlanProblem(ProblemCode.UNMATCHED, None, f"{kind}_plan[{key!r}]", message, about="key"))
         return problems
 
 
@@ -278,7 +278,7 @@ def _tie_problems(model: PreTrainedModel, groups: Mapping[str, Mapping[str, _Rul
             "transformers ties them again after sharding, so both must be placed alike"
         )
         module = target.rpartition(".")[0]
-        problems.append(PlanProblem("layout", module, f"{differing[0]}_plan", message))
+        problems.append(PlanProblem(ProblemCode.LAYOUT, module, f"{differing[0]}_plan", message))
     return problems
 
 

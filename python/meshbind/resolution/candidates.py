@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from meshbind._core import ModuleTree, PatternSet
-from meshbind.errors import PlanProblem
+from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.family import any_family_class
 from meshbind.specs import ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
 
@@ -117,7 +117,7 @@ def literal_pattern(fqn: str) -> str:
 def cycle_problems(tree: ModuleTree) -> list[PlanProblem]:
     """An alias that names its own ancestor: the tree has a cycle of shared modules."""
     message = "this FQN names its own ancestor {!r}: the module tree has a cycle of shared modules"
-    return [PlanProblem("layout", alias, None, message.format(ancestor)) for alias, ancestor in tree.cycles()]
+    return [PlanProblem(ProblemCode.LAYOUT, alias, None, message.format(ancestor)) for alias, ancestor in tree.cycles()]
 
 
 def candidates_of(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from meshbind._core import ModuleTree, PatternSet
-from meshbind.errors import PlanProblem
+from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.resolution.candidates import Candidate, PlanPatterns
 from meshbind.resolution.overrides import Override, override_label
 from meshbind.specs import NativeParallelBindingRequest
@@ -46,7 +46,9 @@ def unmatched_problems(
         else:
             continue
         hint = f"; did you mean {', '.join(nearest)}?" if nearest else ""
-        found = PlanProblem("unmatched", None, source, f"pattern {pattern!r} does not select {what}{hint}", about="pattern")
+        found = PlanProblem(
+            ProblemCode.UNMATCHED, None, source, f"pattern {pattern!r} does not select {what}{hint}", about="pattern"
+        )
         (problems if owner < 0 or requests[owner].required else warnings).append(found)
     return problems, warnings
 

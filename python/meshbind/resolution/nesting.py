@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshbind._core import ModuleTree
-from meshbind.errors import PlanProblem
+from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.resolution.candidates import Candidate
 
 
@@ -41,5 +41,5 @@ def nested_problems(candidates: Sequence[Candidate], tree: ModuleTree) -> list[P
     for index, outer in outer_of.items():
         kind = inner[index].spec.binding_kind
         message = f"a {kind!r} module inside the {kind!r} module {outer.fqn!r}"
-        problems.append(PlanProblem("nested", inner[index].fqn, None, message))
+        problems.append(PlanProblem(ProblemCode.NESTED, inner[index].fqn, None, message))
     return problems

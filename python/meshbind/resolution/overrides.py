@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshbind._core import ModuleTree
-from meshbind.errors import PlanProblem
+from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.resolution.candidates import Candidate, PlanPatterns
 from meshbind.specs import SHARDING_FIELDS, ModuleShardingSpec
 
@@ -67,6 +67,6 @@ def _merged(
                 raise ValueError(f"unknown sharding fields {unknown} (an override may set {list(SHARDING_FIELDS)})")
             sharding = dataclasses.replace(sharding, **fields)
         except (TypeError, ValueError) as error:
-            problems.append(PlanProblem("layout", fqn, f"overrides[{pattern!r}]", f"the override failed: {error}"))
+            problems.append(PlanProblem(ProblemCode.LAYOUT, fqn, f"overrides[{pattern!r}]", f"the override failed: {error}"))
             return None
     return sharding

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshbind._core import ModuleTree
-from meshbind.errors import PlanProblem
+from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.family import family_spec
 from meshbind.resolution.candidates import FAMILY, PlanPatterns
 from meshbind.specs import NativeParallelBindingRequest, ParallelModuleSpec
@@ -45,7 +45,9 @@ def assign_requests(tree: ModuleTree, patterns: PlanPatterns, requests: Sequence
         message = (
             f"selected by requests[{first_request}] ({a.describe()}) and requests[{second}] ({b.describe()}) with different specs"
         )
-        ownership.problems.append(PlanProblem("conflict", fqn, f"requests[{first_request}], requests[{second}]", message))
+        ownership.problems.append(
+            PlanProblem(ProblemCode.CONFLICT, fqn, f"requests[{first_request}], requests[{second}]", message)
+        )
     dropped = {module for module, _, _ in conflicts}
     for module, second in sorted(others):
         if module not in dropped:
@@ -67,7 +69,7 @@ def family_specs(classes: Sequence[type]) -> tuple[dict[int, ParallelModuleSpec]
             continue
         if not isinstance(spec, ParallelModuleSpec):
             message = f"{cls.__qualname__}.parallel_spec must be a ParallelModuleSpec, got {type(spec).__name__}"
-            problems.append(PlanProblem("binding", None, f"family {cls.__qualname__}", message, about="class"))
+            problems.append(PlanProblem(ProblemCode.BINDING, None, f"family {cls.__qualname__}", message, about="class"))
             continue
         specs[index] = spec
     return specs, problems
@@ -93,7 +95,9 @@ def join_families(
             given = requests[request].parallel.describe()
             message = f"requests[{request}] gives it {given}, but its class {cls.__qualname__} owns {spec.describe()}"
             fqn = tree.module_fqns([module])[0]
-            ownership.problems.append(PlanProblem("conflict", fqn, f"requests[{request}], family {cls.__qualname__}", message))
+            ownership.problems.append(
+                PlanProblem(ProblemCode.CONFLICT, fqn, f"requests[{request}], family {cls.__qualname__}", message)
+            )
             del owner[module]
     ownership.planned = sorted(owner)
     ownership.request_of = list(map(owner.__getitem__, ownership.planned))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from meshbind.errors import LayoutRefusal, PlanProblem
+from meshbind.errors import LayoutRefusal, PlanProblem, ProblemCode
 from meshbind.placements import placements_text
 from meshbind.resolution.candidates import Candidate
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest
@@ -60,15 +60,15 @@ def _provided(
     try:
         sharding = provider(candidate.module, candidate.fqn, context)
     except LayoutRefusal as refusal:
-        problems.append(PlanProblem("layout", candidate.fqn, source, str(refusal)))
+        problems.append(PlanProblem(ProblemCode.LAYOUT, candidate.fqn, source, str(refusal)))
         return None
     except Exception as error:
         message = f"the layout provider raised {type(error).__name__}: {error}"
-        problems.append(PlanProblem("layout", candidate.fqn, source, message))
+        problems.append(PlanProblem(ProblemCode.LAYOUT, candidate.fqn, source, message))
         return None
     if not isinstance(sharding, ModuleShardingSpec):
         message = f"the layout provider returned {type(sharding).__name__}, not a ModuleShardingSpec"
-        problems.append(PlanProblem("layout", candidate.fqn, source, message))
+        problems.append(PlanProblem(ProblemCode.LAYOUT, candidate.fqn, source, message))
         return None
     return sharding
 
@@ -97,7 +97,7 @@ def _check_shared_layouts(
             f"selected by requests[{first}] and requests[{other}] with equal specs "
             f"({requests[first].parallel.describe()}) but different layouts: {fields}"
         )
-        problems.append(PlanProblem("conflict", candidate.fqn, f"requests[{first}], requests[{other}]", message))
+        problems.append(PlanProblem(ProblemCode.CONFLICT, candidate.fqn, f"requests[{first}], requests[{other}]", message))
         candidate.sharding = None
     return problems
 

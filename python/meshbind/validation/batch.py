@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate
 
 from meshbind import _core
+from meshbind.errors import ProblemCode
 from meshbind.placements import shard_dim
 from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure, sharding_failure
@@ -87,7 +88,7 @@ class ValidationBatch:
         specs: Sequence[ParallelModuleSpec],
         shardings: Sequence[ModuleShardingSpec],
         classes: Sequence[type] | None = None,
-    ) -> list[tuple[int, str, str]]:
+    ) -> list[tuple[int, ProblemCode, str]]:
         """Every problem as ``(index, code, message)``: each module's ``layout`` problems, then its
         first §5 failure (``validate`` runs last, only for modules with no other problem).
 
@@ -113,15 +114,16 @@ class ValidationBatch:
             units += self._units(template, experts, rows, modules, fqns, layout)
         self._fill_table(units)
         checked = self._table.check()
-        for unit, code, message in checked:
+        for unit, text, message in checked:
+            code = ProblemCode(text)  # the Rust checks name their codes as text
             for row in units[unit].rows:
-                if code == "layout":
+                if code is ProblemCode.LAYOUT:
                     layout.setdefault(row, []).append(message)
                 elif failures[row] is None:
                     failures[row] = (code, message)
         if any(spec.validate is not None for spec in distinct_specs.values()):
             self._run_validators(modules, specs, shardings, failures, layout)
-        problems = [(row, "layout", message) for row, messages in sorted(layout.items()) for message in messages]
+        problems = [(row, ProblemCode.LAYOUT, message) for row, messages in sorted(layout.items()) for message in messages]
         problems += [(row, failure[0], failure[1]) for row, failure in enumerate(failures) if failure is not None]
         return problems
 
@@ -219,9 +221,12 @@ class ValidationBatch:
                 continue
             value = spec.options["num_experts"]
             if not isinstance(value, int) or isinstance(value, bool):
-                failing[identity] = ("expert", f"options['num_experts'] must be an int, got {type(value).__name__} {value!r}")
+                failing[identity] = (
+                    ProblemCode.EXPERT,
+                    f"options['num_experts'] must be an int, got {type(value).__name__} {value!r}",
+                )
             elif not 1 <= value <= INT64_MAX:
-                failing[identity] = ("expert", f"num_experts must be at least 1 and at most 2**63 - 1, got {value}")
+                failing[identity] = (ProblemCode.EXPERT, f"num_experts must be at least 1 and at most 2**63 - 1, got {value}")
             else:
                 counts[identity] = value
         if failing:
@@ -281,10 +286,10 @@ class ValidationBatch:
             try:
                 returned = spec.validate(module=modules[row], sharding=shardings[row], context=self.context)
             except Exception as error:
-                failures[row] = ("validator", f"{spec.protocol} validate failed: {type(error).__name__}: {error}")
+                failures[row] = (ProblemCode.VALIDATOR, f"{spec.protocol} validate failed: {type(error).__name__}: {error}")
             else:
                 if returned is not None:
-                    failures[row] = ("validator", f"{spec.protocol} validate returned {returned!r}: {RAISE_TO_REJECT}")
+                    failures[row] = (ProblemCode.VALIDATOR, f"{spec.protocol} validate returned {returned!r}: {RAISE_TO_REJECT}")
 
     def _flatten(self, sharding: ModuleShardingSpec) -> _ShardingTemplate:
         rows: list[tuple[int, int, Kind, int, str | None]] = []

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import inspect
 
+from meshbind.errors import ProblemCode
 from meshbind.placements import placements_text
 from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
 
-Failure = tuple[str, str]
+Failure = tuple[ProblemCode, str]
 """``(code, message)``."""
 
 RAISE_TO_REJECT = "a validate callable raises to reject a module and returns None to accept it"
@@ -40,19 +41,22 @@ def class_failure(cls: type, spec: ParallelModuleSpec) -> Failure | None:
         try:
             static = inspect.getattr_static(cls, stage)
         except AttributeError:
-            return "stage", f"stage {stage!r} is not defined on class {cls.__qualname__} (an instance attribute does not count)"
+            return (
+                ProblemCode.STAGE,
+                f"stage {stage!r} is not defined on class {cls.__qualname__} (an instance attribute does not count)",
+            )
         if not callable(static) and not isinstance(static, (staticmethod, classmethod)):
-            return "stage", f"stage {stage!r} of class {cls.__qualname__} is not callable"
+            return ProblemCode.STAGE, f"stage {stage!r} of class {cls.__qualname__} is not callable"
         try:
             bound_signature(cls, stage).bind_partial(**dict.fromkeys(keywords))
         except (TypeError, ValueError) as error:
-            return "stage", f"stage {cls.__qualname__}.{stage} does not accept the keywords {list(keywords)}: {error}"
+            return ProblemCode.STAGE, f"stage {cls.__qualname__}.{stage} does not accept the keywords {list(keywords)}: {error}"
     if spec.binding_kind != "none":
         try:
             static = inspect.getattr_static(cls, "bind_parallel")
         except AttributeError:
             return (
-                "binding",
+                ProblemCode.BINDING,
                 f"binding kind {spec.binding_kind!r} needs {cls.__qualname__}.bind_parallel(binding), which is not defined",
             )
         try:
@@ -60,7 +64,10 @@ def class_failure(cls: type, spec: ParallelModuleSpec) -> Failure | None:
                 raise TypeError("it is not callable")
             bound_signature(cls, "bind_parallel").bind(None)
         except (TypeError, ValueError) as error:
-            return "binding", f"{cls.__qualname__}.bind_parallel must accept one positional argument (the binding): {error}"
+            return (
+                ProblemCode.BINDING,
+                f"{cls.__qualname__}.bind_parallel must accept one positional argument (the binding): {error}",
+            )
     return None
 
 
@@ -68,19 +75,19 @@ def sharding_failure(sharding: ModuleShardingSpec) -> Failure | None:
     """Rule 3 (no expert stack) and rule 4 (``in_src == in_dst``; ``out_src == out_dst`` when set)."""
     if sharding.expert_stack is not None:
         return (
-            "expert",
+            ProblemCode.EXPERT,
             f"the sharding still stacks {sharding.expert_stack} per-expert modules; "
             "a stage module owns fused [E, ...] parameters",
         )
     if dict(sharding.in_src) != dict(sharding.in_dst):
         return (
-            "stage",
+            ProblemCode.STAGE,
             f"in_src {placements_text(sharding.in_src)} differs from in_dst {placements_text(sharding.in_dst)}: "
             "the module must receive its computation layout directly",
         )
     if sharding.out_dst is not None and dict(sharding.out_src) != dict(sharding.out_dst):
         return (
-            "stage",
+            ProblemCode.STAGE,
             f"out_src {placements_text(sharding.out_src)} differs from out_dst {placements_text(sharding.out_dst)}: "
             "the module must restore its own output layout",
         )
