@@ -74,7 +74,7 @@ def _torch_resolution(model: nn.Module, keys: list[str]) -> list[nn.Module]:
 SKELETONS: dict[str, Callable[[], tuple[nn.Module, dict[str, Callable[[], object]]]]] = {
     "Llama-3 70B (HF), tp=8": lambda: _hf("llama", {"tp": 8}),
     "Mixtral 8x7B (HF), tp=8 ep=8": lambda: _hf("mixtral", {"tp": 8, "ep": 8}),
-    "Qwen3-30B-A3B (HF), dp=2 tp=4 ep=8": lambda: _hf("qwen3_moe", {"dp": 2, "tp": 4, "ep": 8}),
+    "Qwen3-30B-A3B (HF), dp_shard=2 tp=4 ep=8": lambda: _hf("qwen3_moe", {"dp_shard": 2, "tp": 4, "ep": 8}),
     "DeepSeek-V3 (HF), tp=8 ep=8": lambda: _hf("deepseek_v3", {"tp": 8, "ep": 8}),
     "llama3 405B (torchtitan), tp=8": lambda: _torchtitan("llama3", "405B", llama3_plan(), 8),
     "deepseek_v3 671B (torchtitan), tp=8": lambda: _torchtitan("deepseek_v3", "671B", deepseek_v3_plan(q_lora=True), 8),

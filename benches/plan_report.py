@@ -21,7 +21,7 @@ from meshbind import LayoutContext, from_hf_plan, plan_report, resolve_plan
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hf_models import hf_model
 
-CONFIGS = {"deepseek_v3": {"tp": 8, "ep": 8}, "qwen3_moe_235b": {"dp": 2, "tp": 4, "ep": 8}, "llama_405b": {"tp": 8}}
+CONFIGS = {"deepseek_v3": {"tp": 8, "ep": 8}, "qwen3_moe_235b": {"dp_shard": 2, "tp": 4, "ep": 8}, "llama_405b": {"tp": 8}}
 """At tp=8 Qwen3-235B-A22B's 4 key/value heads would be split (the plan is refused): tp=4."""
 
 

@@ -41,6 +41,7 @@ from meshbind import (
     validate_materialized_modules,
 )
 from meshbind.mesh import process_group_count
+from meshbind.world import canonical_axis
 
 from rank_checks import Results, attempt_each
 
@@ -62,8 +63,8 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
     before = process_group_count()
     rejected = (
         ({"dp": world + 1}, "the world size is"),
-        ({"dp": world, "ep": 3}, "does not divide the world size"),
-        ({"dp": world, "ep": world, "edp_shard": 2}, "edp_shard = 2 does not divide world / ep = 1"),
+        ({"dp_shard": world, "ep": 3}, f"ep=3 does not divide dp_shard * cp * tp = {world} * 1 * 1"),
+        ({"dp": world, "ep": 2}, "dp_replicate=2 replicates the experts, it lends them no ranks"),
     )
     for bad, message in rejected:
         try:
@@ -76,7 +77,8 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
     if process_group_count() != before:
         raise AssertionError("a rejected MeshContext.build created a group")
     context = MeshContext.build(**sizes)
-    if context.axis_sizes() != {"dp": sizes["dp"], "cp": sizes["cp"], "tp": sizes["tp"], "ep": sizes["ep"]}:
+    expected_sizes = {"dp_replicate": 1, "dp_shard": 1, **{canonical_axis(axis): size for axis, size in sizes.items()}}
+    if context.axis_sizes() != expected_sizes:
         raise AssertionError(f"axis sizes {context.axis_sizes()}")
     ep_mesh = MeshBinding(context).axis_mesh("ep")
     rank = dist.get_rank()
@@ -85,17 +87,18 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
         raise AssertionError(f"ep is not innermost: {ep_mesh.mesh.tolist()} != {expected}")
     if context.layout_context() != LayoutContext(context.axis_sizes()):
         raise AssertionError("layout_context differs from axis_sizes")
-    # The expert mesh's data-parallel ranks: edp_shard of them (default: all of world / ep), the rest replicate.
+    # The expert mesh's data-parallel axes are derived: edp_replicate = dp_replicate, edp_shard = dp_shard * cp * tp / ep.
     if world == 4:
-        for edp_shard, expected_dims in ((None, (1, 2, 2)), (1, (2, 1, 2))):
-            expert_mesh = MeshContext.build(dp=world // 2, tp=2, ep=2, edp_shard=edp_shard).fsdp_moe_mesh
+        for built, expected_dims in (({"dp_shard": 2, "tp": 2, "ep": 2}, (1, 2, 2)), ({"dp": 2, "tp": 2, "ep": 2}, (2, 1, 2))):
+            expert_mesh = MeshContext.build(**built).fsdp_moe_mesh
             assert expert_mesh is not None
             dims = tuple(expert_mesh.size(d) for d in range(3))
             if expert_mesh.mesh_dim_names != ("edp_replicate", "edp_shard", "ep") or dims != expected_dims:
-                raise AssertionError(f"edp_shard={edp_shard}: {expert_mesh.mesh_dim_names} {dims}, expected {expected_dims}")
+                raise AssertionError(f"{built}: {expert_mesh.mesh_dim_names} {dims}, expected {expected_dims}")
     # Without ep > 1 there is no expert mesh, and 'ep' is 1.
     no_experts = MeshContext.build(dp=world)
-    if no_experts.fsdp_moe_mesh is not None or no_experts.axis_sizes() != {"dp": world, "cp": 1, "tp": 1, "ep": 1}:
+    no_expert_sizes = {"dp_replicate": world, "dp_shard": 1, "cp": 1, "tp": 1, "ep": 1}
+    if no_experts.fsdp_moe_mesh is not None or no_experts.axis_sizes() != no_expert_sizes:
         raise AssertionError(f"without ep: {no_experts}, {no_experts.axis_sizes()}")
     # An expert mesh over fewer ranks than the device mesh.
     narrow = init_device_mesh("cpu", (world, 1), mesh_dim_names=("x", "ep"))["ep"]
@@ -111,9 +114,9 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
 def check_axis_mesh(context: MeshContext) -> None:
     before = process_group_count()
     binding = MeshBinding(context)
-    for axis in ("dp", "cp", "tp", "ep"):
+    for axis in ("dp", "dp_replicate", "dp_shard", "cp", "tp", "ep"):
         mesh = binding.axis_mesh(axis)
-        if mesh.ndim != 1 or mesh.size() != context.axis_sizes()[axis]:
+        if mesh.ndim != 1 or mesh.size() != context.world.size_of(axis):
             raise AssertionError(f"axis {axis}: {mesh}")
     _expect(ValueError, "no 'pp' axis", lambda: binding.axis_mesh("pp"), code="mesh")
     if process_group_count() != before:
@@ -399,13 +402,14 @@ def check_binding(context: MeshContext) -> None:
     validate_materialized_modules(model)
     # A plan checked against another layout binds nothing.
     sizes = context.axis_sizes()
-    other_layout = LayoutContext({**sizes, "dp": 2 * sizes["dp"], "ep": 2 * sizes["ep"]})  # a world twice as large
+    other_layout = LayoutContext({**sizes, "dp_shard": 2 * sizes["dp_shard"], "ep": 2 * sizes["ep"]})  # a world twice as large
     fresh = nn.Module()
     fresh.blocks = nn.ModuleList(Block(2 * num_experts) for _ in range(2))
     elsewhere = resolve_plan(fresh, [_experts_plan(2 * num_experts)], other_layout)
     _expect(
         ValueError,
-        f"resolved for dp={2 * sizes['dp']}, ep={2 * sizes['ep']}, but the meshes have dp={sizes['dp']}, ep={sizes['ep']}",
+        f"resolved for dp_shard={2 * sizes['dp_shard']}, ep={2 * sizes['ep']}, "
+        f"but the meshes have dp_shard={sizes['dp_shard']}, ep={sizes['ep']}",
         lambda: bind_parallel_modules(fresh, elsewhere, context),
         code="mesh",
     )
@@ -526,7 +530,7 @@ def check_wrappers(context: MeshContext) -> None:
     experts = [block.mlp for block in model.blocks]
     model.blocks[0] = checkpoint_wrapper(model.blocks[0])
     model.blocks[1].mlp = torch.compile(model.blocks[1].mlp)
-    fully_shard(model, mesh=MeshBinding(context).axis_mesh("dp"))
+    fully_shard(model, mesh=MeshBinding(context).axis_mesh("dp_replicate"))
     compiled = torch.compile(model)
     validate_materialized_modules(compiled)
     if list(map(id, checked)) != list(map(id, experts)):

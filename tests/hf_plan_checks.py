@@ -17,7 +17,7 @@ from rank_checks import Results, attempt_each
 
 
 def check_forward_equals_one_process(name: str, tp: int, ep: int) -> None:
-    context = MeshContext.build(dp=2 // tp, tp=tp, ep=ep)
+    context = MeshContext.build(dp_shard=2 // tp, tp=tp, ep=ep)
     model = hf_model(name)
     reference = copy.deepcopy(model)
     plan = resolve_plan(model, from_hf_plan(model), context.layout_context())

@@ -15,6 +15,7 @@ import validation_floor
 
 from meshbind import bench
 from meshbind.cli import main
+from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig
 from meshbind.examples.moe_tree import build_moe_tree
 
 
@@ -134,11 +135,21 @@ def test_the_layouts_benchmark_places_the_same_parameters_by_both_methods(capsys
     # Per layer: qkv and out on tp, three fused expert weights and the router on ep.
     assert "| 2 | 4 | 12 | meshbind |" in out and "| 2 | 4 | 12 | torch |" in out
     assert "| 2 | 4 | 12 | meshbind_unchecked |" in out
+    # Under FSDP every parameter is a DTensor: the embedding, the norms and the head as well.
+    parameters = len(list(MoETransformer(TransformerConfig(layers=2, experts=4)).parameters()))
+    assert f"| 2 | 4 | {parameters} | meshbind_fsdp |" in out and f"| 2 | 4 | {parameters} | torch_fsdp |" in out
 
 
 def test_the_layouts_benchmark_fails_when_torch_places_other_parameters() -> None:
     placed = [("blocks.0.attn.qkv.weight", ("S(0)",), (6, 4))]
-    good = {"meshbind": (0.1, placed), "meshbind_unchecked": (0.08, placed), "torch": (0.2, placed)}
-    assert [row["x_meshbind"] for row in apply_layouts_bench.rows_of([good, good], 1, 4)] == pytest.approx([1.0, 0.8, 2.0])
+    good = {
+        "meshbind": (0.1, placed),
+        "meshbind_unchecked": (0.08, placed),
+        "torch": (0.2, placed),
+        "meshbind_fsdp": (0.5, placed),
+        "torch_fsdp": (0.4, placed),
+    }
+    ratios = [row["x_meshbind"] for row in apply_layouts_bench.rows_of([good, good], 1, 4)]
+    assert ratios == pytest.approx([1.0, 0.8, 2.0, 1.0, 0.8])
     with pytest.raises(AssertionError, match="torch on rank 1 placed other parameters"):
         apply_layouts_bench.rows_of([good, {**good, "torch": (0.2, [])}], 1, 4)

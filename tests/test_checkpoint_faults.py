@@ -146,5 +146,5 @@ def test_the_demo_refuses_to_save_a_nan_state(tmp_path: Path) -> None:
     from meshbind.demo import DemoConfig
 
     with pytest.raises(RuntimeError, match=r"holds a non-finite value \(NaN or infinity\) on rank"):
-        demo.run_local(DemoConfig(world_size=2, dp=1, cp=2, tp=1, ep=2, lr=float("nan"), save=str(tmp_path / "state")))
+        demo.run_local(DemoConfig(world_size=2, cp=2, tp=1, ep=2, lr=float("nan"), save=str(tmp_path / "state")))
     assert not (tmp_path / "state").exists()

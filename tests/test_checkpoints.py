@@ -17,20 +17,21 @@ from meshbind.demo import DemoConfig
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
-    """One SGD step at cp=2, tp=2, ep=2 on 4 ranks, saved."""
+    """One SGD step under FSDP on 8 ranks (dp_shard=2, cp=2, tp=2, ep=4), saved."""
     directory = tmp_path_factory.mktemp("checkpoint")
-    report = demo.run_local(DemoConfig(dtype="float64", save=str(directory)))
+    report = demo.run_local(DemoConfig(world_size=8, dp_shard=2, ep=4, dtype="float64", save=str(directory)))
     return directory, report
 
 
 @pytest.mark.parametrize(
     "layout",
     [
-        {"world_size": 4, "dp": 4, "cp": 1, "tp": 1, "ep": 4},
-        {"world_size": 4, "dp": 2, "cp": 1, "tp": 2, "ep": 2},
-        {"world_size": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1},
+        {"world_size": 4, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 2},
+        {"world_size": 4, "dp_shard": 4, "cp": 1, "tp": 1, "ep": 4},
+        {"world_size": 4, "dp_replicate": 2, "cp": 1, "tp": 2, "ep": 2},
+        {"world_size": 1, "cp": 1, "tp": 1, "ep": 1},
     ],
-    ids=["dp4-ep4", "dp2-tp2-ep2", "one-process"],
+    ids=["hsdp-dp_replicate2-dp_shard2-ep2", "fsdp-dp_shard4-ep4", "replicated-dp2-tp2-ep2", "one-process"],
 )
 def test_the_state_saved_at_one_layout_loads_at_another(saved: tuple[Path, dict[str, float]], layout: dict[str, int]) -> None:
     directory, report = saved

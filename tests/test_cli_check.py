@@ -24,13 +24,13 @@ def test_a_valid_plan_prints_the_table(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_every_problem_is_printed_with_a_failing_status(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", MODEL, PLAN, "--axis", "dp=2", "--axis", "ep=2"]) == 1
+    assert main(["check", MODEL, PLAN, "--axis", "dp_shard=2", "--axis", "ep=2"]) == 1
     err = capsys.readouterr().err
-    assert "the plan has 118 problems" in err and "which the layout context lacks (axes: dp, ep)" in err
+    assert "the plan has 118 problems" in err and "which the layout context lacks (axes: dp_shard, ep)" in err
 
 
 def test_json_output_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", MODEL, PLAN, "--axis", "dp=2", "--axis", "ep=2", "--json"]) == 1
+    assert main(["check", MODEL, PLAN, "--axis", "dp_shard=2", "--axis", "ep=2", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and len(report["problems"]) == 118
     assert report["problems"][0]["code"] == "layout"
@@ -166,7 +166,7 @@ def test_the_demo_model_is_checked_offline(capsys: pytest.CaptureFixture[str]) -
     plan = "meshbind.examples.moe_transformer:loss_head_request"
     assert main(["check", model, plan, "--axis", "dp=1", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]) == 0
     assert "5 planned modules" in capsys.readouterr().out
-    assert main(["check", model, plan, "--axis", "dp=3", "--axis", "cp=2", "--axis", "ep=3"]) == 1
+    assert main(["check", model, plan, "--axis", "dp_shard=3", "--axis", "cp=2", "--axis", "ep=3"]) == 1
     assert "num_experts 8 is not divisible by the 'ep' axis size 3" in capsys.readouterr().err
 
 
@@ -217,11 +217,11 @@ def qwen3_moe_config(tmp_path: Path) -> Path:
 
 
 def test_a_hugging_face_config_is_checked_with_its_own_plans(qwen3_moe_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", "--hf-config", str(qwen3_moe_config), "--axis", "dp=2", "--axis", "tp=4", "--axis", "ep=8"]) == 0
+    assert main(["check", "--hf-config", str(qwen3_moe_config), "--axis", "dp_shard=2", "--axis", "tp=4", "--axis", "ep=8"]) == 0
     out = capsys.readouterr().out
     assert "model.layers.47.mlp.experts" in out and "gate_up_proj=ep:S(0)" in out
     assert "warning: unmatched (key): key 'model.layers.*.mlp.gate_proj' (colwise)" in out
-    assert main(["check", "--hf-config", str(qwen3_moe_config), "--axis", "dp=3", "--axis", "tp=8", "--axis", "ep=3"]) == 1
+    assert main(["check", "--hf-config", str(qwen3_moe_config), "--axis", "dp_shard=3", "--axis", "tp=8", "--axis", "ep=3"]) == 1
     err = capsys.readouterr().err
     assert (
         "48 modules 'model.layers.<0-47>.self_attn.k_proj': num_key_value_heads 4 is not divisible by the 'tp' axis size 8" in err

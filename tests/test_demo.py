@@ -15,32 +15,38 @@ from meshbind import demo
 from meshbind.cli import main
 from meshbind.demo import DemoConfig
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, batch
+from meshbind.launch import free_port
 
 
 @pytest.mark.parametrize(
     ("config", "bound"),
     [
         (DemoConfig(), 1e-5),  # the default: 4 ranks, dp1 cp2 tp2 ep2, float32
-        (DemoConfig(dp=1, cp=2, tp=2, ep=2, dtype="float64"), 1e-10),
-        # One sequence per dp rank: every dim before the sequence has size 1 in the CP gathers.
-        (DemoConfig(dp=2, cp=2, tp=1, ep=4, dtype="float64", batch=2), 1e-10),
-        (DemoConfig(world_size=2, dp=1, cp=2, tp=1, ep=2, dtype="float64", layers=3), 1e-10),
-        (DemoConfig(dp=4, cp=1, tp=1, ep=1, dtype="float64"), 1e-10),  # no expert mesh built: the demo wraps one
-        (DemoConfig(dp=1, cp=1, tp=4, ep=4, dtype="float64"), 1e-10),  # one head per tp rank
+        (DemoConfig(cp=2, tp=2, ep=2, dtype="float64"), 1e-10),
+        # One sequence per data-parallel rank: every dim before the sequence has size 1 in the CP gathers.
+        (DemoConfig(dp_replicate=2, cp=2, tp=1, ep=2, dtype="float64", batch=2), 1e-10),
+        (DemoConfig(world_size=2, cp=2, tp=1, ep=2, dtype="float64", layers=3), 1e-10),
+        (DemoConfig(dp_replicate=4, cp=1, tp=1, ep=1, dtype="float64"), 1e-10),  # no expert mesh built: the demo wraps one
+        (DemoConfig(cp=1, tp=4, ep=4, dtype="float64"), 1e-10),  # one head per tp rank
+        # FSDP2 over dp_shard * cp = 4 with tp, the experts over edp_shard = 2 (SPEC §10).
+        (DemoConfig(world_size=8, dp_shard=2, cp=2, tp=2, ep=4, dtype="float64"), 1e-10),
+        (DemoConfig(dp_replicate=2, dp_shard=2, cp=1, tp=1, ep=2, dtype="float64"), 1e-10),  # HSDP
     ],
     ids=[
         "4-ranks-float32",
         "4-ranks-cp2-ep2-float64",
-        "4-ranks-dp2-ep4-b2-float64",
+        "4-ranks-dp2-ep2-b2-float64",
         "2-ranks-float64",
         "4-ranks-dp4-ep1-float64",
         "4-ranks-tp4-ep4-float64",
+        "8-ranks-fsdp-dp_shard2-cp2-tp2-ep4-float64",
+        "4-ranks-hsdp-dp_replicate2-dp_shard2-ep2-float64",
     ],
 )
 def test_the_distributed_run_matches_one_process(config: DemoConfig, bound: float) -> None:
     report = demo.run_local(config)
     assert report["world_size"] == config.world_size and report["dtype"] == config.dtype
-    assert report["axis_sizes"] == {"dp": config.dp, "cp": config.cp, "tp": config.tp, "ep": config.ep}
+    assert report["axis_sizes"] == config.world.axis_sizes()
     assert report["new_process_groups"] == 0
     # What plan_report predicted from the plan on meta is what each rank's parameters hold.
     assert report["report_matches_every_rank"] and report["report_param_bytes_per_rank"] == report["param_bytes_per_rank"]
@@ -49,16 +55,19 @@ def test_the_distributed_run_matches_one_process(config: DemoConfig, bound: floa
     assert report["max_abs_loss_diff"] <= bound * 10
     assert isinstance(report["seconds_total"], float)
     # Each rank holds E / ep of every fused expert weight and heads / tp of every attention
-    # projection: exactly those bytes are saved.
+    # projection, and under FSDP a 1 / edp_shard (experts) or 1 / (dp_shard * cp) (the rest) of
+    # that: exactly those bytes are saved.
     transformer, element = config.transformer, 4 if config.dtype == "float32" else 8
+    world = config.world
+    expert_divisor = config.ep * (world.edp_shard if config.fsdp else 1)
+    dense_divisor = world.fsdp_shard if config.fsdp else 1
     expert_bytes = 3 * transformer.layers * transformer.experts * transformer.intermediate * transformer.hidden * element
     attention_bytes = 4 * transformer.layers * transformer.hidden**2 * element  # qkv (3h x h) and out (h x h)
-    saved = expert_bytes - expert_bytes // config.ep + attention_bytes - attention_bytes // config.tp
-    assert report["param_bytes_full"] - report["param_bytes_per_rank"] == saved
     parts = report["param_bytes_by_part"]
-    assert parts["experts"] == [expert_bytes // config.ep, expert_bytes]
-    assert parts["attention"] == [attention_bytes // config.tp, attention_bytes]
-    assert parts["other"][0] == parts["other"][1]
+    assert parts["experts"] == [expert_bytes // expert_divisor, expert_bytes]
+    assert parts["attention"] == [attention_bytes // (config.tp * dense_divisor), attention_bytes]
+    assert parts["other"][0] * dense_divisor == parts["other"][1]
+    assert report["param_bytes_per_rank"] == sum(mine for mine, _ in parts.values())
     assert set(report["phases"]) >= {"mesh", "build", "plan", "bind", "materialise", "validate", "forward", "backward"}
 
 
@@ -109,16 +118,24 @@ def test_torchrun_runs_the_distributed_half() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--dp", "1", "--cp", "2", "--tp", "1"], "--dp 1 x --cp 2 x --tp 1 = 2, not the world size 4"),
+        (["--dp", "1", "--cp", "2", "--tp", "1"], "--dp-replicate 1 x --dp-shard 1 x --cp 2 x --tp 1 = 2, not the world size 4"),
         (["--experts", "6", "--ep", "4", "--tp", "2"], "--experts 6 is not divisible by --ep 4"),
-        (["--ep", "3"], "--ep 3 does not divide the world size 4"),
+        (["--ep", "3"], "ep=3 does not divide dp_shard * cp * tp = 1 * 2 * 2 = 4"),
+        (["--dp", "2", "--cp", "2", "--tp", "1", "--ep", "4"], "dp_replicate=2 replicates the experts, it lends them no ranks"),
         (
             ["--world-size", "3", "--cp", "1", "--tp", "3", "--ep", "1", "--experts", "6"],
             "--tp 3 does not divide the 4 attention heads",
         ),
         (["--seq-len", "30"], "--seq-len 30 is not divisible by 2 x --cp = 4"),
         (["--world-size", "4096", "--dp", "1024", "--cp", "2", "--tp", "2"], "more than this machine can sensibly run"),
-        (["--batch", "3", "--dp", "2", "--cp", "2", "--tp", "1"], "--batch 3 is not divisible by --dp 2"),
+        (
+            ["--batch", "3", "--dp", "2", "--cp", "2", "--tp", "1"],
+            "--batch 3 is not divisible by --dp-replicate x --dp-shard = 2",
+        ),
+        (
+            ["--batch", "2", "--dp-replicate", "2", "--dp-shard", "2", "--cp", "1", "--tp", "1"],
+            "--batch 2 is not divisible by --dp-replicate x --dp-shard = 4",
+        ),
         (["--layers", "0"], "--layers must be at least 1"),
         (["--load", "/nonexistent/checkpoint"], "--load /nonexistent/checkpoint is not a checkpoint written by --save"),
         (["--experts", "1", "--ep", "1"], "fewer than the 2 experts each token is routed to"),
@@ -163,3 +180,31 @@ def test_a_parameter_no_gradient_reached_is_named_before_any_reduction() -> None
     model.norm.weight.grad = None
     with pytest.raises(RuntimeError, match=r"^rank 3: no gradient reached 'norm.weight'$"):
         demo._local_gradients(model, 3)
+
+
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+    reason="no torchrun",
+)
+def test_two_torchrun_agents_run_hsdp_as_two_nodes() -> None:
+    # Two agents on this machine, as on two hosts: c10d rendezvous, 2 ranks each. HSDP replicates
+    # across the agents (dp_replicate, outermost) and shards within each (dp_shard).
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [
+        torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+        "--rdzv-id", "meshbind-two-nodes", "-m", "meshbind.demo",
+        "--dp-replicate", "2", "--dp-shard", "2", "--cp", "1", "--tp", "1", "--ep", "2", "--dtype", "float64", "--json",
+    ]  # fmt: skip
+    agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outputs = [agent.communicate(timeout=240) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], [err[-3000:] for _, err in outputs]
+    (report,) = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs if out.strip()]
+    assert report["axis_sizes"] == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 2}
+    nodes = report["node_of_rank"]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3]  # each replica of the shards on its own node
+    assert report["max_rel_grad_diff"] <= 1e-10 and report["new_process_groups"] == 0 and report["report_matches_every_rank"]

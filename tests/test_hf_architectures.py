@@ -39,7 +39,7 @@ def layouts_of(model: Any) -> list[dict[str, int]]:
     """tp=2 where the model has a tp plan; ep=2 (over dp=2) and tp=2 with ep=2 where it has experts."""
     layouts = [{"tp": 2}] if model.tp_plan else []
     if model.ep_plan:
-        layouts += [{"dp": 2, "ep": 2}] + ([{"tp": 2, "ep": 2}] if model.tp_plan else [])
+        layouts += [{"dp_shard": 2, "ep": 2}] + ([{"tp": 2, "ep": 2}] if model.tp_plan else [])
     return layouts
 
 

@@ -20,7 +20,7 @@ from meshbind.launch import run_local_world
 from hf_models import SMALL, THREE_KV_HEADS, hf_model
 from rank_checks import failures_of
 
-AXES = {"tp2": {"tp": 2}, "ep2": {"dp": 2, "ep": 2}, "tp2-ep2": {"tp": 2, "ep": 2}, "tp4-ep4": {"tp": 4, "ep": 4}}
+AXES = {"tp2": {"tp": 2}, "ep2": {"dp_shard": 2, "ep": 2}, "tp2-ep2": {"tp": 2, "ep": 2}, "tp4-ep4": {"tp": 4, "ep": 4}}
 
 
 def transformers_plans(model: Any, axes: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
@@ -71,7 +71,7 @@ def test_the_stock_plans_of_real_sizes_resolve_with_their_known_warnings() -> No
     expected = {
         ("llama", (("tp", 8),)): set(),
         ("mixtral", (("tp", 8), ("ep", 8))): set(),
-        ("qwen3_moe", (("dp", 2), ("tp", 4), ("ep", 8))): {f"model.layers.*.mlp.{n}_proj" for n in ("gate", "up", "down")},
+        ("qwen3_moe", (("dp_shard", 2), ("tp", 4), ("ep", 8))): {f"model.layers.*.mlp.{n}_proj" for n in ("gate", "up", "down")},
         ("deepseek_v3", (("tp", 8), ("ep", 8))): set(),
     }
     for (name, axes), warned in expected.items():
@@ -99,7 +99,7 @@ def test_ep_not_dividing_the_experts_is_caught_up_front() -> None:
     # torchtitan #4258: a bad EP degree failed late, inside DeviceMesh.
     model = hf_model("deepseek_v3", real=True)
     with pytest.raises(PlanError) as caught:
-        resolve_plan(model, from_hf_plan(model), LayoutContext({"dp": 3, "ep": 3}))
+        resolve_plan(model, from_hf_plan(model), LayoutContext({"dp_shard": 3, "ep": 3}))
     assert "58 modules 'model.layers.<3-60>.mlp.experts': n_routed_experts 256 is not divisible by the 'ep' axis size 3" in str(
         caught.value
     )
@@ -146,7 +146,7 @@ def test_a_misspelled_key_is_a_warning_with_a_suggestion_and_an_error_under_stri
 def test_a_key_with_a_concrete_layer_index_selects_nothing_as_in_transformers_and_says_why() -> None:
     model = hf_model("qwen3_moe")
     model.ep_plan = {**model.ep_plan, "model.layers.1.mlp.experts": "ep_dispatch_experts"}
-    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"dp": 2, "ep": 2}))
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"dp_shard": 2, "ep": 2}))
     (warning,) = [w for w in plan.warnings if "layers.1" in w.message]
     assert "transformers writes layer indices as '*': 'model.layers.*.mlp.experts'" in warning.message
 
@@ -321,4 +321,4 @@ def test_deliberate_mistakes_on_each_real_skeleton_are_caught(name: str) -> None
         resolve_plan(model, from_hf_plan(model), LayoutContext(axes))
     if name in EXPERTS:
         with pytest.raises(PlanError, match=re.escape(f"{EXPERTS[name]} is not divisible by the 'ep' axis size 3")):
-            resolve_plan(model, from_hf_plan(model), LayoutContext({"dp": 3, "ep": 3}))
+            resolve_plan(model, from_hf_plan(model), LayoutContext({"dp_shard": 3, "ep": 3}))

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from meshbind import LayoutContext, PlanError, demo, from_hf_plan, plan_report, resolve_plan
+from meshbind import FullyShard, LayoutContext, PlanError, demo, from_hf_plan, plan_report, resolve_plan
 from meshbind.cli import main
 from meshbind.demo import DemoConfig
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
@@ -28,7 +28,7 @@ DEMO_AXES = ["--axis", "dp=1", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep
 F32 = 4
 
 # At tp=8 Qwen3-235B-A22B's 4 key/value heads would be split: the check refuses it (transformers #48307).
-REAL_SIZES = {"deepseek_v3": {"tp": 8, "ep": 8}, "qwen3_moe_235b": {"dp": 2, "tp": 4, "ep": 8}, "llama_405b": {"tp": 8}}
+REAL_SIZES = {"deepseek_v3": {"tp": 8, "ep": 8}, "qwen3_moe_235b": {"dp_shard": 2, "tp": 4, "ep": 8}, "llama_405b": {"tp": 8}}
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +63,8 @@ def test_the_report_counts_every_parameter_and_its_bytes_per_rank_by_hand(real_m
     rank = report.ranks[0]
     assert rank.parameter_bytes == sum(p.bytes_per_rank for p in report.params)
     assert rank.gradient_bytes == rank.parameter_bytes and rank.optimizer_bytes == 2 * rank.parameter_bytes
-    first_two = [{"dp": 0} if "dp" in axes else {}] * 2
-    first_two = [{**first_two[0], "tp": 0}, {**first_two[1], "tp": 1}]
-    assert len(report.ranks) == axes.get("dp", 1) * tp and [r.coordinates for r in report.ranks[:2]] == (
-        [{**first_two[0], "ep": 0}, {**first_two[1], "ep": 1}] if ep > 1 else first_two
-    )
+    first_two = [{"dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": tp_rank, "ep": tp_rank % ep} for tp_rank in (0, 1)]
+    assert len(report.ranks) == axes.get("dp_shard", 1) * tp and [r.coordinates for r in report.ranks[:2]] == first_two
 
 
 def test_experts_left_unsharded_lead_the_whole_on_every_rank_list(real_models: dict[str, Any]) -> None:
@@ -165,7 +162,7 @@ def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_checkpoint_saved_at_one_layout_fits_another_and_not_more_experts(
     demo_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    other = ["--axis", "dp=4", "--axis", "cp=1", "--axis", "tp=1", "--axis", "ep=4"]
+    other = ["--axis", "dp_shard=4", "--axis", "cp=1", "--axis", "tp=1", "--axis", "ep=4"]
     assert main(["check", *DEMO, *other, "--checkpoint", str(demo_checkpoint)]) == 0
     assert "fits the model" in capsys.readouterr().err
     more = ["test_report:sixteen_experts", DEMO[1]]
@@ -229,6 +226,63 @@ def test_a_world_of_ten_to_the_eleven_ranks_costs_what_one_of_eight_does(capsys:
     plan = resolve_plan(model, [loss_head_request()], LayoutContext({"dp": 10**11, "cp": 2, "tp": 2, "ep": 2}))
     ranks = plan_report(model, plan).ranks
     assert len(ranks) == 4 * 10**11
-    assert dict(ranks[-1].coordinates) == {"dp": 10**11 - 1, "cp": 1, "tp": 1, "ep": 1}
-    assert dict(ranks[6].coordinates) == {"dp": 1, "cp": 1, "tp": 0, "ep": 0}
+    assert dict(ranks[-1].coordinates) == {"dp_replicate": 10**11 - 1, "dp_shard": 0, "cp": 1, "tp": 1, "ep": 1}
+    assert dict(ranks[6].coordinates) == {"dp_replicate": 1, "dp_shard": 0, "cp": 1, "tp": 0, "ep": 0}
     assert ranks[6].parameter_bytes == ranks[0].parameter_bytes
+
+
+# FSDP2 at the worlds published training runs use (SPEC §10): 256 ranks, each rank the padded
+# chunk FSDP allocates of its TP- or EP-local tensor, computed here by hand from the config.
+FSDP_WORLDS = {
+    "deepseek_v3": {"dp_shard": 32, "tp": 8, "ep": 32},  # experts: 256 / 32 = 8 per ep rank, over edp_shard = 8
+    "qwen3_moe_235b": {"dp_shard": 64, "tp": 4, "ep": 8},  # experts: 128 / 8 = 16 per ep rank, over edp_shard = 32
+    "llama_405b": {"dp_shard": 32, "tp": 8},
+}
+FSDP_UNITS = FullyShard(("model.layers.*.mlp.experts", "model.layers.*"))
+DENSE_UNITS = FullyShard(("model.layers.*",))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("name", list(FSDP_WORLDS))
+def test_fsdp_bytes_per_rank_at_real_sizes_by_hand(real_models: dict[str, Any], name: str) -> None:
+    model, axes, config = real_models[name], FSDP_WORLDS[name], REAL[name]
+    units = FSDP_UNITS if "ep" in axes else DENSE_UNITS
+    report = plan_report(model, resolve_plan(model, from_hf_plan(model), LayoutContext(axes), fully_shard=units))
+    world = LayoutContext(axes).world
+    tp, ep, hidden = axes["tp"], axes.get("ep", 1), config["hidden_size"]
+    assert world.size == 256 and [(g.first, g.count) for g in report.rank_groups] == [(0, 256)]
+    assert "every one of the 256 ranks holds" in report.text()
+    # The embedding: vocab / tp rows, then a padded chunk of them over dp_shard.
+    embed = row(report, "model.embed_tokens.weight")
+    assert embed.bytes_per_rank == ceil_div(config["vocab_size"] // tp, axes["dp_shard"]) * hidden * F32
+    norm = row(report, "model.norm.weight")
+    assert norm.local_shape == (ceil_div(hidden, axes["dp_shard"]),)
+    if ep > 1:
+        experts = config.get("num_experts", config.get("n_routed_experts"))
+        edp_shard = axes["dp_shard"] * tp // ep
+        gate_up = row(report, f"model.layers.{config['num_hidden_layers'] - 1}.mlp.experts.gate_up_proj")
+        local_experts = ceil_div(experts // ep, edp_shard)
+        assert (gate_up.fsdp_shards, gate_up.local_shape) == (
+            edp_shard,
+            (local_experts, 2 * config["moe_intermediate_size"], hidden),
+        )
+    else:
+        q = row(report, "model.layers.0.self_attn.q_proj.weight")  # heads split over tp, then over dp_shard
+        assert q.local_shape == (ceil_div(hidden // tp, axes["dp_shard"]), hidden)
+    rank = report.ranks[255]
+    assert rank.parameter_bytes == sum(p.bytes_per_rank for p in report.params) == rank.gradient_bytes
+
+
+def test_fsdp_divides_the_replicated_state_by_the_data_parallel_ranks(real_models: dict[str, Any]) -> None:
+    # DeepSeek-V3 at dp=8, tp=8, ep=8: replicas of the TP/EP shard on every data-parallel rank,
+    # until FSDP shards them over those 8 ranks (padding keeps it a little above an eighth).
+    model = real_models["deepseek_v3"]
+    replicated = plan_report(model, resolve_plan(model, from_hf_plan(model), LayoutContext({"dp_shard": 8, "tp": 8, "ep": 8})))
+    sharded = plan_report(
+        model, resolve_plan(model, from_hf_plan(model), LayoutContext({"dp_shard": 8, "tp": 8, "ep": 8}), fully_shard=FSDP_UNITS)
+    )
+    whole, part = replicated.ranks[0].total_bytes, sharded.ranks[0].total_bytes
+    assert whole / 8 <= part <= whole / 8 * 1.001

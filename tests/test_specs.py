@@ -9,7 +9,7 @@ import threading
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from meshbind import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, PatternError
+from meshbind import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, PatternError, World
 
 
 def check(**kwargs: object) -> None:
@@ -146,19 +146,42 @@ def test_layout_context_is_read_only_and_names_a_missing_axis() -> None:
 @pytest.mark.parametrize(
     ("sizes", "because"),
     [
-        ({"tp": 2, "ep": 4}, "ep=4 does not divide the world of 2 ranks (tp=2), so some experts would live on no rank"),
-        ({"ep": 2}, "ep=2 does not divide the world of 1 rank (no dp, cp or tp axis)"),
-        ({"dp": 3, "cp": 2, "ep": 4}, "ep=4 does not divide the world of 6 ranks (dp=3 * cp=2)"),
+        ({"tp": 2, "ep": 4}, "ep=4 does not divide dp_shard * cp * tp = 1 * 1 * 2 = 2"),
+        ({"ep": 2}, "ep=2 does not divide dp_shard * cp * tp = 1 * 1 * 1 = 1"),
+        ({"dp_shard": 3, "cp": 2, "ep": 4}, "ep=4 does not divide dp_shard * cp * tp = 3 * 2 * 1 = 6"),
+        # dp (dp_replicate) replicates the experts: it lends them no ranks, as in torchtitan.
+        ({"dp": 2, "ep": 2}, "dp_replicate=2 replicates the experts, it lends them no ranks"),
     ],
 )
 def test_a_world_the_axes_cannot_make_is_refused_offline_with_the_sizes_that_work(sizes: dict[str, int], because: str) -> None:
-    # MeshContext.build and transformers' DistributedConfig refuse these too: half of the experts would live nowhere.
+    # MeshContext.build refuses these too: some experts would live on no rank, or a rank would hold two shards.
     with pytest.raises(ValueError, match=re.escape(because)) as caught:
         LayoutContext(sizes)
-    world = sizes.get("dp", 1) * sizes.get("cp", 1) * sizes.get("tp", 1)
-    fitting = ", ".join(str(size) for size in range(1, world + 1) if world % size == 0)
-    assert f"use ep = {fitting}, or axes dp, cp, tp whose product is a multiple of {sizes['ep']}" in str(caught.value)
-    assert LayoutContext({**sizes, "dp": sizes["ep"] * sizes.get("dp", 1)}).size("ep") == sizes["ep"]
+    borrowed = sizes.get("dp_shard", 1) * sizes.get("cp", 1) * sizes.get("tp", 1)
+    fitting = ", ".join(str(size) for size in range(1, borrowed + 1) if borrowed % size == 0)
+    assert f"use ep = {fitting}, or a dp_shard, cp and tp whose product is a multiple of {sizes['ep']}" in str(caught.value)
+    assert LayoutContext({**sizes, "dp_shard": sizes["ep"] * sizes.get("dp_shard", 1)}).size("ep") == sizes["ep"]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "because"),
+    [
+        ({"pp": 2}, "'pp' is not an axis of the world"),
+        ({"dp": 2, "dp_replicate": 2}, "the 'dp_replicate' axis is given twice"),
+        ({"edp_shard": 2}, "'edp_shard' is not an axis of the world"),
+    ],
+)
+def test_an_axis_the_world_does_not_have_is_refused(sizes: dict[str, int], because: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(because)):
+        LayoutContext(sizes)
+
+
+def test_the_world_derives_the_expert_axes_and_each_ranks_coordinates() -> None:
+    world = LayoutContext({"dp": 2, "dp_shard": 2, "cp": 2, "tp": 2, "ep": 4}).world
+    assert world == World(dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4) and world.size == 16
+    assert (world.edp_replicate, world.edp_shard, world.fsdp_shard) == (2, 2, 4)
+    assert world.coordinates(13) == {"dp_replicate": 1, "dp_shard": 1, "cp": 0, "tp": 1, "ep": 1}
+    assert world.size_of("dp") == 2 and world.size_of("edp_shard") == 2
 
 
 def test_required_must_be_a_bool() -> None:

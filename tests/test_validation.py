@@ -15,7 +15,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from meshbind import LayoutContext, ModuleShardingSpec, ParallelModuleSpec, _core, validate_parallel_module
 from meshbind.validation import ValidationBatch
 
-CONTEXT = LayoutContext({"dp": 2, "ep": 2, "tp": 1})
+CONTEXT = LayoutContext({"dp_shard": 2, "ep": 2, "tp": 1})
 
 
 def accept(**kwargs: Any) -> None:
@@ -340,7 +340,9 @@ BATCH_SHARDINGS = [
 def batches(draw: st.DrawFn) -> tuple[LayoutContext, list[tuple[nn.Module, ParallelModuleSpec, ModuleShardingSpec]]]:
     """A context and modules with specs and shardings drawn from small pools, so that many share
     a spec, a sharding object (or an equal copy) and shapes: what the batch checks as one unit."""
-    context = LayoutContext(draw(st.sampled_from([{"dp": 2, "ep": 2, "tp": 1}, {"dp": 2, "ep": 4, "tp": 2}, {"dp": 2}])))
+    context = LayoutContext(
+        draw(st.sampled_from([{"dp_shard": 2, "ep": 2, "tp": 1}, {"dp_shard": 2, "ep": 4, "tp": 2}, {"dp": 2}]))
+    )
     rows = []
     for _ in range(draw(st.integers(1, 12))):
         module = SomeExperts(draw(st.sampled_from([2, 4, 8])), draw(st.booleans()))

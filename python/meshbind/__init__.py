@@ -26,13 +26,14 @@ from meshbind.errors import (
     PatternError,
     PlanError,
     RankMismatchError,
+    describe_problem_codes,
 )
 from meshbind.errors import PlanProblem as PlanProblem
 from meshbind.errors import ProblemCode as ProblemCode
-from meshbind.errors import describe_problem_codes
 from meshbind.family import FamilyBuildInfo as FamilyBuildInfo
 from meshbind.family import FamilyLayout as FamilyLayout
 from meshbind.family import get_family_build_info
+from meshbind.fsdp import apply_fully_shard
 from meshbind.interop.torch_plans import from_torch_plan, parallelize_checked
 from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshBinding, MeshContext
@@ -40,8 +41,9 @@ from meshbind.report import PlanReport as PlanReport
 from meshbind.report import plan_report
 from meshbind.resolution import ParallelPlan as ParallelPlan
 from meshbind.resolution import resolve_plan
-from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
+from meshbind.specs import FullyShard, LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
 from meshbind.validation import validate_parallel_module
+from meshbind.world import World
 
 _HUGGING_FACE = ("from_hf_plan", "apply_hf_plan")
 """Entry points that import transformers (the ``hf`` extra): loaded on first use."""
@@ -66,6 +68,7 @@ __all__ = [
     "CPContext",
     "CheckpointError",
     "EPContext",
+    "FullyShard",
     "LayoutContext",
     "LayoutError",
     "MaterializationError",
@@ -80,6 +83,8 @@ __all__ = [
     "PatternSet",
     "PlanError",
     "RankMismatchError",
+    "World",
+    "apply_fully_shard",
     "apply_hf_plan",
     "apply_layouts",
     "bind_parallel_modules",

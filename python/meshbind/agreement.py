@@ -50,11 +50,14 @@ def model_entries(model: nn.Module) -> list[Entry]:
 
 
 def plan_entries(plan: ParallelPlan) -> list[Entry]:
-    """The plan's axes, and each planned module: protocol and version, its parameters' placements."""
+    """The plan's axes, each planned module (protocol and version, its parameters' placements) and
+    each FSDP unit."""
     entries = [("plan axes", str(dict(plan.context.axis_sizes)))]
     for fqn, spec in plan.parallel_modules.items():
         placed = ", ".join(f"{path}={placements_text(named)}" for path, named in plan.sharding[fqn].params.items())
         entries.append((f"plan {fqn or '<root>'}", f"{spec.protocol} v{spec.version} {placed}"))
+    if plan.fsdp is not None:
+        entries += [(f"fsdp unit {unit.fqn or '<root>'}", unit.mesh) for unit in plan.fsdp.units]
     return entries
 
 

@@ -202,7 +202,7 @@ MODULE_SPEC = ParallelModuleSpec("module", stages={"forward": ()})
 REPLICATED = ModuleShardingSpec(params={"weight": {"tp": Replicate()}})
 NO_PARAMETERS = ModuleShardingSpec()
 EXPERTS_OWNED = ModuleShardingSpec(params={name: {"ep": Shard(0)} for name in ("gate_proj", "up_proj", "down_proj")})
-CONTEXT = LayoutContext({"dp": 8, "tp": 1, "ep": 8})
+CONTEXT = LayoutContext({"dp_shard": 8, "tp": 1, "ep": 8})
 
 
 def _replicated(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from meshbind import LayoutContext, NativeParallelBindingRequest, PlanError, from_torch_plan, resolve_plan
+from meshbind import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanError, from_torch_plan, resolve_plan
 from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verify_checkpoint
 from meshbind.errors import index_groups
 from meshbind.report import OPTIMIZERS, plan_report
@@ -52,7 +52,11 @@ def _check(args: argparse.Namespace) -> int:
     twice = next((name for name in names if names.count(name) > 1), None)
     if twice is not None:
         raise _UsageError(f"--axis {twice} is given more than once")
-    context = LayoutContext(dict(args.axis))
+    try:
+        context = LayoutContext(dict(args.axis))
+    except ValueError as error:
+        raise _UsageError(f"--axis: {error}") from None
+    fully_shard = FullyShard(tuple(args.fully_shard)) if args.fully_shard is not None else None
     if args.html is not None:
         _check_writable(args.html, "--html")
     if args.hf_config is not None:
@@ -63,7 +67,7 @@ def _check(args: argparse.Namespace) -> int:
         model, requests = _factory_model_and_plan(args)
     started = time.perf_counter()
     try:
-        plan = resolve_plan(model, requests, context, progress=_ProgressBar())
+        plan = resolve_plan(model, requests, context, progress=_ProgressBar(), fully_shard=fully_shard)
     except PlanError as error:
         if args.json:
             problems = [p.to_dict() for p in error.problems]
@@ -299,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--strict", action="store_true", help="with --hf-config: a key that selects nothing is an error")
     check.add_argument("--axis", type=_axis, action="append", default=[], metavar="NAME=SIZE", help="a mesh axis (repeatable)")
+    check.add_argument(
+        "--fully-shard",
+        action="append",
+        metavar="PATTERN",
+        help="an FSDP2 unit per module PATTERN selects (repeatable; the root is the last unit); "
+        "the report counts the padded chunks FSDP allocates",
+    )
     check.add_argument("--json", action="store_true", help="one JSON object on stdout")
     check.add_argument(
         "--report", action="store_true", help="print what each rank holds (local shapes, bytes) instead of the plan table"

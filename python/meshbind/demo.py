@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from meshbind.binding import bind_parallel_modules, validate_materialized_modules
@@ -38,11 +40,14 @@ from meshbind.examples.moe_transformer import (
     local,
     loss_head_request,
 )
+from meshbind.fsdp import apply_fully_shard
 from meshbind.launch import run_local_world
 from meshbind.layouts import apply_layouts
-from meshbind.mesh import EXPERT_MESH_DIMS, MeshContext, process_group_count
+from meshbind.mesh import MeshContext, process_group_count
 from meshbind.report import plan_report
 from meshbind.resolution import resolve_plan
+from meshbind.specs import FullyShard
+from meshbind.world import DENSE_AXES, EXPERT_AXES, FSDP_SHARD_AXES, World
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -50,7 +55,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 @dataclass(frozen=True)
 class DemoConfig:
     world_size: int = 4
-    dp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
     cp: int = 2
     tp: int = 2
     ep: int = 2
@@ -71,6 +77,25 @@ class DemoConfig:
     def transformer(self) -> TransformerConfig:
         return TransformerConfig(layers=self.layers, experts=self.experts)
 
+    @property
+    def fsdp(self) -> bool:
+        """FSDP (HSDP with ``dp_replicate`` above 1) when ``dp_shard`` is above 1; otherwise the
+        data-parallel ranks replicate, and the demo sums their gradients itself."""
+        return self.dp_shard > 1
+
+    @property
+    def batch_shards(self) -> int:
+        """The ranks the batch is split over: every data-parallel rank, replicated or sharded."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> World:
+        return World(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, ep=self.ep)
+
+
+FSDP_UNITS = FullyShard(("blocks.*.moe", "blocks.*"))
+"""The experts (with their router, on the expert mesh) a unit each, then each block, then the root."""
+
 
 class FlagError(ValueError):
     """A demo flag that cannot work; raised before any process starts."""
@@ -79,7 +104,7 @@ class FlagError(ValueError):
 def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
     """Every flag rule, each failure one line."""
     cores = cpu_count or os.cpu_count() or 1
-    for name in ("world_size", "dp", "cp", "tp", "ep", "layers", "experts", "seq_len", "batch"):
+    for name in ("world_size", "dp_replicate", "dp_shard", "cp", "tp", "ep", "layers", "experts", "seq_len", "batch"):
         if getattr(config, name) < 1:
             raise FlagError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
     if config.world_size > 4 * cores:
@@ -87,13 +112,13 @@ def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
             f"a world of {config.world_size} ranks is more than this machine can sensibly run "
             f"({cores} cores: at most {4 * cores})"
         )
-    if config.dp * config.cp * config.tp != config.world_size:
-        product = config.dp * config.cp * config.tp
-        raise FlagError(
-            f"--dp {config.dp} x --cp {config.cp} x --tp {config.tp} = {product}, not the world size {config.world_size}"
-        )
-    if config.world_size % config.ep:
-        raise FlagError(f"--ep {config.ep} does not divide the world size {config.world_size}")
+    try:
+        world = config.world
+    except ValueError as error:
+        raise FlagError(str(error)) from None
+    if world.size != config.world_size:
+        product = " x ".join(f"--{axis.replace('_', '-')} {getattr(config, axis)}" for axis in DENSE_AXES)
+        raise FlagError(f"{product} = {world.size}, not the world size {config.world_size}")
     if config.experts % config.ep:
         raise FlagError(f"--experts {config.experts} is not divisible by --ep {config.ep}")
     if config.experts < config.transformer.top_k:
@@ -104,8 +129,10 @@ def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
         raise FlagError(f"--tp {config.tp} does not divide the {config.transformer.heads} attention heads")
     if config.seq_len % (2 * config.cp):
         raise FlagError(f"--seq-len {config.seq_len} is not divisible by 2 x --cp = {2 * config.cp} (head-tail CP chunks)")
-    if config.batch % config.dp:
-        raise FlagError(f"--batch {config.batch} is not divisible by --dp {config.dp}")
+    if config.batch % config.batch_shards:
+        raise FlagError(
+            f"--batch {config.batch} is not divisible by --dp-replicate x --dp-shard = {config.batch_shards} (the batch's split)"
+        )
     if config.load is not None and not os.path.isfile(os.path.join(config.load, ".metadata")):
         raise FlagError(f"--load {config.load} is not a checkpoint written by --save (no .metadata in it)")
     if config.save is not None:
@@ -132,10 +159,11 @@ class Phases:
 
 
 def _mesh_context(config: DemoConfig) -> MeshContext:
-    context = MeshContext.build(dp=config.dp, cp=config.cp, tp=config.tp, ep=config.ep)
+    world = config.world
+    context = MeshContext.build(dp_replicate=world.dp_replicate, dp_shard=world.dp_shard, cp=world.cp, tp=world.tp, ep=world.ep)
     if context.fsdp_moe_mesh is None:
         # ep = 1: the experts still bind, over one-rank expert groups of a mesh made here.
-        expert_mesh = init_device_mesh(context.device_type, (1, config.world_size, 1), mesh_dim_names=EXPERT_MESH_DIMS)
+        expert_mesh = init_device_mesh(context.device_type, world.expert_shape, mesh_dim_names=EXPERT_AXES)
         context = MeshContext(context.device_mesh, expert_mesh)
     return context
 
@@ -155,7 +183,8 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     with phases("build"), torch.device("meta"):
         model = MoETransformer(config.transformer).to(dtype)
     with phases("plan"):
-        plan = resolve_plan(model, [loss_head_request()], mesh_context.layout_context())
+        fully_shard = FSDP_UNITS if config.fsdp else None
+        plan = resolve_plan(model, [loss_head_request()], mesh_context.layout_context(), fully_shard=fully_shard)
         # What this rank will hold, from the plan alone, before any weight exists.
         predicted_bytes = plan_report(model, plan, optimizer="none").ranks[rank].parameter_bytes
     with phases("layout"):
@@ -163,7 +192,13 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         apply_layouts(model, plan, mesh_context)
     with phases("bind"):
         bound = bind_parallel_modules(model, plan, mesh_context)
-        new_groups = process_group_count() - groups_before
+    if config.fsdp:
+        with phases("fully_shard"):
+            apply_fully_shard(model, plan, mesh_context)
+            for module in model.modules():
+                if isinstance(module, FSDPModule):  # the loss is already the global mean: sum, not average
+                    module.set_gradient_divide_factor(1.0)
+    new_groups = process_group_count() - groups_before
     with phases("materialise"):
         model.to_empty(device=device)
         if config.load is None:
@@ -173,20 +208,25 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     with phases("validate"):
         validate_materialized_modules(model)
     tokens, targets = batch(config.transformer, config.batch, config.seq_len, config.seed)
-    dp_index = mesh_context.device_mesh.get_coordinate()[0]  # type: ignore[index]
-    rows = slice(dp_index * config.batch // config.dp, (dp_index + 1) * config.batch // config.dp)
+    coordinates = mesh_context.world.coordinates(rank)
+    dp_index = coordinates["dp_replicate"] * config.dp_shard + coordinates["dp_shard"]
+    per_shard = config.batch // config.batch_shards
+    rows = slice(dp_index * per_shard, (dp_index + 1) * per_shard)
     with phases("forward"):
         loss = model(tokens[rows].to(device), targets[rows].to(device))
     with phases("backward"):
         loss.backward()
     with phases("reduce"):
         gradients = _local_gradients(model, rank)
-        _reduce_gradients(gradients, mesh_context)
+        _reduce_gradients(gradients, mesh_context, fsdp=config.fsdp)
         total_loss = loss.detach().clone()
         dist.all_reduce(total_loss)
     with phases("compare"):
         local_bytes = parameter_bytes(model)
         gradients = _full_gradients(gradients)
+        # Which agent (torchrun's node) runs each rank: HSDP replicates across nodes, shards within.
+        nodes: list[Any] = [None] * world
+        dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", "0")))
         # NCCL reduces device tensors only
         worst = torch.tensor([float(new_groups), float(predicted_bytes != local_bytes["total"])], device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -208,6 +248,7 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         "planned_modules": len(plan.parallel_modules),
         "modules_bound": len(bound),
         "new_process_groups": int(worst[0].item()),
+        "node_of_rank": nodes,
         "report_matches_every_rank": not bool(worst[1].item()),
         "report_param_bytes_per_rank": predicted_bytes,
         "loss": float(total_loss),
@@ -233,27 +274,33 @@ def _local_gradients(model: MoETransformer, rank: int) -> dict[str, torch.Tensor
     return gradients
 
 
-def _reduce_gradients(gradients: dict[str, torch.Tensor], mesh_context: MeshContext) -> None:
-    """Sum each gradient over the ranks holding the same values of its parameter: every dim of its
-    mesh (the expert mesh for a parameter on ``ep``, else the device mesh) that it is not ``Shard``
-    on. A plain parameter is whole on every rank of the device mesh. Existing groups only."""
+def _reduce_gradients(gradients: dict[str, torch.Tensor], mesh_context: MeshContext, *, fsdp: bool) -> None:
+    """Sum each gradient over the ranks holding the same values of its parameter that nothing
+    reduced over yet: every dim of its mesh (the expert mesh for a parameter on ``ep``, else the
+    device mesh) that neither shards it nor, under FSDP, FSDP reduced over. Existing groups only."""
     for gradient in gradients.values():
         # A DTensor's local gradient is its storage: reduced in place.
         local_gradient = gradient.to_local() if isinstance(gradient, DTensor) else gradient
-        for group in _replica_groups(mesh_context, gradient):
+        for group in _replica_groups(mesh_context, gradient, fsdp):
             dist.all_reduce(local_gradient, group=group)
 
 
-def _replica_groups(mesh_context: MeshContext, gradient: torch.Tensor) -> list[Any]:
+def _replica_groups(mesh_context: MeshContext, gradient: torch.Tensor, fsdp: bool) -> list[Any]:
+    names: tuple[str, ...] = ()
     sharded: set[str] = set()
-    whole = mesh_context.device_mesh
     if isinstance(gradient, DTensor):
         names = gradient.device_mesh.mesh_dim_names or ()
         sharded = {name for name, placement in zip(names, gradient.placements, strict=True) if placement.is_shard()}
-        if set(names) <= set(EXPERT_MESH_DIMS) and mesh_context.fsdp_moe_mesh is not None:
-            whole = mesh_context.fsdp_moe_mesh
+    expert = mesh_context.fsdp_moe_mesh is not None and any(name in EXPERT_AXES for name in names)
+    whole = mesh_context.fsdp_moe_mesh if expert else mesh_context.device_mesh
+    assert whole is not None
+    by_fsdp = set(("edp_replicate", "edp_shard") if expert else ("dp_replicate", *FSDP_SHARD_AXES)) if fsdp else set()
     dims = whole.mesh_dim_names or ()
-    return [whole.get_group(dim) for index, dim in enumerate(dims) if dim not in sharded and whole.size(index) > 1]
+    return [
+        whole.get_group(dim)
+        for index, dim in enumerate(dims)
+        if dim not in sharded and dim not in by_fsdp and whole.size(index) > 1
+    ]
 
 
 def _step_save_and_evaluate(model: MoETransformer, config: DemoConfig, tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -272,8 +319,15 @@ def _step_save_and_evaluate(model: MoETransformer, config: DemoConfig, tokens: t
 
 
 def _full_gradients(gradients: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every gradient at its full shape: a DTensor parameter's is gathered as a full tensor."""
-    return {name: g.full_tensor() if isinstance(g, DTensor) else g for name, g in gradients.items()}
+    """Every gradient at its full shape: a DTensor parameter's is gathered as a full tensor (for
+    the comparison only: torch's advice to flatten mesh dims for speed is silenced here)."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return {name: g.full_tensor() if isinstance(g, DTensor) else g for name, g in gradients.items()}
+    finally:
+        logger.setLevel(level)
 
 
 def _reference(
@@ -293,11 +347,12 @@ def _reference(
 
 
 def parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """The bytes this rank's parameters hold (a DTensor's local shard; a tied parameter once), by
-    part of the model: the attention projections, the experts' fused weights, and the rest."""
+    """The bytes this rank's parameters hold: the storage of a DTensor's local shard (FSDP's padding
+    included; a tied parameter once), by part of the model: the attention projections, the
+    experts' fused weights, and the rest."""
     parts = dict.fromkeys(("attention", "experts", "other", "total"), 0)
     for name, parameter in model.named_parameters():
-        size = local(parameter).numel() * parameter.element_size()
+        size = local(parameter).untyped_storage().nbytes()
         part = "attention" if ".attn." in name else "experts" if name.rsplit(".", 1)[-1] in MoELayer.EXPERT_WEIGHTS else "other"
         parts[part] += size
         parts["total"] += size
@@ -349,12 +404,18 @@ def add_flags(parser: argparse.ArgumentParser, *, world_size: bool) -> None:
     defaults = DemoConfig()
     if world_size:
         parser.add_argument("--world-size", type=int, default=defaults.world_size, help="ranks to spawn (gloo)")
-    for name in ("dp", "cp", "tp", "ep"):
+    parser.add_argument(
+        "--dp-replicate", "--dp", type=int, default=defaults.dp_replicate, help="data-parallel ranks that replicate (HSDP's)"
+    )
+    parser.add_argument(
+        "--dp-shard", type=int, default=defaults.dp_shard, help="data-parallel ranks FSDP shards over (above 1: FSDP2)"
+    )
+    for name in ("cp", "tp", "ep"):
         parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=f"{name} axis size")
     parser.add_argument("--layers", type=int, default=defaults.layers)
     parser.add_argument("--experts", type=int, default=defaults.experts)
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    parser.add_argument("--batch", type=int, default=defaults.batch, help="global batch (split over dp)")
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="global batch (split over dp_replicate x dp_shard)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--json", action="store_true", help="end stdout with one JSON object")

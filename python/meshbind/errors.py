@@ -53,6 +53,7 @@ class ProblemCode(str, Enum):
     BINDING = "binding"
     EXPERT = "expert"
     VALIDATOR = "validator"
+    FSDP = "fsdp"
 
     def __str__(self) -> str:
         return self.value
@@ -71,6 +72,8 @@ _PROBLEM_CODE_LINES = {
     ProblemCode.BINDING: "a binding kind without bind_parallel(binding), or a family class without a valid parallel_spec",
     ProblemCode.EXPERT: "num_experts no int, below 1 or not divisible by ep; expert weights not Shard(0) over the experts",
     ProblemCode.VALIDATOR: "the spec's own validate(module=, sharding=, context=) raised or returned something",
+    ProblemCode.FSDP: "an FSDP unit torch's fully_shard cannot take: a container, parameters of both meshes or of two "
+    "dtypes, a tie across units, a 0-d parameter, or a parameter already placed on an axis FSDP shards over",
 }
 
 

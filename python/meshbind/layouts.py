@@ -21,7 +21,7 @@ from meshbind.agreement import check_ranks_agree, plan_agreement
 from meshbind.binding import submodule, unwrapped
 from meshbind.errors import LayoutError
 from meshbind.family import family_spec, record_family_distribution
-from meshbind.mesh import DEVICE_MESH_DIMS, EXPERT_MESH_DIMS, MeshContext, check_resolved_for
+from meshbind.mesh import MeshContext, check_resolved_for
 from meshbind.placements import placements_text, split_dim
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import ParallelModuleSpec
@@ -157,11 +157,13 @@ def _mesh_and_placements(
 ) -> tuple[DeviceMesh, tuple[Placement, ...], DeviceMesh, tuple[Placement, ...]] | None:
     """The prebuilt mesh sliced to the named axes, in its own dim order, and the placement of each;
     then the whole mesh and its placements (``Replicate`` where the mapping names no axis)."""
-    expert = [axis for axis in named if axis in EXPERT_MESH_DIMS and mesh_context.fsdp_moe_mesh is not None]
-    device = [axis for axis in named if axis in (mesh_context.device_mesh.mesh_dim_names or ())]
-    missing = [axis for axis in named if axis not in expert and axis not in device]
+    expert_names = mesh_context.fsdp_moe_mesh.mesh_dim_names or () if mesh_context.fsdp_moe_mesh is not None else ()
+    dims = {axis: axis if axis in expert_names else mesh_context.dim_name(axis) for axis in named}
+    expert = [axis for axis in named if axis in expert_names]
+    device = [axis for axis in named if axis not in expert and dims[axis] is not None]
+    missing = [axis for axis in named if dims[axis] is None]
     if missing:
-        available = [*(mesh_context.device_mesh.mesh_dim_names or ()), *(EXPERT_MESH_DIMS if mesh_context.fsdp_moe_mesh else ())]
+        available = [*(mesh_context.device_mesh.mesh_dim_names or ()), *expert_names]
         problems.append(f"{fqn!r} is placed on {missing}, which no mesh has (axes: {', '.join(available)})")
         return None
     if expert and device:
@@ -170,15 +172,17 @@ def _mesh_and_placements(
             "one parameter lives on one mesh"
         )
         return None
-    mesh, order = (mesh_context.fsdp_moe_mesh, EXPERT_MESH_DIMS) if expert else (mesh_context.device_mesh, DEVICE_MESH_DIMS)
+    mesh = mesh_context.fsdp_moe_mesh if expert else mesh_context.device_mesh
     assert mesh is not None
-    whole = tuple(named.get(axis, Replicate()) for axis in order)
-    axes = tuple(axis for axis in order if axis in named)
+    order = mesh.mesh_dim_names or ()
+    by_dim = {dims[axis]: placement for axis, placement in named.items()}
+    whole = tuple(by_dim.get(dim, Replicate()) for dim in order)
+    axes = tuple(dim for dim in order if dim in by_dim)
     if not axes:  # a mapping that names no axis replicates over the whole device mesh
         return mesh, whole, mesh, whole
     if axes not in slices:
         slices[axes] = mesh[axes]
-    return slices[axes], tuple(named[axis] for axis in axes), mesh, whole
+    return slices[axes], tuple(by_dim[dim] for dim in axes), mesh, whole
 
 
 def _parameter(module: nn.Module, path: str) -> nn.Parameter | None:

@@ -3,7 +3,7 @@ one-dimensional meshes cut from them and never creates a group."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -12,9 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshbind.errors import BindingRefusedError
 from meshbind.specs import LayoutContext
-
-DEVICE_MESH_DIMS = ("dp", "cp", "tp")
-EXPERT_MESH_DIMS = ("edp_replicate", "edp_shard", "ep")
+from meshbind.world import AXES, DENSE_AXES, EXPERT_AXES, FSDP_SHARD_AXES, FSDP_SHARD_MESH, World, canonical_axis
 
 
 def one_dimensional(mesh: object, what: str) -> DeviceMesh:
@@ -33,72 +31,83 @@ def process_group_count() -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
 
-def _positive(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class MeshContext:
-    """The device mesh (dims ``dp, cp, tp``) and, for expert parallelism, the expert mesh
-    ``fsdp_moe_mesh`` over the same ranks with ``ep`` innermost (dims ``edp_replicate, edp_shard, ep``).
+    """The device mesh (dims ``dp_replicate, dp_shard, cp, tp``) and, for expert parallelism, the
+    expert mesh ``fsdp_moe_mesh`` over the same ranks with ``ep`` innermost (dims ``edp_replicate,
+    edp_shard, ep``); the ``World`` they make (``world``) and the meshes FSDP shards over.
 
-    Build one with ``MeshContext.build`` or wrap meshes you built: ``MeshContext(mesh, expert_mesh)``.
+    Build one with ``MeshContext.build`` or wrap meshes you built: ``MeshContext(mesh, expert_mesh)``,
+    whose dims are named from the world's axes (``dp`` read as ``dp_replicate``). Constructing one
+    makes every group it will use: a ``dp_shard x cp`` device mesh gets its flattened
+    ``dp_shard_cp`` dim (FSDP's shard axis) here, never later.
     """
 
     device_mesh: DeviceMesh
     fsdp_moe_mesh: DeviceMesh | None = None
+    world: World = field(init=False, compare=False, repr=False)
+    _fsdp_meshes: dict[str, DeviceMesh] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device_mesh, DeviceMesh) or not self.device_mesh.mesh_dim_names:
             raise ValueError("MeshContext.device_mesh must be a DeviceMesh with mesh_dim_names")
+        sizes = {name: self.device_mesh.size(dim) for dim, name in enumerate(self.device_mesh.mesh_dim_names)}
         if self.fsdp_moe_mesh is not None:
-            if not isinstance(self.fsdp_moe_mesh, DeviceMesh) or "ep" not in (self.fsdp_moe_mesh.mesh_dim_names or ()):
+            expert_names = self.fsdp_moe_mesh.mesh_dim_names or ()
+            if not isinstance(self.fsdp_moe_mesh, DeviceMesh) or "ep" not in expert_names:
                 raise ValueError("MeshContext.fsdp_moe_mesh must be a DeviceMesh with an 'ep' dimension")
             if self.fsdp_moe_mesh.size() != self.device_mesh.size():
                 raise ValueError(
                     f"the expert mesh spans {self.fsdp_moe_mesh.size()} ranks and the device mesh {self.device_mesh.size()}: "
                     "they must cover the same ranks"
                 )
+            sizes["ep"] = self.fsdp_moe_mesh.size(expert_names.index("ep"))
+        try:
+            world = World.of(sizes)
+        except ValueError as error:
+            raise ValueError(f"MeshContext: {error}") from None
+        object.__setattr__(self, "world", world)
+        object.__setattr__(self, "_fsdp_meshes", {})
+        if self.dim_name("dp_shard") is not None:
+            self.fsdp_mesh("device")  # FSDP's groups are made with the meshes, not when it is applied
 
     @classmethod
     def build(
-        cls, *, dp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, edp_shard: int | None = None, device_type: str | None = None
+        cls,
+        *,
+        dp_replicate: int = 1,
+        dp_shard: int = 1,
+        cp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        dp: int | None = None,
+        device_type: str | None = None,
     ) -> MeshContext:
         """Build both meshes over the initialised default process group.
 
-        Every size is checked before any group is made: ``dp * cp * tp`` must be the world size,
-        ``ep`` must divide it, and ``edp_shard`` (default: world / ep) must divide world / ep.
-        ``device_type`` defaults to ``cuda`` under NCCL and ``cpu`` otherwise.
+        Every size is checked before any group is made (``World``'s rules): the product of
+        ``dp_replicate, dp_shard, cp, tp`` must be the world size and ``ep`` must divide
+        ``dp_shard * cp * tp``. ``dp`` is another name for ``dp_replicate``. ``device_type``
+        defaults to ``cuda`` under NCCL and ``cpu`` otherwise.
         """
-        sizes = {name: _positive(name, value) for name, value in {"dp": dp, "cp": cp, "tp": tp, "ep": ep}.items()}
+        if dp is not None:
+            if dp_replicate != 1:
+                raise ValueError("give dp or dp_replicate, not both: dp is another name for dp_replicate")
+            dp_replicate = dp
+        world = World(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("MeshContext.build needs an initialised process group (torch.distributed.init_process_group)")
-        world = dist.get_world_size()
-        if dp * cp * tp != world:
-            raise ValueError(f"dp * cp * tp = {dp} * {cp} * {tp} = {dp * cp * tp}, but the world size is {world}")
-        if world % ep:
-            raise ValueError(f"ep = {ep} does not divide the world size {world}")
-        shard = world // ep if edp_shard is None else _positive("edp_shard", edp_shard)
-        if (world // ep) % shard:
-            raise ValueError(f"edp_shard = {shard} does not divide world / ep = {world // ep}")
+        if world.size != dist.get_world_size():
+            product = " * ".join(f"{axis}={getattr(world, axis)}" for axis in DENSE_AXES)
+            raise ValueError(f"{product} = {world.size}, but the world size is {dist.get_world_size()}")
         device = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
-        device_mesh = init_device_mesh(device, (sizes["dp"], sizes["cp"], sizes["tp"]), mesh_dim_names=DEVICE_MESH_DIMS)
-        expert_mesh = None
-        if ep > 1:
-            expert_mesh = init_device_mesh(device, (world // (ep * shard), shard, ep), mesh_dim_names=EXPERT_MESH_DIMS)
+        device_mesh = init_device_mesh(device, world.dense_shape, mesh_dim_names=DENSE_AXES)
+        expert_mesh = init_device_mesh(device, world.expert_shape, mesh_dim_names=EXPERT_AXES) if ep > 1 else None
         return cls(device_mesh, expert_mesh)
 
     def axis_sizes(self) -> dict[str, int]:
-        """Every axis and its size: the device mesh's dims and ``ep`` (1 without an expert mesh)."""
-        names = self.device_mesh.mesh_dim_names or ()
-        sizes = {name: self.device_mesh.size(dim) for dim, name in enumerate(names)}
-        if self.fsdp_moe_mesh is not None:
-            expert_names = self.fsdp_moe_mesh.mesh_dim_names or ()
-            sizes["ep"] = self.fsdp_moe_mesh.size(expert_names.index("ep"))
-        sizes.setdefault("ep", 1)
-        return sizes
+        """Every axis of the world and its size (``ep`` is 1 without an expert mesh)."""
+        return self.world.axis_sizes()
 
     def same_meshes(self, other: MeshContext) -> bool:
         """Whether ``other`` wraps these very meshes. ``DeviceMesh`` equality compares layouts,
@@ -111,6 +120,46 @@ class MeshContext:
     @property
     def device_type(self) -> str:
         return self.device_mesh.device_type
+
+    def dim_name(self, axis: str) -> str | None:
+        """The device mesh's own name for ``axis`` (a mesh wrapped with a ``dp`` dim keeps it)."""
+        wanted = canonical_axis(axis)
+        return next((name for name in self.device_mesh.mesh_dim_names or () if canonical_axis(name) == wanted), None)
+
+    def fsdp_mesh(self, mesh: str) -> DeviceMesh:
+        """The mesh FSDP shards a unit over: on the ``"device"`` side ``dp_shard x cp`` (flattened
+        when both are above 1), on the ``"expert"`` side ``edp_shard``; with ``dp_replicate`` (or
+        ``edp_replicate``) above 1, that replicate dim before it (HSDP). Made once, here."""
+        if mesh not in self._fsdp_meshes:
+            self._fsdp_meshes[mesh] = self._slice_fsdp_mesh(mesh)
+        return self._fsdp_meshes[mesh]
+
+    def _slice_fsdp_mesh(self, mesh: str) -> DeviceMesh:
+        if mesh == "expert":
+            if self.fsdp_moe_mesh is None:
+                raise BindingRefusedError("mesh", "an FSDP unit holds expert parameters, but the mesh context has no expert mesh")
+            names = self.fsdp_moe_mesh.mesh_dim_names or ()
+            missing = [axis for axis in ("edp_replicate", "edp_shard") if axis not in names]
+            if missing:
+                raise BindingRefusedError("mesh", f"FSDP of expert parameters needs the expert mesh's {missing} dims")
+            dims = ("edp_replicate", "edp_shard") if self.world.edp_replicate > 1 else ("edp_shard",)
+            return self.fsdp_moe_mesh[dims]
+        present = {axis: self.dim_name(axis) for axis in ("dp_replicate", *FSDP_SHARD_AXES)}
+        shard = [name for axis in FSDP_SHARD_AXES if (name := present[axis]) is not None and self.world.size_of(axis) > 1]
+        dp_shard = present["dp_shard"]
+        if len(shard) > 1:
+            self.device_mesh[tuple(shard)]._flatten(FSDP_SHARD_MESH)
+            shard_dim = FSDP_SHARD_MESH
+        elif shard:
+            shard_dim = shard[0]
+        elif dp_shard is not None:
+            shard_dim = dp_shard
+        else:
+            raise BindingRefusedError("mesh", "FSDP needs a dp_shard dim on the device mesh (it may be of size 1)")
+        replicate = present["dp_replicate"]
+        if replicate is not None and self.world.dp_replicate > 1:
+            return self.device_mesh[(replicate, shard_dim)]
+        return self.device_mesh[shard_dim]
 
 
 class MeshBinding:
@@ -125,22 +174,21 @@ class MeshBinding:
         """``ep`` from the expert mesh when there is one, otherwise the device mesh's dimension
         of that name. Slicing a dimension reuses the group made with the mesh: none is created."""
         context = self.mesh_context
-        if axis == "ep" and context.fsdp_moe_mesh is not None:
-            return context.fsdp_moe_mesh["ep"]
-        names = context.device_mesh.mesh_dim_names or ()
-        if axis not in names:
-            available = list(names) + (["ep"] if context.fsdp_moe_mesh is not None else [])
+        if axis in EXPERT_AXES and context.fsdp_moe_mesh is not None and axis in (context.fsdp_moe_mesh.mesh_dim_names or ()):
+            return context.fsdp_moe_mesh[axis]
+        name = context.dim_name(axis)
+        if name is None:
+            available = list(context.device_mesh.mesh_dim_names or ()) + (["ep"] if context.fsdp_moe_mesh is not None else [])
             raise BindingRefusedError("mesh", f"the mesh context has no {axis!r} axis (axes: {', '.join(available)})")
-        return context.device_mesh[axis]
+        return context.device_mesh[name]
 
 
 def check_resolved_for(plan_context: LayoutContext, mesh_context: MeshContext) -> None:
-    """A plan was checked against its context's axis sizes: every axis it names must be the
-    meshes' own, at that size (axes it does not name place nothing in a valid plan)."""
-    sizes = mesh_context.axis_sizes()
-    differing = {axis: size for axis, size in plan_context.axis_sizes.items() if sizes.get(axis) != size}
-    if differing:
-        planned = ", ".join(f"{axis}={size}" for axis, size in differing.items())
-        actual = ", ".join(f"{axis}={sizes[axis]}" if axis in sizes else f"no {axis}" for axis in differing)
-        message = f"the plan was resolved for {planned}, but the meshes have {actual}: resolve it for these meshes"
+    """A plan was checked against its context's world: the meshes must make the same one."""
+    planned, actual = plan_context.world, mesh_context.world
+    if planned != actual:
+        differing = [axis for axis in AXES if getattr(planned, axis) != getattr(actual, axis)]
+        was = ", ".join(f"{axis}={getattr(planned, axis)}" for axis in differing)
+        now = ", ".join(f"{axis}={getattr(actual, axis)}" for axis in differing)
+        message = f"the plan was resolved for {was}, but the meshes have {now}: resolve it for these meshes"
         raise BindingRefusedError("mesh", message)

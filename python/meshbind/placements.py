@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshbind.world import canonical_axis
+
 
 def shard_dim(placement: Placement | None) -> int | None:
     """The dimension ``placement`` splits as written (possibly negative): a ``Shard``'s, or a strided
@@ -30,13 +32,23 @@ def split_dim(placement: Placement | None, ndim: int) -> int | None:
 def local_shape(shape: Sequence[int], named: Mapping[str, Placement], axes: Mapping[str, int]) -> tuple[int, ...]:
     """Each rank's shape of a tensor of ``shape`` placed by ``named`` on axes of sizes ``axes``:
     every split dimension divided by the sizes of the axes splitting it (balanced, as resolution
-    requires; an axis ``axes`` lacks counts 1)."""
+    requires; an axis ``axes`` lacks counts 1; ``dp`` is ``dp_replicate``)."""
     local = list(shape)
+    sizes = {canonical_axis(axis): size for axis, size in axes.items()}
     for axis, placement in named.items():
         dim = split_dim(placement, len(local))
         if dim is not None:
-            local[dim] //= axes.get(axis, 1)
+            local[dim] //= sizes.get(canonical_axis(axis), 1)
     return tuple(local)
+
+
+def fsdp_chunk_shape(local: Sequence[int], shards: int) -> tuple[int, ...]:
+    """What each rank allocates of a (TP- or EP-local) tensor FSDP shards over ``shards`` ranks:
+    ``torch.chunk``'s first chunk of dim 0, ``ceil(d0 / shards)`` rows, the padding every rank
+    keeps so that its all-gather is even. A 0-d tensor is not sharded."""
+    if not local or shards == 1:
+        return tuple(local)
+    return (-(-local[0] // shards), *local[1:])
 
 
 def placements_text(placements: Mapping[str, Placement]) -> str:

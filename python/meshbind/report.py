@@ -3,9 +3,11 @@
 Everything comes from the model's parameters (on ``meta`` or anywhere) and the plan's named
 placements; no process group is needed. Resolution refuses uneven shards (SPEC §9, balanced
 layouts), so a parameter's local shape is the same on every rank: each dimension divided by the
-product of the sizes of the axes that shard it. Every rank of the world therefore holds the same
-bytes: the report keeps ranks alike as one group, so a world of 10^11 ranks costs what one of 8
-does, and gives any rank's row (its coordinates, which is what a launch script names) on demand.
+product of the sizes of the axes that shard it. Under FSDP (``plan.fsdp``, SPEC §10) every rank
+allocates the same padded chunk of that local tensor's dim 0. Every rank of the world therefore
+holds the same bytes: the report keeps ranks alike as one group, so a world of 10^11 ranks costs
+what one of 8 does, and gives any rank's row (its coordinates, which is what a launch script
+names) on demand.
 """
 
 from __future__ import annotations
@@ -24,16 +26,14 @@ from torch.distributed.tensor import Placement
 
 from meshbind import _core
 from meshbind._core import PatternSet
-from meshbind.placements import local_shape
+from meshbind.placements import fsdp_chunk_shape, local_shape
 from meshbind.resolution.plan import ParallelPlan
+from meshbind.world import World
 
 OPTIMIZERS = ("none", "sgd-momentum", "adam", "adam-fp32-master")
 """The optimizers whose state the report counts, per parameter that requires grad: none; one
 momentum buffer; Adam's two moments, in the parameter's dtype; or float32 moments beside a float32
 master copy of a low-precision parameter (mixed-precision training)."""
-
-EXPERT_AXES = ("ep", "edp_replicate", "edp_shard")
-"""Axes laid over the same ranks as the device mesh's (SPEC §6): they add no ranks to the world."""
 
 
 class ParameterRow(NamedTuple):
@@ -50,6 +50,9 @@ class ParameterRow(NamedTuple):
     requires_grad: bool
     protocol: str | None
     """The protocol of the planned module it belongs to (``None``: not planned)."""
+    fsdp_shards: int = 1
+    """How many ranks FSDP splits its dim 0 over (1: not sharded by FSDP); ``local_shape`` is then
+    the padded chunk each rank allocates."""
 
     @property
     def whole(self) -> bool:
@@ -90,10 +93,9 @@ class RankRows(Sequence[RankRow]):
     """Every rank's row, made when read: ``len`` is the world size, ``rows[r]`` rank ``r``'s
     coordinates and bytes. Nothing is kept per rank."""
 
-    def __init__(self, axes: Mapping[str, int], groups: Sequence[RankGroup]) -> None:
-        self.axes, self.groups = axes, groups
-        self.world_axes = [axis for axis in axes if axis not in EXPERT_AXES]
-        self.size = math.prod(axes[axis] for axis in self.world_axes)
+    def __init__(self, world: World, groups: Sequence[RankGroup]) -> None:
+        self.world, self.groups = world, groups
+        self.size = world.size
 
     def __len__(self) -> int:
         return self.size
@@ -113,15 +115,8 @@ class RankRows(Sequence[RankRow]):
         return (self[rank] for rank in range(self.size))
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Rank ``rank``'s coordinates: the world axes in their order, the last varying fastest;
-        an expert axis laid over the same ranks, innermost."""
-        coordinates, rest = {}, rank
-        for axis in reversed(self.world_axes):
-            rest, coordinates[axis] = divmod(rest, self.axes[axis])
-        ordered = {axis: coordinates[axis] for axis in self.world_axes}
-        if "ep" in self.axes:
-            ordered["ep"] = rank % self.axes["ep"]
-        return ordered
+        """Rank ``rank``'s coordinates (``World.coordinates``)."""
+        return self.world.coordinates(rank)
 
 
 @dataclass(frozen=True)
@@ -141,6 +136,7 @@ class PlanReport:
 
     optimizer: str
     axes: Mapping[str, int]
+    world: World
     rank_groups: tuple[RankGroup, ...]
     """Consecutive ranks that hold the same bytes (under a balanced plan, one group: the world)."""
     whole_on_every_rank: tuple[WholeGroup, ...]
@@ -164,7 +160,7 @@ class PlanReport:
     @functools.cached_property
     def ranks(self) -> RankRows:
         """Every rank's row (coordinates and bytes), made when read."""
-        return RankRows(self.axes, self.rank_groups)
+        return RankRows(self.world, self.rank_groups)
 
     @property
     def parameter_count(self) -> int:
@@ -213,6 +209,7 @@ class PlanReport:
                     "bytes_per_rank": p.bytes_per_rank,
                     "requires_grad": p.requires_grad,
                     "protocol": p.protocol,
+                    "fsdp_shards": p.fsdp_shards,
                 }
                 for p in self.params
             ],
@@ -229,6 +226,7 @@ class PlanReport:
         for fqn, members in self.groups:
             row = self._row(members[0])
             placed = ", ".join(f"{axis}:{p}" for axis, p in row.placements.items()) or "whole"
+            placed += f", fsdp/{row.fsdp_shards}" if row.fsdp_shards > 1 else ""
             count = f"{len(members)} x " if len(members) > 1 else ""
             lines.append(
                 f"  {count}{fqn}  {list(row.shape)} -> {list(row.local_shape)}  {placed}  {size_text(row.bytes_per_rank)}"
@@ -272,9 +270,11 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
     fqns, kinds, samples = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
     placings, placed = _placings(plan)
     # One computation per (kind, placing): a model's layers are mostly alike.
-    keys = [(kind, placed.get(fqn, 0)) for fqn, kind in zip(fqns, kinds, strict=True)]
+    fsdp, world = plan.fsdp, plan.context.world
+    shards = [1] * len(fqns) if fsdp is None else [world.fsdp_shard_of(fsdp.unit_of(fqn).mesh) for fqn in fqns]
+    keys = [(kind, placed.get(fqn, 0), n) for fqn, kind, n in zip(fqns, kinds, shards, strict=True)]
     counts = Counter(keys)
-    computed = {key: _fields(samples[key[0]], *placings[key[1]], axes) for key in counts}
+    computed = {key: _fields(samples[key[0]], *placings[key[1]], axes, key[2]) for key in counts}
     entries = tuple(zip(fqns, map(computed.__getitem__, keys), strict=True))
     row_of = {key: ParameterRow("", *fields) for key, fields in computed.items()}
     rows = [(row_of[key], count) for key, count in counts.items()]
@@ -282,12 +282,13 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
     parameter_bytes = sum(row.bytes_per_rank * count for row, count in rows)
     gradient = sum(row.bytes_per_rank * count for row, count in learnt)
     state = sum(_optimizer_bytes(row, optimizer) * count for row, count in learnt)
-    world = math.prod(size for axis, size in axes.items() if axis not in EXPERT_AXES)
-    rank_groups = (RankGroup(parameter_bytes, gradient, state, first=0, count=world),)
+    rank_groups = (RankGroup(parameter_bytes, gradient, state, first=0, count=plan.context.world.size),)
     # Rows shown as one line share shape, dtype, placements and requires_grad (not the protocol).
     codes: dict[tuple[Any, ...], int] = {}
     code_of = {
-        key: codes.setdefault((row.shape, row.dtype, tuple(row.placements.items()), row.requires_grad), len(codes))
+        key: codes.setdefault(
+            (row.shape, row.dtype, tuple(row.placements.items()), row.requires_grad, row.fsdp_shards), len(codes)
+        )
         for key, row in row_of.items()
     }
     groups = tuple((fqn, tuple(members)) for fqn, members in _core.index_groups(fqns, list(map(code_of.__getitem__, keys))))
@@ -300,7 +301,14 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
         "parameter_bytes_full": sum(math.prod(row.shape) * _element_size(row.dtype) * count for row, count in rows),
     }
     return PlanReport(
-        optimizer, MappingProxyType(dict(axes)), rank_groups, tuple(whole), groups, entries, MappingProxyType(model_totals)
+        optimizer,
+        MappingProxyType(dict(axes)),
+        plan.context.world,
+        rank_groups,
+        tuple(whole),
+        groups,
+        entries,
+        MappingProxyType(model_totals),
     )
 
 
@@ -329,15 +337,16 @@ def _placings(plan: ParallelPlan) -> tuple[list[tuple[Mapping[str, Placement], s
 
 
 def _fields(
-    sample: torch.Tensor, named: Mapping[str, Placement], protocol: str | None, axes: Mapping[str, int]
+    sample: torch.Tensor, named: Mapping[str, Placement], protocol: str | None, axes: Mapping[str, int], fsdp_shards: int
 ) -> tuple[Any, ...]:
-    """A row's fields but its FQN, for every parameter like ``sample`` placed by ``named``."""
+    """A row's fields but its FQN, for every parameter like ``sample`` placed by ``named``, and
+    split by FSDP over ``fsdp_shards`` ranks."""
     shape = tuple(sample.shape)
-    local = local_shape(shape, named, axes)
+    local = fsdp_chunk_shape(local_shape(shape, named, axes), fsdp_shards)
     placements = MappingProxyType({axis: str(p) for axis, p in named.items()})
     dtype = str(sample.dtype).removeprefix("torch.")
     size = math.prod(local) * sample.element_size()
-    return shape, dtype, placements, local, size, sample.requires_grad, protocol
+    return shape, dtype, placements, local, size, sample.requires_grad, protocol, fsdp_shards
 
 
 _NOTHING: Mapping[str, Placement] = MappingProxyType({})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from torch.distributed.tensor import Placement
 
 from meshbind._core import check_patterns
+from meshbind.world import World
 
 if TYPE_CHECKING:
     from torch import nn
@@ -207,10 +207,35 @@ class NativeParallelBindingRequest:
 
 
 @dataclass(frozen=True)
+class FullyShard:
+    """Where torch's FSDP2 (``fully_shard``) groups the parameters (SPEC §10): one unit per module
+    each pattern selects, applied bottom-up (deeper modules first, then in the order given), then
+    the root, as torchtitan wraps its blocks. A unit holding expert parameters (placed on ``ep``)
+    shards over the expert mesh's ``edp_shard``; any other over ``dp_shard · cp``; both replicate
+    over ``dp_replicate`` (HSDP) when it is above 1. ``reshard_after_forward`` is
+    ``fully_shard``'s own (``None``: torch's default, every unit but the root)."""
+
+    units: tuple[str, ...]
+    reshard_after_forward: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.units, str):
+            raise ValueError(f"FullyShard.units must be a tuple of patterns, not a bare str: write ({self.units!r},)")
+        if not isinstance(self.units, Sequence) or not all(isinstance(pattern, str) for pattern in self.units):
+            raise ValueError(f"FullyShard.units must be a tuple of pattern strings, got {self.units!r}")
+        _set(self, "units", tuple(self.units))
+        check_patterns(self.units)
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"FullyShard.reshard_after_forward must be a bool or None, got {self.reshard_after_forward!r}")
+
+
+@dataclass(frozen=True)
 class LayoutContext:
-    """The logical layout a plan is checked against: the size of every mesh axis."""
+    """The logical layout a plan is checked against: the size of every mesh axis, as given
+    (``dp`` stays ``dp``), and the ``World`` they make, whose rules are checked here."""
 
     axis_sizes: Mapping[str, int]
+    world: World = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis_sizes, Mapping):
@@ -223,7 +248,10 @@ class LayoutContext:
             if not is_int_from(size, 1):
                 raise ValueError(f"LayoutContext.axis_sizes[{axis!r}] must be an int from 1 to 2**63 - 1, got {size!r}")
         _set(self, "axis_sizes", MappingProxyType(dict(self.axis_sizes)))
-        _check_expert_axis(self.axis_sizes)
+        try:
+            _set(self, "world", World.of(self.axis_sizes))
+        except ValueError as error:
+            raise ValueError(f"LayoutContext: {error}") from None
 
     def __hash__(self) -> int:
         return hash(tuple(self.axis_sizes.items()))
@@ -233,28 +261,6 @@ class LayoutContext:
         if axis not in self.axis_sizes:
             raise ValueError(f"the layout context has no {axis!r} axis (axes: {', '.join(self.axis_sizes) or 'none'})")
         return self.axis_sizes[axis]
-
-
-DENSE_AXES = ("dp", "cp", "tp")
-"""The axes whose sizes multiply to the world; ``ep`` is laid over the same ranks (SPEC §6)."""
-
-
-def _check_expert_axis(sizes: Mapping[str, int]) -> None:
-    """``ep`` must divide the world the dense axes make, as ``MeshContext.build`` requires: otherwise
-    some experts would live on no rank. Refused with the sizes that would work."""
-    ep = sizes.get("ep", 1)
-    named = {axis: sizes[axis] for axis in DENSE_AXES if axis in sizes}
-    world = math.prod(named.values())
-    if world % ep == 0:
-        return
-    product = " * ".join(f"{axis}={size}" for axis, size in named.items()) or "no dp, cp or tp axis"
-    fitting = [size for size in range(1, min(world, 64) + 1) if world % size == 0]
-    fitting_text = ", ".join(map(str, fitting)) + (" or another divisor of it" if world > 64 else "")
-    raise ValueError(
-        f"LayoutContext: ep={ep} does not divide the world of {world} rank{'s' if world != 1 else ''} ({product}), so some "
-        f"experts would live on no rank (the expert mesh lays ep over the same ranks): use ep = {fitting_text}, or axes "
-        f"{', '.join(DENSE_AXES)} whose product is a multiple of {ep}"
-    )
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ their protocols.
   ``[E, ...]`` weights (``Shard(0)`` on ``ep``: after ``apply_layouts`` each rank's local tensor
   holds its ``E / ep`` experts) and combines the results.
 - ``LossHead`` is bound by FQN pattern through a ``NativeParallelBindingRequest`` (kind ``mesh``):
-  it takes the ``dp`` axis mesh to normalise the loss by the global token count.
+  it takes the data-parallel axis meshes to normalise the loss by the global token count.
 
 Explicit modules compute on their parameters' local tensors (``local``): a ``DTensor``
 parameter's own shard, a plain parameter itself. Unbound and undistributed, the same modules
@@ -87,7 +87,7 @@ class _SumOverGroup(torch.autograd.Function):
 
 def _attention_materialized(*, module: nn.Module, binding: ParallelBinding | None) -> None:
     for name, parameter in module.named_parameters():
-        if parameter.is_meta or not torch.isfinite(parameter).all():
+        if parameter.is_meta or not torch.isfinite(local(parameter)).all():
             raise ValueError(f"parameter {name} is not materialised with finite values")
 
 
@@ -112,12 +112,11 @@ class CPAttention(nn.Module):
         self.tp_group: Any = None
 
     def parallel_sharding(self, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
-        # Weights replicated over cp and split by heads over tp; the module takes and returns the
-        # whole sequence, replicated over tp.
-        heads = {"tp": Shard(0)} if "tp" in context.axis_sizes else {}
-        heads_in = {"tp": Shard(1)} if "tp" in context.axis_sizes else {}
+        # Weights split by heads over tp (and whole over cp, which they need not name: FSDP folds cp
+        # into its shard axis); the module takes and returns the whole sequence, replicated over tp.
+        heads = {"qkv.weight": {"tp": Shard(0)}, "out.weight": {"tp": Shard(1)}} if "tp" in context.axis_sizes else {}
         return ModuleShardingSpec(
-            params={"qkv.weight": {"cp": Replicate(), **heads}, "out.weight": {"cp": Replicate(), **heads_in}},
+            params=heads,
             in_src={"cp": Replicate()},
             in_dst={"cp": Replicate()},
             out_src={"cp": Replicate()},
@@ -178,9 +177,22 @@ def _experts_materialized(*, module: nn.Module, binding: ParallelBinding | None)
     assert isinstance(module, MoELayer)
     expected = module.num_experts if module.ep is None else module.ep.num_local_experts
     for name in MoELayer.EXPERT_WEIGHTS:
-        weight = local(getattr(module, name))
-        if weight.is_meta or weight.size(0) != expected:
-            raise ValueError(f"{name} holds {weight.size(0)} local experts on {weight.device}, expected {expected} materialised")
+        weight = getattr(module, name)
+        experts = _experts_computed(weight)
+        if weight.is_meta or experts != expected:
+            raise ValueError(f"{name} computes with {experts} local experts on {weight.device}, expected {expected} materialised")
+
+
+def _experts_computed(weight: torch.Tensor) -> int:
+    """The experts a rank computes with: the fused weight's experts split over its mesh's ``ep``
+    dim (FSDP may hold fewer between steps; it gathers them for the forward)."""
+    if not isinstance(weight, DTensor):
+        return weight.size(0)
+    names = weight.device_mesh.mesh_dim_names or ()
+    if "ep" not in names:
+        return weight.size(0)
+    ep = names.index("ep")
+    return weight.size(0) // weight.device_mesh.size(ep) if weight.placements[ep].is_shard(0) else weight.size(0)
 
 
 class MoELayer(nn.Module):
@@ -264,8 +276,8 @@ def moe_layer_class(num_experts: int) -> type[MoELayer]:
 
 
 class LossHead(nn.Module):
-    """The output projection and the loss. Bound with the ``dp`` axis mesh, it divides by the
-    global token count and by how many ranks hold each token, so summing every rank's loss (and
+    """The output projection and the loss. Bound with the data-parallel axis meshes, it divides by
+    the global token count and by how many ranks hold each token, so summing every rank's loss (and
     gradient) gives the mean over the global batch."""
 
     def __init__(self, hidden: int, vocab: int) -> None:
@@ -285,9 +297,9 @@ class LossHead(nn.Module):
         if self.binding is None:
             return total / targets.numel()
         meshes = self.binding.mesh_binding
-        dp = meshes.axis_mesh("dp")
-        count = torch.tensor([float(targets.numel())], dtype=total.dtype, device=total.device)
-        global_count = waited(funcol.all_reduce(count, "sum", dp.get_group()))
+        global_count = torch.tensor([float(targets.numel())], dtype=total.dtype, device=total.device)
+        for axis in ("dp_replicate", "dp_shard"):  # the batch is split over both
+            global_count = waited(funcol.all_reduce(global_count, "sum", meshes.axis_mesh(axis).get_group()))
         holders = meshes.axis_mesh("cp").size() * meshes.axis_mesh("tp").size()
         return total / (global_count[0] * holders)
 
@@ -297,8 +309,8 @@ def loss_head_request() -> NativeParallelBindingRequest:
     spec = ParallelModuleSpec("mesh_loss_head", "mesh", stages={"loss": ("hidden", "targets")}, validate=_accept)
 
     def replicated(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
-        # Whole on every rank of the device mesh (a parameter lives on one mesh: not on ep's).
-        return ModuleShardingSpec(params={"proj.weight": {axis: Replicate() for axis in context.axis_sizes if axis != "ep"}})
+        # Whole on every tp rank (the data-parallel axes are FSDP's, or replicate it implicitly).
+        return ModuleShardingSpec(params={"proj.weight": {"tp": Replicate()}} if "tp" in context.axis_sizes else {})
 
     return NativeParallelBindingRequest(("head",), spec, replicated)
 

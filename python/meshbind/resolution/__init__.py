@@ -27,13 +27,14 @@ from meshbind.resolution.candidates import (
     selecting_owners,
     walk,
 )
+from meshbind.resolution.fsdp import fsdp_units
 from meshbind.resolution.messages import reported_source, unmatched_problems
 from meshbind.resolution.nesting import nested_problems
 from meshbind.resolution.overrides import Override, checked_overrides, merge_overrides, override_hits
 from meshbind.resolution.ownership import assign_requests, family_specs, join_families
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.resolution.providers import Progress, provide_layouts
-from meshbind.specs import LayoutContext, NativeParallelBindingRequest, PlanSource, SourcedRequests, is_int_from
+from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanSource, SourcedRequests, is_int_from
 from meshbind.validation.batch import ValidationBatch
 
 __all__ = ["ParallelPlan", "PlanError", "PlanProblem", "resolve_plan"]
@@ -50,6 +51,7 @@ def resolve_plan(
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     param_shapes: Mapping[str, Sequence[int]] | None = None,
     progress: Progress | None = None,
+    fully_shard: FullyShard | None = None,
 ) -> ParallelPlan:
     """Resolve and validate a plan over a module tree or, offline, a sequence of FQNs.
 
@@ -62,6 +64,7 @@ def resolve_plan(
     and what it found reading its plan joins the problems and warnings. ``progress(step, done,
     total)``, when given, hears how far the layout providers (user code, possibly slow) have come;
     a library call is silent otherwise (``meshbind check`` shows a bar after two seconds).
+    ``fully_shard`` names the FSDP units (``plan.fsdp``), checked with the rest.
     Raises ``PlanError`` listing every problem.
     """
     if not isinstance(context, LayoutContext):
@@ -69,7 +72,9 @@ def resolve_plan(
     sourced = requests.requests_for(model, context) if isinstance(requests, PlanSource) else SourcedRequests(requests)
     checked = SourcedRequests(_checked_requests(sourced.requests), sourced.problems, sourced.warnings)
     shapes = _checked_param_shapes(param_shapes, model)
-    return _resolve(model, checked, context, checked_overrides(overrides), shapes, progress)
+    if fully_shard is not None and not isinstance(fully_shard, FullyShard):
+        raise TypeError(f"fully_shard must be a FullyShard, got {type(fully_shard).__name__}")
+    return _resolve(model, checked, context, checked_overrides(overrides), shapes, progress, fully_shard)
 
 
 def _resolve(
@@ -79,6 +84,7 @@ def _resolve(
     override_items: list[Override],
     shapes: dict[str, tuple[int, ...]] | None,
     progress: Progress | None,
+    fully_shard: FullyShard | None,
 ) -> ParallelPlan:
     """``resolve_plan`` on checked arguments."""
     requests = sourced.requests
@@ -87,7 +93,7 @@ def _resolve(
     if owners := parameter_owners(model, patterns, tree):
         # Patterns naming parameters plan the modules that hold them: resolve those modules by name.
         owning = SourcedRequests(selecting_owners(requests, patterns, owners), sourced.problems, sourced.warnings)
-        return _resolve(model, owning, context, override_items, shapes, progress)
+        return _resolve(model, owning, context, override_items, shapes, progress, fully_shard)
     problems = cycle_problems(tree) + list(sourced.problems)
 
     ownership = assign_requests(tree, patterns, requests)
@@ -117,6 +123,10 @@ def _resolve(
     module_types = None if offline else [classes[module_classes[candidate.index]] for candidate in laid_out]
     for row, code, message in batch.check(modules, fqns, specs, shardings, module_types):
         problems.append(PlanProblem(code, fqns[row], reported_source(laid_out[row], override_items), message))
+    fsdp = None
+    if fully_shard is not None:
+        fsdp, fsdp_problems = fsdp_units(model, fully_shard, dict(zip(fqns, shardings, strict=True)))
+        problems += fsdp_problems
     if problems:
         raise PlanError(problems)
     plan = ParallelPlan(
@@ -125,6 +135,7 @@ def _resolve(
         context=context,
         sources=MappingProxyType(dict(zip(fqns, sources, strict=True))),
         warnings=(*sourced.warnings, *warnings),
+        fsdp=fsdp,
     )
     if families:
         for candidate in laid_out:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshbind.errors import PlanProblem
+from meshbind.resolution.fsdp import FSDPPlan
 from meshbind.specs import LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 
 
@@ -21,6 +22,8 @@ class ParallelPlan:
     """Which request (``requests[i]``) or family class put each module in the plan."""
     warnings: tuple[PlanProblem, ...] = ()
     """What is worth knowing but no problem: an optional request's pattern that selects nothing."""
+    fsdp: FSDPPlan | None = None
+    """The FSDP units, bottom-up with the root last (``resolve_plan(..., fully_shard=)``)."""
 
     def explain(self) -> str:
         """A table: FQN, protocol, binding kind, source and parameter placements."""
@@ -43,6 +46,9 @@ class ParallelPlan:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows]]
         axes = ", ".join(f"{axis}={size}" for axis, size in self.context.axis_sizes.items())
         lines.append(f"{len(rows)} planned module{'s' if len(rows) != 1 else ''}; layout {axes or '(no axes)'}")
+        if self.fsdp is not None:
+            units = ", ".join(f"{unit.fqn or '<root>'} ({unit.mesh})" for unit in self.fsdp.units)
+            lines.append(f"FSDP units, in the order fully_shard takes them: {units}")
         lines += [f"warning: {warning.line()}" for warning in self.warnings]
         return "\n".join(lines)
 
@@ -51,6 +57,7 @@ class ParallelPlan:
         return {
             "context": dict(self.context.axis_sizes),
             "warnings": [w.to_dict() for w in self.warnings],
+            "fsdp": None if self.fsdp is None else self.fsdp.to_dict(),
             "modules": [
                 {
                     "fqn": fqn,

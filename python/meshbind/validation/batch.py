@@ -29,6 +29,7 @@ from meshbind.errors import ProblemCode
 from meshbind.placements import shard_dim
 from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure, sharding_failure
+from meshbind.world import canonical_axis
 
 Kind = Literal["shard", "replicate", "partial"]
 _SHARD: Kind = "shard"
@@ -80,6 +81,7 @@ class ValidationBatch:
         self.context = context
         self.param_shapes = param_shapes
         self._table = _core.PlacementTable([])
+        self._spelled: dict[str, str] = {}
 
     def check(
         self,
@@ -97,6 +99,8 @@ class ValidationBatch:
         """
         # Every axis of the context is in the table, so messages can list them and rule 5 finds 'ep'.
         self._table = _core.PlacementTable(list(self.context.axis_sizes.items()))
+        # A placement may name an axis by its other name ('dp' for 'dp_replicate'): the context's spelling.
+        self._spelled = {canonical_axis(axis): axis for axis in self.context.axis_sizes}
         count = len(fqns)
         failures: list[Failure | None] = [None] * count
         layout: dict[int, list[str]] = {}
@@ -307,7 +311,8 @@ class ValidationBatch:
                 if kind is None:
                     problems.append(f"{label_text} on axis '{axis}' is an unsupported placement {placement}")
                     continue
-                rows.append((label, self._table.axis(axis), kind[0], kind[1], path))
+                spelled = self._spelled.get(canonical_axis(axis), axis)
+                rows.append((label, self._table.axis(spelled), kind[0], kind[1], path))
         parameters: dict[str, bool] = {}
         for _, _, placement_kind, _, path in rows:
             if path is not None:

@@ -1,0 +1,78 @@
+"""FSDP2 from the plan (SPEC §10): torch's own ``fully_shard`` on the prebuilt meshes, after the
+TP/EP layouts and binding, one call per unit of ``plan.fsdp``, bottom-up, the root last.
+
+Resolution already refused what ``fully_shard`` cannot take. Here every unit is checked against
+the model as it is now (its layouts applied, no unit sharded on another mesh) before the first
+call, so a refusal changes nothing. A unit already sharded by this plan on the same mesh is left
+alone: applying the plan twice changes nothing. No process group is made: the meshes FSDP
+shards over were made with the ``MeshContext``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from meshbind.agreement import check_ranks_agree, plan_agreement
+from meshbind.binding import submodule
+from meshbind.errors import LayoutError
+from meshbind.mesh import MeshContext, check_resolved_for
+from meshbind.resolution.fsdp import FSDPUnit
+from meshbind.resolution.plan import ParallelPlan
+
+
+def apply_fully_shard(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext) -> list[str]:
+    """Apply ``fully_shard`` to every unit of ``plan.fsdp`` (``"<root>"`` for the root); returns the
+    units sharded by this call. Raises ``LayoutError`` naming every problem before any unit
+    changes."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan must be a ParallelPlan, got {type(plan).__name__}")
+    if not isinstance(mesh_context, MeshContext):
+        raise TypeError(f"mesh_context must be a MeshContext, got {type(mesh_context).__name__}")
+    if plan.fsdp is None:
+        raise ValueError("the plan has no FSDP units: resolve it with resolve_plan(..., fully_shard=FullyShard(units))")
+    check_resolved_for(plan.context, mesh_context)
+    check_ranks_agree("apply_fully_shard", lambda: plan_agreement(model, plan, mesh_context))
+    pending, problems = [], []
+    for unit in plan.fsdp.units:
+        module = submodule(model, unit.fqn)
+        mesh = mesh_context.fsdp_mesh(unit.mesh)
+        if not isinstance(module, FSDPModule):
+            pending.append((unit, module, mesh))
+        elif module._get_fsdp_state()._fsdp_param_group is not None and _unit_mesh(module) != mesh:
+            problems.append(f"{_name(unit)} is already sharded by FSDP on {_unit_mesh(module)}, not on {mesh}")
+    if pending:
+        problems += _undistributed(model, plan)
+    if problems:
+        raise LayoutError(problems)
+    for _, module, mesh in pending:
+        fully_shard(module, mesh=mesh, reshard_after_forward=plan.fsdp.reshard_after_forward)
+    return [unit.fqn or "<root>" for unit, _, _ in pending]
+
+
+def _undistributed(model: nn.Module, plan: ParallelPlan) -> list[str]:
+    """FSDP composes with the layouts' DTensors: a planned parameter must already be one."""
+    problems = []
+    for module_fqn, sharding in plan.sharding.items():
+        for path in sharding.params:
+            fqn = f"{module_fqn}.{path}" if module_fqn else path
+            owner_path, _, name = fqn.rpartition(".")
+            parameter = model.get_submodule(owner_path)._parameters.get(name) if owner_path else model._parameters.get(name)
+            if parameter is not None and not isinstance(parameter, DTensor):
+                problems.append(f"{fqn!r} is planned but not distributed yet: apply_layouts before apply_fully_shard")
+    return problems
+
+
+def _unit_mesh(module: FSDPModule) -> DeviceMesh:
+    group = module._get_fsdp_state()._fsdp_param_group
+    assert group is not None
+    mesh: DeviceMesh = group.mesh_info.mesh
+    return mesh
+
+
+def _name(unit: FSDPUnit) -> str:
+    return repr(unit.fqn) if unit.fqn else "the root"

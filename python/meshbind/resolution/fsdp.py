@@ -1,0 +1,210 @@
+"""FSDP units (SPEC §10): which modules ``fully_shard`` groups, on which mesh, and every unit it
+would refuse or get wrong, found before anything changes.
+
+A unit's own parameters are those under it that no deeper unit holds. They all live on one mesh:
+on the expert mesh when the plan places them on ``ep``, else on the device mesh. FSDP shards a
+parameter's dim 0 over the unit's data-parallel axes, so a parameter the plan already places on
+one of those axes, on none at all (replicated over the whole mesh, FSDP's axes included), or on
+two (FSDP composes with one TP or EP dim) is refused, as are a container without ``forward``, a
+parameter tied across two units, a 0-d parameter and a unit mixing dtypes (one all-gather
+buffer per unit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor import Placement
+
+from meshbind._core import PatternSet
+from meshbind.errors import PlanProblem, ProblemCode
+from meshbind.resolution.messages import ModelNames
+from meshbind.specs import FullyShard, ModuleShardingSpec
+from meshbind.world import EXPERT_AXES, canonical_axis
+
+MODEL_PARALLEL_AXES = {"device": "tp", "expert": "ep"}
+"""The one axis a parameter of an FSDP unit may already be placed on, per mesh."""
+
+
+@dataclass(frozen=True)
+class FSDPUnit:
+    """One ``fully_shard`` call: the module's FQN (``""``: the root) and its mesh side."""
+
+    fqn: str
+    mesh: str
+    """``"device"`` (sharded over ``dp_shard · cp``) or ``"expert"`` (over ``edp_shard``)."""
+
+
+@dataclass(frozen=True)
+class FSDPPlan:
+    """The units in the order ``fully_shard`` is applied: bottom-up, the root last."""
+
+    units: tuple[FSDPUnit, ...]
+    reshard_after_forward: bool | None
+
+    def unit_of(self, parameter_fqn: str) -> FSDPUnit:
+        """The innermost unit holding a parameter (the root holds what no other does)."""
+        by_fqn = self._by_fqn
+        prefix = parameter_fqn
+        while prefix:
+            prefix = prefix.rpartition(".")[0]
+            if prefix in by_fqn:
+                return by_fqn[prefix]
+        return by_fqn[""]
+
+    @property
+    def _by_fqn(self) -> dict[str, FSDPUnit]:
+        cached: dict[str, FSDPUnit] | None = self.__dict__.get("_units_by_fqn")
+        if cached is None:
+            cached = {unit.fqn: unit for unit in self.units}
+            object.__setattr__(self, "_units_by_fqn", cached)
+        return cached
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "units": [{"fqn": unit.fqn, "mesh": unit.mesh} for unit in self.units],
+            "reshard_after_forward": self.reshard_after_forward,
+        }
+
+
+def fsdp_units(
+    model: nn.Module | Sequence[str], request: FullyShard, sharding: Mapping[str, ModuleShardingSpec]
+) -> tuple[FSDPPlan | None, list[PlanProblem]]:
+    """The units ``request`` names on ``model`` and every problem of them. Offline (a sequence of
+    FQNs) only the patterns are matched: the parameters are not known."""
+    fqns, problems = _selected(model, request)
+    ordered = sorted(dict.fromkeys(fqns), key=lambda fqn: -fqn.count(".") - 1 if fqn else 0)
+    ordered = [fqn for fqn in ordered if fqn] + [""]
+    if not isinstance(model, nn.Module):
+        return (FSDPPlan(tuple(FSDPUnit(fqn, "device") for fqn in ordered), request.reshard_after_forward), problems)
+    units = set(ordered)
+    placed = _placements(sharding)
+    members: dict[str, list[tuple[str, nn.Parameter]]] = {fqn: [] for fqn in ordered}
+    unit_of_parameter: dict[int, tuple[str, str]] = {}
+    for fqn, parameter in model.named_parameters(remove_duplicate=False):
+        unit = _innermost(fqn, units)
+        seen = unit_of_parameter.setdefault(id(parameter), (unit, fqn))
+        if seen[0] != unit:
+            problems.append(
+                _problem(
+                    fqn,
+                    f"is tied to {seen[1]!r}, which the FSDP unit {_unit_name(seen[0])} holds, while the unit "
+                    f"{_unit_name(unit)} holds it: FSDP shards a parameter in one unit; make both one unit",
+                )
+            )
+        elif seen[1] == fqn:
+            members[unit].append((fqn, parameter))
+    sides = {}
+    for fqn in ordered:
+        module = model.get_submodule(fqn) if fqn else model
+        sides[fqn], unit_problems = _unit_side(fqn, module, members[fqn], placed)
+        problems += unit_problems
+    plan = FSDPPlan(tuple(FSDPUnit(fqn, sides[fqn]) for fqn in ordered), request.reshard_after_forward)
+    return plan, problems
+
+
+def _selected(model: nn.Module | Sequence[str], request: FullyShard) -> tuple[list[str], list[PlanProblem]]:
+    patterns = PatternSet(list(request.units))
+    tree = patterns.walk(model) if isinstance(model, nn.Module) else patterns.index_names(list(model))
+    problems = []
+    names: ModelNames | None = None
+    for pattern, count in zip(request.units, tree.hit_counts(), strict=True):
+        if count == 0:
+            names = names or ModelNames.of(model)
+            nearest = names.nearest(pattern)
+            hint = f"; did you mean {', '.join(nearest)}?" if nearest else ""
+            message = f"pattern {pattern!r} does not select any module{hint}"
+            problems.append(PlanProblem(ProblemCode.UNMATCHED, None, "fully_shard", message, about="pattern"))
+    return [fqn for fqn, _ in tree.matches()], problems
+
+
+def _placements(sharding: Mapping[str, ModuleShardingSpec]) -> dict[str, Mapping[str, Placement]]:
+    """Each planned parameter's named placements, by its FQN."""
+    placed = {}
+    for module_fqn, spec in sharding.items():
+        prefix = f"{module_fqn}." if module_fqn else ""
+        for path, named in spec.params.items():
+            placed[prefix + path] = named
+    return placed
+
+
+def _innermost(parameter_fqn: str, units: set[str]) -> str:
+    prefix = parameter_fqn
+    while prefix:
+        prefix = prefix.rpartition(".")[0]
+        if prefix in units:
+            return prefix
+    return ""
+
+
+def _unit_side(
+    fqn: str, module: nn.Module, members: list[tuple[str, nn.Parameter]], placed: Mapping[str, Mapping[str, Placement]]
+) -> tuple[str, list[PlanProblem]]:
+    """The unit's mesh side and the problems of its module and own parameters."""
+    problems = []
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        problems.append(
+            _problem(
+                fqn,
+                f"is a {type(module).__name__}, which fully_shard refuses (it has no forward to hook): "
+                f"name its members as units ({fqn + '.*' if fqn else '*'})",
+            )
+        )
+    sides = {name: _side(placed.get(name)) for name, _ in members}
+    expert = [name for name, side in sides.items() if side == "expert"]
+    device = [name for name, side in sides.items() if side == "device"]
+    if expert and device:
+        problems.append(
+            _problem(
+                fqn,
+                f"holds parameters of the expert mesh ({expert[0]!r}) and of the device mesh ({device[0]!r}): an FSDP unit "
+                "shards over one mesh; make the expert module a unit of its own, as torchtitan wraps moe.experts",
+            )
+        )
+    side = "expert" if expert and not device else "device"
+    for name, parameter in members:
+        problems += _parameter_problems(name, parameter, placed.get(name), sides[name])
+    dtypes = sorted({str(parameter.dtype).removeprefix("torch.") for _, parameter in members})
+    if len(dtypes) > 1:
+        problems.append(
+            _problem(fqn, f"holds parameters of {len(dtypes)} dtypes ({', '.join(dtypes)}): FSDP all-gathers a unit in one dtype")
+        )
+    return side, problems
+
+
+def _side(named: Mapping[str, Placement] | None) -> str:
+    return "expert" if named and any(canonical_axis(axis) in EXPERT_AXES for axis in named) else "device"
+
+
+def _parameter_problems(
+    fqn: str, parameter: nn.Parameter, named: Mapping[str, Placement] | None, side: str
+) -> Iterator[PlanProblem]:
+    if parameter.dim() == 0:
+        yield _problem(fqn, "is a 0-d parameter: FSDP shards dim 0, which it does not have")
+    if named is None:
+        return
+    allowed = MODEL_PARALLEL_AXES[side]
+    axes = [canonical_axis(axis) for axis in named]
+    if not axes:
+        yield _problem(
+            fqn,
+            f"is placed on no axis, which replicates it over the whole {side} mesh, FSDP's axes included: "
+            f"place it on {allowed!r} or leave it out of the plan's params",
+        )
+    elif [axis for axis in axes if axis != allowed]:
+        others = [axis for axis in axes if axis != allowed]
+        yield _problem(
+            fqn,
+            f"is placed on {others}: in an FSDP unit a parameter may be placed on {allowed!r} only, since FSDP itself "
+            f"shards it over the data-parallel axes (placing it there as well is placing it twice)",
+        )
+
+
+def _problem(fqn: str, message: str) -> PlanProblem:
+    return PlanProblem(ProblemCode.FSDP, fqn, "fully_shard", message)
+
+
+def _unit_name(fqn: str) -> str:
+    return repr(fqn) if fqn else "<root>"

@@ -1,0 +1,172 @@
+"""SPEC §10 FSDP2: units resolved from the plan, every unit fully_shard would refuse refused first,
+the report's padded bytes, and (on gloo worlds, fsdp_checks.py) the bytes each rank really holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from rank_checks import failures_of, world_results_fixture
+
+WORLDS = {
+    "4 ranks dp_shard2 tp2 ep2 (15 rows split 8 / 7)": (4, {"dp_shard": 2, "tp": 2, "ep": 2}),
+    "4 ranks HSDP dp_replicate2 dp_shard2 ep2": (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}),
+}
+CHECKS = ("bytes", "no_group_and_twice", "refused_before_anything")
+
+world_results = world_results_fixture(WORLDS, "fsdp_checks:run_checks")
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_check_passes_on_every_rank(world_results: list[dict[str, str | None]], check: str) -> None:
+    failures = failures_of(world_results, check)
+    assert not failures, failures
+
+
+# Resolution: the units, their meshes, and every unit fully_shard would refuse, before anything changes.
+
+import math  # noqa: E402
+
+import fsdp_checks  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+
+from meshbind import (  # noqa: E402
+    FullyShard,
+    LayoutContext,
+    NativeParallelBindingRequest,
+    PlanError,
+    plan_report,
+    resolve_plan,
+)
+from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request  # noqa: E402
+
+AXES = {"dp_shard": 2, "cp": 2, "tp": 2, "ep": 4}
+
+
+def demo_model() -> MoETransformer:
+    with torch.device("meta"):
+        return MoETransformer(TransformerConfig(layers=2, experts=8))
+
+
+def fsdp_problems(
+    model: nn.Module, units: tuple[str, ...], requests: list[NativeParallelBindingRequest] | None = None
+) -> list[str]:
+    with pytest.raises(PlanError) as refused:
+        resolve_plan(
+            model, [loss_head_request()] if requests is None else requests, LayoutContext(AXES), fully_shard=FullyShard(units)
+        )
+    return [problem.line() for problem in refused.value.problems]
+
+
+def test_units_go_bottom_up_then_the_root_each_on_its_mesh() -> None:
+    plan = resolve_plan(
+        demo_model(), [loss_head_request()], LayoutContext(AXES), fully_shard=FullyShard(("blocks.*", "blocks.*.moe"))
+    )
+    assert plan.fsdp is not None
+    assert [(unit.fqn, unit.mesh) for unit in plan.fsdp.units] == [
+        ("blocks.0.moe", "expert"),
+        ("blocks.1.moe", "expert"),
+        ("blocks.0", "device"),
+        ("blocks.1", "device"),
+        ("", "device"),
+    ]
+    assert plan.fsdp.unit_of("blocks.1.moe.router.weight").fqn == "blocks.1.moe"
+    assert plan.fsdp.unit_of("blocks.1.attn.qkv.weight").fqn == "blocks.1" and plan.fsdp.unit_of("embed.weight").fqn == ""
+    assert "FSDP units, in the order fully_shard takes them: blocks.0.moe (expert)" in plan.explain()
+    assert plan.to_dict()["fsdp"]["units"][-1] == {"fqn": "", "mesh": "device"}
+
+
+def test_a_unit_pattern_that_selects_nothing_says_what_it_meant() -> None:
+    (line,) = fsdp_problems(demo_model(), ("block.*", "blocks.*.moe"))
+    assert line.startswith("unmatched (pattern): pattern 'block.*' does not select any module; did you mean 'blocks.0'")
+
+
+def test_a_container_is_refused_as_a_unit() -> None:
+    lines = fsdp_problems(demo_model(), ("blocks.*.moe", "blocks"))
+    assert lines == [
+        "fsdp      'blocks': is a ModuleList, which fully_shard refuses (it has no forward to hook): "
+        "name its members as units (blocks.*) [fully_shard]"
+    ]
+
+
+def test_a_unit_holding_parameters_of_both_meshes_is_refused() -> None:
+    lines = fsdp_problems(demo_model(), ("blocks.*",))
+    assert len(lines) == 2 and all("holds parameters of the expert mesh ('blocks." in line for line in lines)
+    assert "make the expert module a unit of its own" in lines[0]
+
+
+def test_a_parameter_placed_on_an_axis_fsdp_shards_over_is_refused() -> None:
+    # The demo's attention once named cp: Replicate() on its weights, which FSDP's dp_shard_cp axis also covers.
+    overrides = {"blocks.*.attn": {"params": {"qkv.weight": {"cp": Replicate(), "tp": Shard(0)}, "out.weight": {}}}}
+    with pytest.raises(PlanError) as refused:
+        resolve_plan(
+            demo_model(), [loss_head_request()], LayoutContext(AXES), overrides=overrides, fully_shard=fsdp_checks.UNITS_DEMO
+        )
+    lines = [problem.line() for problem in refused.value.problems]
+    assert any(
+        line.startswith(
+            "fsdp      'blocks.0.attn.qkv.weight': is placed on ['cp']: in an FSDP unit a parameter may be placed on 'tp' only"
+        )
+        for line in lines
+    ), lines
+    assert any(line.startswith("fsdp      'blocks.0.attn.out.weight': is placed on no axis") for line in lines), lines
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_a_tie_across_units_a_scalar_and_mixed_dtypes_are_refused() -> None:
+    model = Tied()
+    model.blocks[0].scale = nn.Parameter(torch.tensor(1.0))
+    model.blocks[1].half()
+    model.blocks[1].weight = nn.Parameter(model.blocks[1].weight.float())
+    lines = fsdp_problems(model, ("head", "blocks.*"), [])
+    assert lines == [
+        "fsdp      'blocks.0.scale': is a 0-d parameter: FSDP shards dim 0, which it does not have [fully_shard]",
+        "fsdp      'blocks.1': holds parameters of 2 dtypes (float16, float32): "
+        "FSDP all-gathers a unit in one dtype [fully_shard]",
+        "fsdp      'head.weight': is tied to 'embed.weight', which the FSDP unit <root> holds, while the unit 'head' holds it: "
+        "FSDP shards a parameter in one unit; make both one unit [fully_shard]",
+    ]
+    resolve_plan(Tied(), [], LayoutContext(AXES), fully_shard=FullyShard(()))  # the root alone holds both sides of the tie
+
+
+def test_the_report_counts_the_padded_chunk_fsdp_allocates() -> None:
+    # 30 rows over tp=2 are 15 per rank; FSDP over dp_shard=2 keeps ceil(15 / 2) = 8 on every rank.
+    model = fsdp_checks.Model()
+    context = LayoutContext({"dp_shard": 2, "tp": 2, "ep": 2})
+    plan = resolve_plan(model, fsdp_checks.REQUESTS, context, fully_shard=fsdp_checks.UNITS)
+    report = plan_report(model, plan, optimizer="adam")
+    rows = {row.fqn: row for row in report.params}
+    proj = rows["blocks.0.attn.proj.weight"]
+    assert (proj.local_shape, proj.bytes_per_rank, proj.fsdp_shards) == ((8, 16), 8 * 16 * 4, 2)
+    experts = rows["blocks.0.experts.w"]  # 4 experts over ep=2, then edp_shard = 2 * 2 / 2 = 2
+    assert (experts.local_shape, experts.fsdp_shards) == ((1, 16, 16), 2)
+    head_bias = rows["head.bias"]  # 5 over 2: 3 allocated
+    assert head_bias.local_shape == (3,)
+    expected = sum(math.prod(row.local_shape) * 4 for row in report.params)
+    rank = report.ranks[3]
+    assert (rank.parameter_bytes, rank.gradient_bytes, rank.optimizer_bytes) == (expected, expected, 2 * expected)
+    assert "fsdp/2" in report.text() and report.to_dict()["params"][0]["fsdp_shards"] == 2
+
+
+def test_hsdp_replicas_hold_the_same_chunk() -> None:
+    model = fsdp_checks.Model()
+    sharded = resolve_plan(
+        model, fsdp_checks.REQUESTS, LayoutContext({"dp_shard": 2, "tp": 1, "ep": 2}), fully_shard=fsdp_checks.UNITS
+    )
+    hybrid = resolve_plan(
+        model, fsdp_checks.REQUESTS, LayoutContext({"dp": 2, "dp_shard": 2, "tp": 1, "ep": 2}), fully_shard=fsdp_checks.UNITS
+    )
+    assert plan_report(model, hybrid).ranks[3].total_bytes == plan_report(model, sharded).ranks[1].total_bytes
+    assert len(plan_report(model, hybrid).ranks) == 4
