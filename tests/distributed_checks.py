@@ -64,7 +64,7 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
     rejected = (
         ({"dp": world + 1}, "the world size is"),
         ({"dp_shard": world, "ep": 3}, f"ep=3 does not divide dp_shard * cp * tp = {world} * 1 * 1"),
-        ({"dp": world, "ep": 2}, "dp_replicate=2 replicates the experts, it lends them no ranks"),
+        ({"dp": world, "ep": 2}, f"dp_replicate={world} replicates the experts, it lends them no ranks"),
     )
     for bad, message in rejected:
         try:

@@ -55,7 +55,7 @@ def test_json_output_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:
         (["check", MODEL, PLAN, "--axis", "ep=2", "--axis", "tp=1", "--axis", "ep=4"], "--axis ep is given more than once"),
         (
             ["check", MODEL, PLAN, "--axis", "tp=2", "--axis", "ep=4", "--report"],
-            r"ep=4 does not divide the world of 2 ranks \(tp=2\).*use ep = 1, 2,",
+            r"ep=4 does not divide dp_shard \* cp \* tp = 1 \* 1 \* 2 = 2.*use ep = 1, 2,",
         ),
     ],
 )
@@ -298,3 +298,17 @@ def test_slow_layout_providers_show_progress_in_the_command_line_only(
     assert "layout providers: [" + "#" * 30 + "] 30/30" in err
     resolve_plan(module.model(), module.plan, LayoutContext({"tp": 1}))
     assert capsys.readouterr().err == ""  # a library call is silent unless asked
+
+
+def test_fsdp_units_are_checked_and_counted_offline(capsys: pytest.CaptureFixture[str]) -> None:
+    model = "meshbind.examples.moe_transformer:MoETransformer"
+    plan = "meshbind.examples.moe_transformer:loss_head_request"
+    axes = ["--axis", "dp_shard=2", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=4"]
+    units = ["--fully-shard", "blocks.*.moe", "--fully-shard", "blocks.*"]
+    assert main(["check", model, plan, *axes, *units, "--report"]) == 0
+    out = capsys.readouterr().out
+    assert "2 x blocks.<0-1>.attn.qkv.weight  [96, 32] -> [12, 32]  tp:S(0), fsdp/4" in out
+    assert main(["check", model, plan, *axes, "--fully-shard", "blocks.*"]) == 1
+    assert "fsdp      2 modules 'blocks.<0-1>': holds parameters of the expert mesh" in capsys.readouterr().err
+    assert main(["check", model, plan, "--axis", "pp=2"]) == 2
+    assert "--axis: LayoutContext: 'pp' is not an axis of the world" in capsys.readouterr().err

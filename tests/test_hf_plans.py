@@ -244,7 +244,7 @@ def test_heads_are_checked_only_where_the_style_splits_them() -> None:
 
 def test_an_expert_world_the_axes_cannot_make_is_refused_before_any_report() -> None:
     # tp=2, ep=4: two ranks would each hold one of four experts' shares, and half would live nowhere.
-    with pytest.raises(ValueError, match=r"ep=4 does not divide the world of 2 ranks \(tp=2\).*use ep = 1, 2,"):
+    with pytest.raises(ValueError, match=r"ep=4 does not divide dp_shard \* cp \* tp = 1 \* 1 \* 2 = 2.*use ep = 1, 2,"):
         LayoutContext({"tp": 2, "ep": 4})
     model = hf_model("qwen3_moe")
     plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2, "ep": 2}))

@@ -134,10 +134,10 @@ def test_layout_context_rejects_bad_sizes(sizes: object) -> None:
 
 
 def test_layout_context_is_read_only_and_names_a_missing_axis() -> None:
-    sizes = {"dp": 4, "ep": 4}
+    sizes = {"dp_shard": 4, "ep": 4}
     context = LayoutContext(sizes)
     sizes["cp"] = 2
-    assert dict(context.axis_sizes) == {"dp": 4, "ep": 4}
+    assert dict(context.axis_sizes) == {"dp_shard": 4, "ep": 4}
     assert context.size("ep") == 4
     with pytest.raises(ValueError, match="no 'cp' axis"):
         context.size("cp")

@@ -53,8 +53,8 @@ class MeshContext:
             raise ValueError("MeshContext.device_mesh must be a DeviceMesh with mesh_dim_names")
         sizes = {name: self.device_mesh.size(dim) for dim, name in enumerate(self.device_mesh.mesh_dim_names)}
         if self.fsdp_moe_mesh is not None:
-            expert_names = self.fsdp_moe_mesh.mesh_dim_names or ()
-            if not isinstance(self.fsdp_moe_mesh, DeviceMesh) or "ep" not in expert_names:
+            expert_names = self.fsdp_moe_mesh.mesh_dim_names or () if isinstance(self.fsdp_moe_mesh, DeviceMesh) else ()
+            if "ep" not in expert_names:
                 raise ValueError("MeshContext.fsdp_moe_mesh must be a DeviceMesh with an 'ep' dimension")
             if self.fsdp_moe_mesh.size() != self.device_mesh.size():
                 raise ValueError(

@@ -156,10 +156,12 @@ def _unit_side(
     expert = [name for name, side in sides.items() if side == "expert"]
     device = [name for name, side in sides.items() if side == "device"]
     if expert and device:
+        # Named from the unit, so that alike units give one message (one line for every layer).
+        inside = [name.removeprefix(f"{fqn}.") if fqn else name for name in (expert[0], device[0])]
         problems.append(
             _problem(
                 fqn,
-                f"holds parameters of the expert mesh ({expert[0]!r}) and of the device mesh ({device[0]!r}): an FSDP unit "
+                f"holds parameters of the expert mesh ({inside[0]!r}) and of the device mesh ({inside[1]!r}): an FSDP unit "
                 "shards over one mesh; make the expert module a unit of its own, as torchtitan wraps moe.experts",
             )
         )
