@@ -16,7 +16,10 @@ def timed_on_fresh(
     setup: Callable[[], Model], method: Callable[[Model], object], observe: Callable[[Model], Seen], repeat: int
 ) -> tuple[float, list[Seen]]:
     """The median seconds of ``method`` over ``repeat`` runs, each on a model from ``setup`` with
-    the garbage collector paused, and what ``observe`` reads of each model after its run."""
+    the garbage collector paused, and what ``observe`` reads of each model after its run. One run
+    before them, untimed, warms what the first call fills (torch's caches of mesh layouts), so the
+    method timed first is not the one that pays for it."""
+    method(setup())
     times, seen = [], []
     for _ in range(repeat):
         model = setup()

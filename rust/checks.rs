@@ -295,6 +295,8 @@ fn expert_problem<'r>(
 /// Python hands over (see `PlacementTable` in `python.rs`).
 #[derive(Default)]
 pub struct PlacementTable {
+    /// The axis that splits the experts, as the caller's world names it (`ep`).
+    expert_axis: String,
     axis_names: Vec<String>,
     axis_sizes: Vec<Option<i64>>,
     labels: Vec<String>,
@@ -308,9 +310,13 @@ pub struct PlacementTable {
 pub struct TableError(pub String);
 
 impl PlacementTable {
-    /// A table over the context's axes (each size at least 1).
-    pub fn new(axes: &[(String, i64)]) -> Result<Self, TableError> {
-        let mut table = PlacementTable::default();
+    /// A table over the context's axes (each size at least 1), `expert_axis` the one that splits
+    /// the experts.
+    pub fn new(axes: &[(String, i64)], expert_axis: &str) -> Result<Self, TableError> {
+        let mut table = PlacementTable {
+            expert_axis: expert_axis.to_owned(),
+            ..PlacementTable::default()
+        };
         for (name, size) in axes {
             if *size < 1 {
                 return Err(TableError(format!(
@@ -375,7 +381,7 @@ impl PlacementTable {
             ep: self
                 .axis_names
                 .iter()
-                .position(|n| n == "ep")
+                .position(|n| *n == self.expert_axis)
                 .map(|p| p as u32),
         };
         check_placements(&axes, &self.labels, &self.rows, &self.num_experts)
@@ -486,7 +492,7 @@ mod tests {
 
     #[test]
     fn the_table_interns_axes_and_labels_and_refuses_rows_it_cannot_place() {
-        let mut table = PlacementTable::new(&[("ep".to_owned(), 2)]).unwrap();
+        let mut table = PlacementTable::new(&[("ep".to_owned(), 2)], "ep").unwrap();
         assert_eq!(table.axis("ep"), 0);
         assert_eq!(table.axis("xx"), 1);
         let label = table.label("params['w']", true);
@@ -509,7 +515,7 @@ mod tests {
         assert!(table.unit(Some(0)).is_err());
         let codes: Vec<_> = table.check().iter().map(|p| p.code).collect();
         assert_eq!(codes, vec![ProblemCode::Layout, ProblemCode::Expert]);
-        assert!(PlacementTable::new(&[("tp".to_owned(), 0)]).is_err());
+        assert!(PlacementTable::new(&[("tp".to_owned(), 0)], "ep").is_err());
     }
 
     #[test]

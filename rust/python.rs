@@ -560,8 +560,8 @@ fn table_error(error: TableError) -> PyErr {
 #[pymethods]
 impl PyPlacementTable {
     #[new]
-    fn new(axis_sizes: Vec<(String, i64)>) -> PyResult<Self> {
-        PlacementTable::new(&axis_sizes)
+    fn new(axis_sizes: Vec<(String, i64)>, expert_axis: &str) -> PyResult<Self> {
+        PlacementTable::new(&axis_sizes, expert_axis)
             .map(|inner| PyPlacementTable { inner })
             .map_err(table_error)
     }

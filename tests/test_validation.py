@@ -279,11 +279,21 @@ def test_the_modules_lacking_a_parameter_are_found_across_a_long_list() -> None:
         _core.modules_lacking(modules, "weight")
 
 
+def test_the_expert_rule_reads_the_axis_the_world_names() -> None:
+    # Rule 5 (num_experts divisible by the expert axis) follows the name it is given, not a spelling of its own.
+    for expert_axis, problems in (("ep", 1), ("experts", 0)):
+        table = _core.PlacementTable([("ep", 3), ("experts", 4)], expert_axis)
+        unit = table.unit(8)
+        table.row(unit, table.label("params['w']", True), table.axis(expert_axis), "shard", dim=0, rank=2, first_dim=8, dim_size=8)
+        problems_found = [message for _, code, message in table.check() if code == "expert"]
+        assert len(problems_found) == problems, problems_found
+
+
 @pytest.mark.parametrize("ep_size", [0, -2])
 def test_the_placement_table_rejects_a_size_it_cannot_divide_by(ep_size: int) -> None:
     # Only a direct call can hand Rust such a size (LayoutContext refuses it): a ValueError, not a panic.
     with pytest.raises(ValueError, match=f'axis size {ep_size} of "ep" must be positive'):
-        _core.PlacementTable([("ep", ep_size)])
+        _core.PlacementTable([("ep", ep_size)], "ep")
 
 
 @pytest.mark.parametrize(
@@ -297,7 +307,7 @@ def test_the_placement_table_rejects_a_size_it_cannot_divide_by(ep_size: int) ->
 )
 def test_the_placement_table_refuses_rows_it_cannot_index(row: dict[str, Any], message: str) -> None:
     """A row naming what the table lacks is a ValueError, never a panic from an index."""
-    table = _core.PlacementTable([("ep", 2)])
+    table = _core.PlacementTable([("ep", 2)], "ep")
     fields = {"unit": table.unit(8), "label": table.label("params['w']", True), "axis": table.axis("ep"), "kind": "shard"}
     with pytest.raises(ValueError, match=message):
         table.row(**{**fields, **row}, dim=0, rank=3, first_dim=8)

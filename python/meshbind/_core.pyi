@@ -112,8 +112,9 @@ class PlacementTable:
 
     Axes and labels are interned; each unit stands for modules whose checks give one answer."""
 
-    def __new__(cls, axis_sizes: Sequence[tuple[str, int]]) -> Self:
-        """A table over the context's axes; a size below 1 is a ``ValueError``."""
+    def __new__(cls, axis_sizes: Sequence[tuple[str, int]], expert_axis: str) -> Self:
+        """A table over the context's axes, ``expert_axis`` the one splitting the experts (rule 5);
+        a size below 1 is a ``ValueError``."""
     def axis(self, name: str) -> int:
         """The id of an axis (added without a size, as one the context lacks, when new)."""
     def label(self, text: str, is_param: bool) -> int:

@@ -19,7 +19,9 @@ DENSE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 """The device mesh's dims, outermost first: their product is the world."""
 EXPERT_AXES = ("edp_replicate", "edp_shard", "ep")
 """The expert mesh's dims over the same ranks, outermost first."""
-AXES = (*DENSE_AXES, "ep")
+EXPERT_AXIS = "ep"
+"""The axis that splits the experts (what the Rust checks' rule 5 is told)."""
+AXES = (*DENSE_AXES, EXPERT_AXIS)
 """The axes a world is given; the expert mesh's data-parallel axes are derived from them."""
 ALIASES = {"dp": "dp_replicate"}
 """``dp`` is pure replication, as it always was: another name for ``dp_replicate``."""

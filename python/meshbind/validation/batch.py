@@ -29,7 +29,7 @@ from meshbind.errors import ProblemCode
 from meshbind.placements import shard_dim
 from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure, sharding_failure
-from meshbind.world import canonical_axis
+from meshbind.world import EXPERT_AXIS, canonical_axis
 
 Kind = Literal["shard", "replicate", "partial"]
 _SHARD: Kind = "shard"
@@ -80,7 +80,7 @@ class ValidationBatch:
     def __init__(self, context: LayoutContext, param_shapes: Mapping[str, Sequence[int]] | None = None) -> None:
         self.context = context
         self.param_shapes = param_shapes
-        self._table = _core.PlacementTable([])
+        self._table = _core.PlacementTable([], EXPERT_AXIS)
         self._spelled: dict[str, str] = {}
 
     def check(
@@ -98,7 +98,7 @@ class ValidationBatch:
         (each module's class, when the caller knows them) spares reading every module's type.
         """
         # Every axis of the context is in the table, so messages can list them and rule 5 finds 'ep'.
-        self._table = _core.PlacementTable(list(self.context.axis_sizes.items()))
+        self._table = _core.PlacementTable(list(self.context.axis_sizes.items()), EXPERT_AXIS)
         # A placement may name an axis by its other name ('dp' for 'dp_replicate'): the context's spelling.
         self._spelled = {canonical_axis(axis): axis for axis in self.context.axis_sizes}
         count = len(fqns)
