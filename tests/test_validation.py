@@ -284,7 +284,8 @@ def test_the_expert_rule_reads_the_axis_the_world_names() -> None:
     for expert_axis, problems in (("ep", 1), ("experts", 0)):
         table = _core.PlacementTable([("ep", 3), ("experts", 4)], expert_axis)
         unit = table.unit(8)
-        table.row(unit, table.label("params['w']", True), table.axis(expert_axis), "shard", dim=0, rank=2, first_dim=8, dim_size=8)
+        label = table.label("params['w']", True)
+        table.row(unit, label, table.axis(expert_axis), "shard", dim=0, rank=2, first_dim=8, dim_size=8)
         problems_found = [message for _, code, message in table.check() if code == "expert"]
         assert len(problems_found) == problems, problems_found
 
