@@ -9,6 +9,7 @@ from pathlib import Path
 
 import apply_layouts as apply_layouts_bench
 import binding as binding_bench
+import fsdp_apply as fsdp_apply_bench
 import plan_resolution
 import pytest
 import validation_floor
@@ -153,3 +154,15 @@ def test_the_layouts_benchmark_fails_when_torch_places_other_parameters() -> Non
     assert ratios == pytest.approx([1.0, 0.8, 2.0, 1.0, 0.8])
     with pytest.raises(AssertionError, match="torch on rank 1 placed other parameters"):
         apply_layouts_bench.rows_of([good, {**good, "torch": (0.2, [])}], 1, 4)
+
+
+def test_the_fsdp_benchmark_places_the_same_parameters_by_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
+    # Four blocks of DeepSeek-V3 671B: three dense, one MoE (its router and shared experts planned).
+    assert fsdp_apply_bench.main(["--layers", "4", "--world-size", "2", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| DeepSeek-V3 671B (torchtitan) | 4 |")]
+    assert [row.split(" | ")[3] for row in rows] == ["meshbind", "torch"]
+    assert rows[0].split(" | ")[2] == rows[1].split(" | ")[2] != "0"
+    placed = [("layers.0.attention.wq_b.weight", ("S(0)",), (6, 4))]
+    with pytest.raises(AssertionError, match="torch on rank 1 placed other parameters"):
+        fsdp_apply_bench.rows_of([{"meshbind": (0.1, placed), "torch": (0.1, placed)}, {"meshbind": (0.1, placed), "torch": (0.1, [])}], 4)

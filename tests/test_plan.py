@@ -529,8 +529,8 @@ def test_placement_arithmetic_runs_in_one_rust_call(monkeypatch: pytest.MonkeyPa
     real = meshbind._core.PlacementTable
 
     class CountingTable:
-        def __init__(self, axes: Any) -> None:
-            self.table, self.rows, self.checks = real(axes), 0, 0
+        def __init__(self, axes: Any, expert_axis: str) -> None:
+            self.table, self.rows, self.checks = real(axes, expert_axis), 0, 0
             tables.append(self)
 
         def __getattr__(self, name: str) -> Any:
