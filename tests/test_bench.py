@@ -165,4 +165,5 @@ def test_the_fsdp_benchmark_places_the_same_parameters_by_both_paths(capsys: pyt
     assert rows[0].split(" | ")[2] == rows[1].split(" | ")[2] != "0"
     placed = [("layers.0.attention.wq_b.weight", ("S(0)",), (6, 4))]
     with pytest.raises(AssertionError, match="torch on rank 1 placed other parameters"):
-        fsdp_apply_bench.rows_of([{"meshbind": (0.1, placed), "torch": (0.1, placed)}, {"meshbind": (0.1, placed), "torch": (0.1, [])}], 4)
+        good, bad = {"meshbind": (0.1, placed), "torch": (0.1, placed)}, {"meshbind": (0.1, placed), "torch": (0.1, [])}
+        fsdp_apply_bench.rows_of([good, bad], 4)
