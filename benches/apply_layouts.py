@@ -127,7 +127,7 @@ def _timed(config: TransformerConfig, method: Callable[[MoETransformer], object]
         with torch.device("meta"):
             return MoETransformer(config)
 
-    median, placed = timed_on_fresh(fresh, method, _placed, repeat)
+    median, placed = timed_on_fresh(fresh, method, _placed, repeat, torch.distributed.barrier)
     return median, placed[-1]
 
 

@@ -75,7 +75,7 @@ def rank_timings(layers: int, repeat: int) -> dict[str, tuple[float, list[Any]]]
     }
     timings = {}
     for name, method in methods.items():
-        median, placed = timed_on_fresh(fresh, method, _placed, repeat)
+        median, placed = timed_on_fresh(fresh, method, _placed, repeat, torch.distributed.barrier)
         timings[name] = (median, placed[-1])
     return timings
 

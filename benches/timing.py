@@ -13,17 +13,26 @@ Seen = TypeVar("Seen")
 
 
 def timed_on_fresh(
-    setup: Callable[[], Model], method: Callable[[Model], object], observe: Callable[[Model], Seen], repeat: int
+    setup: Callable[[], Model],
+    method: Callable[[Model], object],
+    observe: Callable[[Model], Seen],
+    repeat: int,
+    start_together: Callable[[], object] | None = None,
 ) -> tuple[float, list[Seen]]:
     """The median seconds of ``method`` over ``repeat`` runs, each on a model from ``setup`` with
     the garbage collector paused, and what ``observe`` reads of each model after its run. One run
     before them, untimed, warms what the first call fills (torch's caches of mesh layouts), so the
-    method timed first is not the one that pays for it."""
+    method timed first is not the one that pays for it. ``start_together`` (a barrier, on every rank
+    of a world) runs before each timed run: the ranks start each run at once, so that a rank's
+    lag from untimed work before it is not counted as the next method's wait at its first
+    collective."""
     method(setup())
     times, seen = [], []
     for _ in range(repeat):
         model = setup()
         gc.collect()
+        if start_together is not None:
+            start_together()
         gc.disable()
         try:
             start = time.perf_counter()

@@ -141,3 +141,31 @@ def other_entry_points() -> dict[str, str | None]:
     save_checkpoint(blocks(4, meta=False), f"{directory[0]}/checkpoint")
     attempt("load_checkpoint", lambda: load_checkpoint(blocks(5 if last else 4, meta=False), f"{directory[0]}/checkpoint"))
     return found
+
+
+def remembered_agreement() -> dict[str, int]:
+    """How many times the ranks met to compare: layouts, binding and FSDP of one plan agree once;
+    a new plan on every rank is compared again."""
+    from meshbind import FullyShard, agreement, apply_fully_shard, bind_parallel_modules
+
+    meetings = {"count": 0}
+    compare = agreement._compare
+
+    def counted(*args: object) -> None:
+        meetings["count"] += 1
+        compare(*args)  # type: ignore[arg-type]
+
+    agreement._compare = counted  # type: ignore[assignment]
+    try:
+        context = MeshContext.build(dp_shard=dist.get_world_size() // 2, tp=2)
+        model = blocks(4, meta=True)
+        plan = resolve_plan(model, [request("layers.*")], context.layout_context(), fully_shard=FullyShard(("layers.*",)))
+        apply_layouts(model, plan, context)
+        bind_parallel_modules(model, plan, context)
+        apply_fully_shard(model, plan, context)
+        once = meetings["count"]
+        other = resolve_plan(model, [request("layers.<0-1>")], context.layout_context())
+        bind_parallel_modules(model, other, context)  # everyone's plan changed: they compare again
+        return {"after layouts, binding and fsdp": once, "after another plan": meetings["count"]}
+    finally:
+        agreement._compare = compare  # type: ignore[assignment]

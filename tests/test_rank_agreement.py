@@ -67,3 +67,8 @@ def test_every_entry_point_that_leads_to_collectives_checks_first() -> None:
             assert result[what] == (
                 f"the ranks do not agree before {what}; nothing was changed:\n  rank 1 differs from rank 0 first at {first}"
             ), result[what]
+
+
+def test_an_agreement_is_remembered_until_what_the_ranks_do_changes() -> None:
+    results = run_local_world(2, "rank_agreement_checks:remembered_agreement", timeout=60)
+    assert results == [{"after layouts, binding and fsdp": 1, "after another plan": 2}] * 2

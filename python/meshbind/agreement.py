@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -77,14 +78,32 @@ def plan_agreement(model: nn.Module, plan: ParallelPlan, mesh_context: MeshConte
     ]
 
 
-def check_ranks_agree(what: str, entries: Callable[[], Sequence[Entry]]) -> None:
+def check_ranks_agree(what: str, entries: Callable[[], Sequence[Entry]], *, model: nn.Module | None = None) -> None:
     """Raise ``RankMismatchError`` on every rank unless every rank's ``entries()`` are the same;
     nothing else happens first, so nothing has changed when it raises. A no-op outside a world of
-    several ranks, and under ``MESHBIND_NO_RANK_CHECK=1``."""
+    several ranks, and under ``MESHBIND_NO_RANK_CHECK=1``.
+
+    With ``model``, an agreement is remembered: a later call on that model whose entries this rank
+    digests exactly as the ranks last agreed (the plan's steps in turn: layouts, binding, FSDP)
+    needs no collective, since every rank then holds what all of them agreed on. A rank whose
+    entries changed since compares again; if only some ranks changed, those wait for the others
+    and are told within ``MESHBIND_RANK_CHECK_TIMEOUT`` which ranks did not come."""
     if os.environ.get(SWITCH) == "1" or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     mine = list(entries())
     digest = hashlib.sha256("\n".join(f"{key}\t{value}" for key, value in mine).encode("utf-8", "surrogatepass")).digest()
+    if model is not None and _AGREED.get(model) == digest:
+        return
+    _compare(what, mine, digest)
+    if model is not None:
+        _AGREED[model] = digest
+
+
+_AGREED: weakref.WeakKeyDictionary[nn.Module, bytes] = weakref.WeakKeyDictionary()
+"""Each model's digest the ranks last agreed on."""
+
+
+def _compare(what: str, mine: list[Entry], digest: bytes) -> None:
     _everyone_arrives(what)
     words = torch.frombuffer(bytearray(digest), dtype=torch.int64).clone()
     # One all-reduce: the maximum of the words and of their negations (minus the minimum); both

@@ -36,7 +36,7 @@ def apply_fully_shard(model: nn.Module, plan: ParallelPlan, mesh_context: MeshCo
     if plan.fsdp is None:
         raise ValueError("the plan has no FSDP units: resolve it with resolve_plan(..., fully_shard=FullyShard(units))")
     check_resolved_for(plan.context, mesh_context)
-    check_ranks_agree("apply_fully_shard", lambda: plan_agreement(model, plan, mesh_context))
+    check_ranks_agree("apply_fully_shard", lambda: plan_agreement(model, plan, mesh_context), model=model)
     pending, problems = [], []
     for unit in plan.fsdp.units:
         module = submodule(model, unit.fqn)

@@ -55,7 +55,7 @@ def apply_layouts(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContex
     if not isinstance(mesh_context, MeshContext):
         raise TypeError(f"mesh_context must be a MeshContext, got {type(mesh_context).__name__}")
     check_resolved_for(plan.context, mesh_context)
-    check_ranks_agree("apply_layouts", lambda: plan_agreement(model, plan, mesh_context))
+    check_ranks_agree("apply_layouts", lambda: plan_agreement(model, plan, mesh_context), model=model)
     planned = _planned_parameters(model, plan, mesh_context)
     pending = [entry for entry in planned if not _already_there(entry)]
     # Every new parameter exists before any attribute changes.

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshbind.agreement import check_ranks_agree, mesh_entries, model_entries, plan_entries
+from meshbind.binding import submodule
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
 
@@ -129,10 +130,17 @@ def _layout_of(style: ParallelStyle) -> Any:
 
 
 def parallelize_checked(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh) -> nn.Module:
-    """Apply a resolved torch plan with torch's own ``parallelize_module``, on exact FQNs (the
-    matching is done: each planned module gets its key's style, once)."""
-    check_ranks_agree("parallelize_checked", lambda: [*model_entries(model), *plan_entries(plan), *mesh_entries(tp_mesh)])
-    exact: dict[str, Any] = {
-        fqn: spec.options["style"] for fqn, spec in plan.parallel_modules.items() if spec.protocol == PROTOCOL
-    }
-    return parallelize_module(model, tp_mesh, exact)
+    """Apply a resolved torch plan with torch's own ``parallelize_module``, module by module (the
+    matching is done: each planned module gets its key's style, once, without torch walking the
+    model from the root again for every FQN)."""
+    # The ranks agree on the mesh tp_mesh is cut from, as apply_fully_shard does on the same plan.
+    root = tp_mesh._get_root_mesh()
+    check_ranks_agree(
+        "parallelize_checked", lambda: [*model_entries(model), *plan_entries(plan), *mesh_entries(root)], model=model
+    )
+    styled = [
+        (submodule(model, fqn), spec.options["style"]) for fqn, spec in plan.parallel_modules.items() if spec.protocol == PROTOCOL
+    ]
+    for module, style in styled:
+        parallelize_module(module, tp_mesh, style)
+    return model
