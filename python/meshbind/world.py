@@ -12,7 +12,7 @@ The device mesh is ``dp_replicate x dp_shard x cp x tp`` (``tp`` innermost). The
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
@@ -39,9 +39,17 @@ def canonical_axis(name: str) -> str:
     return ALIASES.get(name, name)
 
 
-def mesh_of(axis: str) -> str:
-    """``"expert"`` for an axis of the expert mesh, ``"device"`` for one of the device mesh."""
-    return "expert" if axis in EXPERT_AXES else "device"
+def other_spellings(names: Iterable[str]) -> dict[str, str]:
+    """For axes written as ``names``, each other name of one of them mapped to the name written
+    (``{"dp": "dp_replicate"}`` for a context that writes ``dp_replicate``)."""
+    spelled = {}
+    for name in names:
+        for alias, axis in ALIASES.items():
+            if name == axis:
+                spelled[alias] = name
+            elif name == alias:
+                spelled[axis] = name
+    return spelled
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from meshbind.errors import ProblemCode
 from meshbind.placements import shard_dim
 from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure, sharding_failure
-from meshbind.world import EXPERT_AXIS, canonical_axis
+from meshbind.world import EXPERT_AXIS, other_spellings
 
 Kind = Literal["shard", "replicate", "partial"]
 _SHARD: Kind = "shard"
@@ -100,7 +100,7 @@ class ValidationBatch:
         # Every axis of the context is in the table, so messages can list them and rule 5 finds 'ep'.
         self._table = _core.PlacementTable(list(self.context.axis_sizes.items()), EXPERT_AXIS)
         # A placement may name an axis by its other name ('dp' for 'dp_replicate'): the context's spelling.
-        self._spelled = {canonical_axis(axis): axis for axis in self.context.axis_sizes}
+        self._spelled = other_spellings(self.context.axis_sizes)
         count = len(fqns)
         failures: list[Failure | None] = [None] * count
         layout: dict[int, list[str]] = {}
@@ -311,8 +311,7 @@ class ValidationBatch:
                 if kind is None:
                     problems.append(f"{label_text} on axis '{axis}' is an unsupported placement {placement}")
                     continue
-                spelled = self._spelled.get(canonical_axis(axis), axis)
-                rows.append((label, self._table.axis(spelled), kind[0], kind[1], path))
+                rows.append((label, self._table.axis(self._spelled.get(axis, axis)), kind[0], kind[1], path))
         parameters: dict[str, bool] = {}
         for _, _, placement_kind, _, path in rows:
             if path is not None:
