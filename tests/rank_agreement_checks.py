@@ -169,3 +169,21 @@ def remembered_agreement() -> dict[str, int]:
         return {"after layouts, binding and fsdp": once, "after another plan": meetings["count"]}
     finally:
         agreement._compare = compare  # type: ignore[assignment]
+
+
+def one_rank_changes_between_steps() -> None:
+    """After the ranks agree on the layouts, the last rank adds a parameter before binding: it
+    compares again while the others, unchanged, bind without a collective and go on. The last
+    rank is told within the timeout which rank did not come."""
+    from meshbind import agreement, bind_parallel_modules
+
+    os.environ[agreement.TIMEOUT] = "2"
+    world, rank = dist.get_world_size(), dist.get_rank()
+    context = MeshContext.build(dp_shard=world // 2, tp=2)
+    model = blocks(4, meta=True)
+    plan = resolve_plan(model, [request("layers.*")], context.layout_context())
+    apply_layouts(model, plan, context)
+    if rank == world - 1:
+        model.extra = nn.Linear(2, 2, device="meta")
+    bind_parallel_modules(model, plan, context)
+    time.sleep(4)  # the others enter no collective while the last rank waits for them

@@ -72,3 +72,11 @@ def test_every_entry_point_that_leads_to_collectives_checks_first() -> None:
 def test_an_agreement_is_remembered_until_what_the_ranks_do_changes() -> None:
     results = run_local_world(2, "rank_agreement_checks:remembered_agreement", timeout=60)
     assert results == [{"after layouts, binding and fsdp": 1, "after another plan": 2}] * 2
+
+
+def test_a_rank_that_changed_between_steps_is_told_who_did_not_come() -> None:
+    with pytest.raises(RuntimeError) as failed:
+        run_local_world(2, "rank_agreement_checks:one_rank_changes_between_steps", timeout=8)
+    text = str(failed.value)
+    assert "rank 1:" in text and "the ranks do not agree before bind_parallel_modules" in text, text
+    assert "not every rank arrived within 2 s" in text, text
