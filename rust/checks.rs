@@ -1,4 +1,4 @@
-//! The bulk arithmetic of plan validation (SPEC §4 `layout`, SPEC §5 rule 5), over flat arrays
+//! The bulk arithmetic of plan validation (the `layout` checks and the expert rule), over flat arrays
 //! covering every planned module at once.
 //!
 //! Python flattens each module's named placements into rows; this checks them all in one pass
@@ -171,7 +171,7 @@ pub fn check_placements(
     problems
 }
 
-/// SPEC §8's balanced layouts: the size of each dimension a parameter is `Shard` on must be
+/// Balanced layouts: the size of each dimension a parameter is `Shard` on must be
 /// divisible by the product of the sizes of every axis sharding that dimension.
 /// A parameter's dimension: `(unit, label, dimension)`.
 type ShardedDim = (u32, u32, i64);
@@ -235,7 +235,7 @@ fn indivisible_shards<'r>(
     problems
 }
 
-/// SPEC §5 rule 5 for one `ep` module, given its rows.
+/// The expert rule for one `ep` module, given its rows.
 fn expert_problem<'r>(
     axes: &AxisTable<'_>,
     rows: &[&'r PlacementRow],

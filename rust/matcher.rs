@@ -1,4 +1,4 @@
-//! Many patterns compiled once and answered together (SPEC §2 `PatternSet`).
+//! Many patterns compiled once and answered together (`PatternSet`).
 //!
 //! A set of exact FQNs only is answered by one hash lookup per name. Otherwise every pattern,
 //! exact ones included, joins one lazy DFA (`MatchKind::All`, so one pass reports every pattern

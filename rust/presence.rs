@@ -1,4 +1,4 @@
-//! Which modules of a list lack a parameter: the `layout` check of SPEC §4 for a provider that
+//! Which modules of a list lack a parameter: the `layout` check for a provider that
 //! names a parameter a planned module does not have, over every planned module at once.
 //!
 //! Each answer is `getattr(module, "_parameters")` and a dict lookup, but the modules of a large

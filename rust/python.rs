@@ -113,7 +113,7 @@ fn type_name(value: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "?".to_owned())
 }
 
-/// FQN patterns compiled once (SPEC §2).
+/// FQN patterns compiled once.
 #[pyclass(name = "PatternSet", module = "meshbind._core", frozen)]
 pub struct PyPatternSet {
     inner: PatternSet,
@@ -545,7 +545,7 @@ fn check_patterns(py: Python<'_>, patterns: &Bound<'_, PyAny>) -> PyResult<()> {
     Ok(())
 }
 
-/// The placement rows of SPEC §4 `layout` and §5 rule 5 for every planned module, as one
+/// The placement rows of the `layout` checks and the expert rule for every planned module, as one
 /// table: axes and labels are interned, each unit (modules checked as one) has its
 /// `num_experts`, and `check` answers for all of them at once.
 #[pyclass(name = "PlacementTable", module = "meshbind._core")]

@@ -1,5 +1,5 @@
 //! Walking an `nn.Module` tree through its `_modules` dictionaries, matching a pattern set on
-//! the way (SPEC §4: one walk; every alias of a shared module is a candidate; a module is keyed
+//! the way (one walk; every alias of a shared module is a candidate; a module is keyed
 //! by its first FQN in `named_modules()` order).
 //!
 //! The walk is iterative (deep trees cannot overflow the stack), preorder like `named_modules()`,

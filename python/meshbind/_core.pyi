@@ -21,7 +21,7 @@ __all__ = [
 
 @final
 class PatternSet:
-    """FQN patterns (SPEC §2) compiled once and answered together."""
+    """FQN patterns compiled once and answered together."""
 
     def __new__(cls, patterns: Sequence[str]) -> Self: ...
     @property
@@ -108,7 +108,7 @@ class ModuleTree:
 
 @final
 class PlacementTable:
-    """The placement rows of SPEC §4 ``layout`` and §5 rule 5 for a whole plan, checked at once.
+    """The placement rows of the ``layout`` checks and the expert rule for a whole plan, checked at once.
 
     Axes and labels are interned; each unit stands for modules whose checks give one answer."""
 

@@ -1,4 +1,4 @@
-"""Ranks agree before the first collective (SPEC §10).
+"""Ranks agree before the first collective.
 
 Every entry point that leads to collectives (``apply_layouts``, ``bind_parallel_modules``,
 ``apply_hf_plan``, ``parallelize_checked``, ``save_checkpoint``, ``load_checkpoint``) first calls ``check_ranks_agree``:

@@ -1,4 +1,4 @@
-"""Binding a resolved plan to existing meshes (SPEC §6): all or nothing, creating no group.
+"""Binding a resolved plan to existing meshes: all or nothing, creating no group.
 
 ``bind_parallel_modules`` first prepares everything that can fail without side effects (finding
 each module, checking its current owner, building the CP/EP contexts from prebuilt axis meshes),

@@ -1,4 +1,4 @@
-"""Checkpoints that reshard (SPEC §8), written atomically and verified (SPEC §10): a model's state
+"""Checkpoints that reshard, written atomically and verified: a model's state
 saved under one layout with ``torch.distributed.checkpoint`` loads under another, after a check
 that it is whole and that it fits.
 

@@ -1,4 +1,4 @@
-"""Context parallelism over a one-dimensional mesh (SPEC §6): head-tail load-balanced sequence
+"""Context parallelism over a one-dimensional mesh: head-tail load-balanced sequence
 sharding, its inverse, the global positions of local tokens, and an all-gather for keys and values.
 
 With causal attention the cost of a token grows with its position, so the sequence is cut into

@@ -1,4 +1,4 @@
-"""Expert parallelism over a one-dimensional mesh (SPEC §6): each rank owns a contiguous, balanced
+"""Expert parallelism over a one-dimensional mesh: each rank owns a contiguous, balanced
 range of experts; ``dispatch`` sends every (token, choice) to the rank owning its expert with an
 uneven all-to-all, and ``combine`` brings the results back and sums them with the routing weights.
 Both go through torch's functional collectives, so autograd flows through them.

@@ -7,7 +7,7 @@ is a ``ValueError``; a module's own ``bind_parallel`` failing is a ``RuntimeErro
 error                  builtin         ``.code``
 =====================  ==============  ==========================================================
 PatternError           ValueError      ``pattern``
-PlanError              ValueError      ``plan`` (each of its ``problems`` has a code of SPEC §4)
+PlanError              ValueError      ``plan`` (each of its ``problems`` has a ``ProblemCode``)
 BindingRefusedError    ValueError      ``owner``, ``class``, ``mesh``, ``module``, ``unbound``
 LayoutError            ValueError      ``layout`` (``apply_layouts``: every problem in ``problems``)
 CheckpointError        ValueError      ``checkpoint`` (every misfit key in ``problems``)
@@ -42,7 +42,7 @@ class PatternError(MeshbindError, ValueError):
 
 
 class ProblemCode(str, Enum):
-    """Every code a ``PlanProblem`` carries (SPEC §4, §5); ``describe_problem_codes()`` gives one
+    """Every code a ``PlanProblem`` carries; ``describe_problem_codes()`` gives one
     line on each. A problem made with any other code is a ``ValueError``."""
 
     UNMATCHED = "unmatched"
@@ -84,7 +84,7 @@ def describe_problem_codes() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class PlanProblem:
-    """One problem: its code (SPEC §4), the FQN it concerns, the request, why. A problem of no one
+    """One problem: its code, the FQN it concerns, the request, why. A problem of no one
     module says what it is about instead: ``pattern``, ``key`` (of a transformers plan), ``class``
     (a family class) or ``axes`` (an axis the plan cannot use)."""
 

@@ -1,4 +1,4 @@
-"""Family modules: classes that own their parallel protocol (SPEC §3).
+"""Family modules: classes that own their parallel protocol.
 
 A class joins every plan without a request by declaring ``parallel_spec`` (a class attribute) and
 ``parallel_sharding(self, fqn, context)``. Resolution records on each member the layout it was

@@ -1,4 +1,4 @@
-"""FSDP2 from the plan (SPEC §10): torch's own ``fully_shard`` on the prebuilt meshes, after the
+"""FSDP2 from the plan: torch's own ``fully_shard`` on the prebuilt meshes, after the
 TP/EP layouts and binding, one call per unit of ``plan.fsdp``, bottom-up, the root last.
 
 Resolution already refused what ``fully_shard`` cannot take. Here every unit is checked against

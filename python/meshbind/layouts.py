@@ -1,4 +1,4 @@
-"""Applying layouts (SPEC §8): the plan's placements become torch ``DTensor`` parameters on the
+"""Applying layouts: the plan's placements become torch ``DTensor`` parameters on the
 prebuilt meshes, between resolution and binding ("bind after layout").
 
 ``apply_layouts`` first finds every planned parameter, every attribute that holds it (ties), its

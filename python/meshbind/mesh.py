@@ -1,4 +1,4 @@
-"""The meshes a plan binds to (SPEC §6): ``MeshContext`` owns every group; ``MeshBinding`` hands out
+"""The meshes a plan binds to: ``MeshContext`` owns every group; ``MeshBinding`` hands out
 one-dimensional meshes cut from them and never creates a group."""
 
 from __future__ import annotations

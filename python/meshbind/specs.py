@@ -1,4 +1,4 @@
-"""The specs a plan is written in (SPEC §3): frozen, validated on construction, read-only inside."""
+"""The specs a plan is written in: frozen, validated on construction, read-only inside."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ class ModuleShardingSpec:
     """The layout a module owns: named placements of its parameters, inputs and outputs.
 
     ``expert_stack`` is internal: the number of per-expert modules a layout still stacks. Explicit
-    stage modules own fused ``[E, ...]`` parameters and must never carry one (SPEC §5 rule 3).
+    stage modules own fused ``[E, ...]`` parameters and must never carry one (the explicit-stage rule).
     """
 
     params: Mapping[str, NamedPlacement] = field(default_factory=dict)
@@ -208,7 +208,7 @@ class NativeParallelBindingRequest:
 
 @dataclass(frozen=True)
 class FullyShard:
-    """Where torch's FSDP2 (``fully_shard``) groups the parameters (SPEC §10): one unit per module
+    """Where torch's FSDP2 (``fully_shard``) groups the parameters: one unit per module
     each pattern selects, applied bottom-up (deeper modules first, then in the order given), then
     the root, as torchtitan wraps its blocks. A unit holding expert parameters (placed on ``ep``)
     shards over the expert mesh's ``edp_shard``; any other over ``dp_shard · cp``; both replicate

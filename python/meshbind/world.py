@@ -1,4 +1,4 @@
-"""The world's axes in one place (SPEC §10), as torchtitan's ``ParallelDims``: their names, sizes
+"""The world's axes in one place, as torchtitan's ``ParallelDims``: their names, sizes
 and rules, which prebuilt mesh each lives on, and each rank's coordinates. ``LayoutContext``,
 ``MeshContext``, resolution, layouts, FSDP and the report read them here; nothing else spells an
 axis name or a mesh order.

@@ -1,4 +1,4 @@
-//! Parsing of one FQN glob pattern (SPEC §2) into a small AST.
+//! Parsing of one FQN glob pattern into a small AST.
 //!
 //! The parser only checks the local syntax (balanced brackets, ranges, escapes); the rules about
 //! whole segments (`**`, empty segments) depend on how braces expand and live in `segments.rs`.

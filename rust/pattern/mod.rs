@@ -1,4 +1,4 @@
-//! One FQN pattern (SPEC §2): parsed once, classified into the cheapest strategy that answers it.
+//! One FQN pattern: parsed once, classified into the cheapest strategy that answers it.
 
 pub mod ast;
 pub mod range;

@@ -1,4 +1,4 @@
-//! Whole-segment rules of SPEC §2: no empty segment, `**` only as a whole segment, and the
+//! Whole-segment rules: no empty segment, `**` only as a whole segment, and the
 //! documented limit on brace expansion.
 //!
 //! Braces may hold dots, so a segment can start in one alternative and end in another. The rules
@@ -26,7 +26,7 @@ pub fn check_segments(nodes: &[Node]) -> Result<(), PatternSyntaxError> {
             "the pattern only expands to an empty name; write \"\" for the root",
         ));
     }
-    // An empty expansion would only match the root, which no glob but `**` selects (SPEC §2).
+    // An empty expansion would only match the root, which no glob but `**` selects.
     for expansion in expansions.iter().filter(|e| !e.is_empty()) {
         check_expansion(expansion)?;
     }

@@ -1,2 +1,2 @@
-"""The plans users already have (SPEC §9), checked by meshbind and applied by the framework
+"""The plans users already have, checked by meshbind and applied by the framework
 that owns them."""

@@ -1,4 +1,4 @@
-"""Hugging Face transformers plans (SPEC §9): a model's own ``tp_plan`` / ``ep_plan``, resolved by
+"""Hugging Face transformers plans: a model's own ``tp_plan`` / ``ep_plan``, resolved by
 meshbind the way transformers resolves them and applied by transformers' own code.
 
 transformers writes a layer index as ``*`` (``model.layers.*.mlp.experts``) and looks every module

@@ -1,4 +1,4 @@
-"""torch's ``parallelize_module`` plans (SPEC §9): a dict of FQN key → ``ParallelStyle``, resolved
+"""torch's ``parallelize_module`` plans: a dict of FQN key → ``ParallelStyle``, resolved
 by meshbind with torch's own key semantics and applied by torch on exact FQNs.
 
 torch splits a key on ``.`` and matches each part against one child name with ``fnmatch``

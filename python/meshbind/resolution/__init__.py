@@ -1,6 +1,6 @@
-"""Plan resolution (SPEC §4): one walk, every problem collected, one ``PlanError``.
+"""Plan resolution: one walk, every problem collected, one ``PlanError``.
 
-``resolve_plan`` reads as the steps of SPEC §4, each in a file of its name that returns its
+``resolve_plan`` reads as its steps, each in a file of its name that returns its
 problems: the walk and one record per planned module (``candidates``), who owns each module
 (``ownership``), a bound module inside another (``nesting``), the layout providers
 (``providers``), overrides merged over them (``overrides``), patterns that select nothing

@@ -83,7 +83,7 @@ def walk(pattern_set: PatternSet, model: object) -> tuple[ModuleTree, bool]:
 
 
 def parameter_owners(model: object, patterns: PlanPatterns, tree: ModuleTree) -> dict[int, list[str]]:
-    """Request patterns that select no module but select parameters (SPEC §9), by pattern index:
+    """Request patterns that select no module but select parameters, by pattern index:
     the FQNs of the modules holding those parameters, in walk order. One pruned walk of just those
     patterns, only when there are some."""
     counts = tree.hit_counts()

@@ -1,4 +1,4 @@
-"""FSDP units (SPEC §10): which modules ``fully_shard`` groups, on which mesh, and every unit it
+"""FSDP units: which modules ``fully_shard`` groups, on which mesh, and every unit it
 would refuse or get wrong, found before anything changes.
 
 A unit's own parameters are those under it that no deeper unit holds. They all live on one mesh:

@@ -1,9 +1,9 @@
-"""SPEC §4 ``unmatched``: a pattern that selects nothing, with "did you mean" among the names it
+"""The ``unmatched`` problem: a pattern that selects nothing, with "did you mean" among the names it
 could have meant, and the sources problems name.
 
 A request's pattern is suggested the model's FQNs; an override's, the planned modules' FQNs (the
 only ones it may select). An optional request's pattern that selects nothing is a warning of the
-plan (SPEC §9), not a problem.
+plan, not a problem.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SPEC §4 ``nested``: a bound module inside another bound module of the same binding kind.
+"""The ``nested`` problem: a bound module inside another bound module of the same binding kind.
 
 A module is nested when one of its FQNs (aliases included: a shared module sits in each place)
 lies below an FQN of another bound module of the same kind. The FQNs come in preorder, so each

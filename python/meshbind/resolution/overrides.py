@@ -1,4 +1,4 @@
-"""Overrides (SPEC §4): partial sharding specs merged field by field over the providers' output.
+"""Overrides: partial sharding specs merged field by field over the providers' output.
 
 An override pattern selects planned modules only; a field it sets wins, the others keep the
 derived value, and several overrides selecting one module merge in the mapping's order.

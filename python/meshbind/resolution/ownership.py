@@ -1,4 +1,4 @@
-"""Who owns each selected module (SPEC §4 ``conflict``): the request that selects it first, a
+"""Who owns each selected module (the ``conflict`` problem): the request that selects it first, a
 second request with a different spec (a conflict), or the module's own class (a family member).
 
 Two requests with equal specs may share a module; whether their layouts agree is for the

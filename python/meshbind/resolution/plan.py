@@ -1,4 +1,4 @@
-"""The resolved plan (SPEC §4): immutable, in tree order, with a table and a JSON form."""
+"""The resolved plan: immutable, in tree order, with a table and a JSON form."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The layout providers (SPEC §3): each planned module's ``ModuleShardingSpec``, from its
+"""The layout providers: each planned module's ``ModuleShardingSpec``, from its
 request's ``sharding`` callable or its family class's ``parallel_sharding``.
 
 A provider that raises or returns something else is a ``layout`` problem of that module. Requests

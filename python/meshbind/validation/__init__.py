@@ -1,4 +1,4 @@
-"""Per-module validation (SPEC §5): the rules (``rules.py``) and the batch that runs them over a
+"""Per-module validation: the rules (``rules.py``) and the batch that runs them over a
 whole plan, placement arithmetic in Rust (``batch.py``)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["ValidationBatch", "validate_parallel_module"]
 def validate_parallel_module(
     module: nn.Module, parallel: ParallelModuleSpec, sharding: ModuleShardingSpec, context: LayoutContext
 ) -> None:
-    """SPEC §5 for one module: raises ``ValueError`` at the first failure.
+    """The per-module rules for one module: raises ``ValueError`` at the first failure.
 
     The order is rules 1-4, then the module's ``layout`` checks, then rule 5, then ``validate``.
     """

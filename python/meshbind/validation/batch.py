@@ -1,4 +1,4 @@
-"""The bulk pass of SPEC §4 ``layout`` and §5: many planned modules checked together.
+"""The bulk pass of the ``layout`` checks and the per-module rules: many planned modules checked together.
 
 ``ValidationBatch`` runs the class-level rules once per (class, spec) and the sharding rules
 once per sharding object, hands the placement arithmetic of every module to Rust in one

@@ -1,4 +1,4 @@
-"""The per-module rules of SPEC §5, in its order, each on what it depends on alone.
+"""The per-module rules, in order, each on what it depends on alone.
 
 ``class_failure`` (rules 1 and 2) depends only on a class and a spec, ``sharding_failure`` (rules
 3 and 4) only on a sharding: the batch runs each once per distinct pair or object. Rule 5's
