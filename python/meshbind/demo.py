@@ -47,7 +47,7 @@ from meshbind.mesh import MeshContext, process_group_count
 from meshbind.report import plan_report
 from meshbind.resolution import resolve_plan
 from meshbind.specs import FullyShard
-from meshbind.world import DENSE_AXES, EXPERT_AXES, FSDP_SHARD_AXES, World
+from meshbind.world import DENSE_AXES, EXPERT_AXES, FSDP_AXES, World
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -294,7 +294,7 @@ def _replica_groups(mesh_context: MeshContext, gradient: torch.Tensor, fsdp: boo
     expert = mesh_context.fsdp_moe_mesh is not None and any(name in EXPERT_AXES for name in names)
     whole = mesh_context.fsdp_moe_mesh if expert else mesh_context.device_mesh
     assert whole is not None
-    by_fsdp = set(("edp_replicate", "edp_shard") if expert else ("dp_replicate", *FSDP_SHARD_AXES)) if fsdp else set()
+    by_fsdp = set(FSDP_AXES["expert" if expert else "device"]) if fsdp else set()
     dims = whole.mesh_dim_names or ()
     return [
         whole.get_group(dim)

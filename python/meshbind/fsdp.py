@@ -61,7 +61,7 @@ def _undistributed(model: nn.Module, plan: ParallelPlan) -> list[str]:
         for path in sharding.params:
             fqn = f"{module_fqn}.{path}" if module_fqn else path
             owner_path, _, name = fqn.rpartition(".")
-            parameter = model.get_submodule(owner_path)._parameters.get(name) if owner_path else model._parameters.get(name)
+            parameter = submodule(model, owner_path)._parameters.get(name)
             if parameter is not None and not isinstance(parameter, DTensor):
                 problems.append(f"{fqn!r} is planned but not distributed yet: apply_layouts before apply_fully_shard")
     return problems

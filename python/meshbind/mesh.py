@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshbind.errors import BindingRefusedError
 from meshbind.specs import LayoutContext
-from meshbind.world import AXES, DENSE_AXES, EXPERT_AXES, FSDP_SHARD_AXES, FSDP_SHARD_MESH, World, canonical_axis
+from meshbind.world import AXES, DENSE_AXES, EXPERT_AXES, FSDP_AXES, FSDP_SHARD_AXES, FSDP_SHARD_MESH, World, canonical_axis
 
 
 def one_dimensional(mesh: object, what: str) -> DeviceMesh:
@@ -139,12 +139,13 @@ class MeshContext:
             if self.fsdp_moe_mesh is None:
                 raise BindingRefusedError("mesh", "an FSDP unit holds expert parameters, but the mesh context has no expert mesh")
             names = self.fsdp_moe_mesh.mesh_dim_names or ()
-            missing = [axis for axis in ("edp_replicate", "edp_shard") if axis not in names]
+            replicate_axis, shard_axis = FSDP_AXES["expert"]
+            missing = [axis for axis in (replicate_axis, shard_axis) if axis not in names]
             if missing:
                 raise BindingRefusedError("mesh", f"FSDP of expert parameters needs the expert mesh's {missing} dims")
-            dims = ("edp_replicate", "edp_shard") if self.world.edp_replicate > 1 else ("edp_shard",)
+            dims = (replicate_axis, shard_axis) if self.world.edp_replicate > 1 else (shard_axis,)
             return self.fsdp_moe_mesh[dims]
-        present = {axis: self.dim_name(axis) for axis in ("dp_replicate", *FSDP_SHARD_AXES)}
+        present = {axis: self.dim_name(axis) for axis in FSDP_AXES["device"]}
         shard = [name for axis in FSDP_SHARD_AXES if (name := present[axis]) is not None and self.world.size_of(axis) > 1]
         dp_shard = present["dp_shard"]
         if len(shard) > 1:

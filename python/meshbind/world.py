@@ -30,6 +30,11 @@ FSDP_SHARD_AXES = ("dp_shard", "cp")
 holds the whole model, so its parameters' gradients are reduced over ``cp`` as over ``dp_shard``."""
 FSDP_SHARD_MESH = "dp_shard_cp"
 """The name of the flattened ``dp_shard x cp`` dim of the device mesh."""
+FSDP_AXES = {"device": ("dp_replicate", *FSDP_SHARD_AXES), "expert": ("edp_replicate", "edp_shard")}
+"""Per mesh, the axes FSDP reduces a unit's gradients over: those it shards over, and those HSDP
+replicates over."""
+MODEL_PARALLEL_AXIS = {"device": "tp", "expert": EXPERT_AXIS}
+"""Per mesh, the one axis a parameter of an FSDP unit may already be placed on."""
 
 _INT64_MAX = 2**63 - 1
 

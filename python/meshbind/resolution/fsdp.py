@@ -22,10 +22,7 @@ from meshbind._core import PatternSet
 from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.resolution.messages import ModelNames
 from meshbind.specs import FullyShard, ModuleShardingSpec
-from meshbind.world import EXPERT_AXES, canonical_axis
-
-MODEL_PARALLEL_AXES = {"device": "tp", "expert": "ep"}
-"""The one axis a parameter of an FSDP unit may already be placed on, per mesh."""
+from meshbind.world import EXPERT_AXES, MODEL_PARALLEL_AXIS, canonical_axis
 
 
 @dataclass(frozen=True)
@@ -187,7 +184,7 @@ def _parameter_problems(
         yield _problem(fqn, "is a 0-d parameter: FSDP shards dim 0, which it does not have")
     if named is None:
         return
-    allowed = MODEL_PARALLEL_AXES[side]
+    allowed = MODEL_PARALLEL_AXIS[side]
     axes = [canonical_axis(axis) for axis in named]
     if not axes:
         yield _problem(
