@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from meshbind.agreement import check_ranks_agree, plan_agreement
 from meshbind.binding import submodule
 from meshbind.errors import LayoutError
-from meshbind.mesh import MeshContext, check_resolved_for
+from meshbind.layouts import check_application
+from meshbind.mesh import MeshContext
 from meshbind.resolution.fsdp import FSDPUnit
 from meshbind.resolution.plan import ParallelPlan
 
@@ -27,15 +28,9 @@ def apply_fully_shard(model: nn.Module, plan: ParallelPlan, mesh_context: MeshCo
     """Apply ``fully_shard`` to every unit of ``plan.fsdp`` (``"<root>"`` for the root); returns the
     units sharded by this call. Raises ``LayoutError`` naming every problem before any unit
     changes."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(f"plan must be a ParallelPlan, got {type(plan).__name__}")
-    if not isinstance(mesh_context, MeshContext):
-        raise TypeError(f"mesh_context must be a MeshContext, got {type(mesh_context).__name__}")
+    check_application(model, plan, mesh_context)
     if plan.fsdp is None:
         raise ValueError("the plan has no FSDP units: resolve it with resolve_plan(..., fully_shard=FullyShard(units))")
-    check_resolved_for(plan.context, mesh_context)
     check_ranks_agree("apply_fully_shard", lambda: plan_agreement(model, plan, mesh_context), model=model)
     pending, problems = [], []
     for unit in plan.fsdp.units:

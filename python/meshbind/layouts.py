@@ -48,13 +48,7 @@ def apply_layouts(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContex
     ``DTensor`` with the plan's placements; returns the FQNs of the parameters distributed by
     this call (one already distributed with the same layout is left alone). Raises
     ``LayoutError`` listing every problem before any parameter changes."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(f"plan must be a ParallelPlan, got {type(plan).__name__}")
-    if not isinstance(mesh_context, MeshContext):
-        raise TypeError(f"mesh_context must be a MeshContext, got {type(mesh_context).__name__}")
-    check_resolved_for(plan.context, mesh_context)
+    check_application(model, plan, mesh_context)
     check_ranks_agree("apply_layouts", lambda: plan_agreement(model, plan, mesh_context), model=model)
     planned = _planned_parameters(model, plan, mesh_context)
     pending = [entry for entry in planned if not _already_there(entry)]
@@ -65,6 +59,18 @@ def apply_layouts(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContex
             module._parameters[name] = replacement
     _record_families(model, plan, mesh_context)
     return [entry.fqn for entry in pending]
+
+
+def check_application(model: object, plan: object, mesh_context: object) -> None:
+    """The arguments of a step applying ``plan`` (layouts, FSDP) are what it takes, and the plan was
+    resolved for these meshes."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan must be a ParallelPlan, got {type(plan).__name__}")
+    if not isinstance(mesh_context, MeshContext):
+        raise TypeError(f"mesh_context must be a MeshContext, got {type(mesh_context).__name__}")
+    check_resolved_for(plan.context, mesh_context)
 
 
 def _planned_parameters(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext) -> list[_Planned]:

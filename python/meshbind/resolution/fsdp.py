@@ -12,7 +12,8 @@ buffer per unit).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import functools
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -44,20 +45,11 @@ class FSDPPlan:
     def unit_of(self, parameter_fqn: str) -> FSDPUnit:
         """The innermost unit holding a parameter (the root holds what no other does)."""
         by_fqn = self._by_fqn
-        prefix = parameter_fqn
-        while prefix:
-            prefix = prefix.rpartition(".")[0]
-            if prefix in by_fqn:
-                return by_fqn[prefix]
-        return by_fqn[""]
+        return by_fqn[_innermost(parameter_fqn, by_fqn)]
 
-    @property
+    @functools.cached_property
     def _by_fqn(self) -> dict[str, FSDPUnit]:
-        cached: dict[str, FSDPUnit] | None = self.__dict__.get("_units_by_fqn")
-        if cached is None:
-            cached = {unit.fqn: unit for unit in self.units}
-            object.__setattr__(self, "_units_by_fqn", cached)
-        return cached
+        return {unit.fqn: unit for unit in self.units}
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -127,7 +119,8 @@ def _placements(sharding: Mapping[str, ModuleShardingSpec]) -> dict[str, Mapping
     return placed
 
 
-def _innermost(parameter_fqn: str, units: set[str]) -> str:
+def _innermost(parameter_fqn: str, units: Container[str]) -> str:
+    """The deepest unit FQN that is a prefix of ``parameter_fqn`` (``""``: the root)."""
     prefix = parameter_fqn
     while prefix:
         prefix = prefix.rpartition(".")[0]
