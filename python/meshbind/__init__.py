@@ -36,6 +36,9 @@ from meshbind.family import get_family_build_info
 from meshbind.fsdp import apply_fully_shard
 from meshbind.interop.torch_plans import from_torch_plan, parallelize_checked
 from meshbind.layouts import apply_layouts
+from meshbind.memory.result import StepMemory as StepMemory
+from meshbind.memory.routing import Routing
+from meshbind.memory.trace import StepMemoryError, step_memory
 from meshbind.mesh import MeshBinding, MeshContext
 from meshbind.report import PlanReport as PlanReport
 from meshbind.report import plan_report
@@ -83,6 +86,8 @@ __all__ = [
     "PatternSet",
     "PlanError",
     "RankMismatchError",
+    "Routing",
+    "StepMemoryError",
     "World",
     "apply_fully_shard",
     "apply_hf_plan",
@@ -96,6 +101,7 @@ __all__ = [
     "parallelize_checked",
     "plan_report",
     "resolve_plan",
+    "step_memory",
     "validate_materialized_modules",
     "validate_parallel_module",
 ]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshbind.memory.routing import assumed_routing
 from meshbind.mesh import one_dimensional, waited
 
 
@@ -65,17 +66,22 @@ class EPContext:
         # int64 whatever came in: backends lack some integer types (gloo: int16), and uint8 ids
         # would index the experts' weights as a mask.
         flat_experts = expert_ids.reshape(-1).long()
-        if flat_experts.numel() and (int(flat_experts.min()) < 0 or int(flat_experts.max()) >= self.num_experts):
+        assumed = assumed_routing()
+        out_of_range = assumed is None and flat_experts.numel() > 0
+        if out_of_range and (int(flat_experts.min()) < 0 or int(flat_experts.max()) >= self.num_experts):
             raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
         order = torch.argsort(flat_experts, stable=True)
         sorted_experts = flat_experts[order]
         destination = torch.div(sorted_experts, self.num_local_experts, rounding_mode="floor")
-        send_counts_tensor = torch.bincount(destination, minlength=self.size)
         send_tokens = tokens.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
         local_ids = sorted_experts - destination * self.num_local_experts
-        # The receivers learn their counts first: every rank sends one count to every rank.
-        recv_counts_tensor = waited(funcol.all_to_all_single(send_counts_tensor, None, None, self.group))
-        send_counts, recv_counts = send_counts_tensor.tolist(), recv_counts_tensor.tolist()
+        if assumed is not None:  # a step-memory trace: the counts are assumed, the ids hold no data
+            send_counts, recv_counts = assumed.counts(num_tokens * top_k, self.size)
+        else:
+            send_counts_tensor = torch.bincount(destination, minlength=self.size)
+            # The receivers learn their counts first: every rank sends one count to every rank.
+            recv_counts_tensor = waited(funcol.all_to_all_single(send_counts_tensor, None, None, self.group))
+            send_counts, recv_counts = send_counts_tensor.tolist(), recv_counts_tensor.tolist()
         received = waited(funcol.all_to_all_single_autograd(send_tokens, recv_counts, send_counts, self.group))
         received_ids = waited(funcol.all_to_all_single(local_ids, recv_counts, send_counts, self.group))
         return RoutedTokens(received, received_ids, order, send_counts, recv_counts, num_tokens, top_k)

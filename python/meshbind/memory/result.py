@@ -1,0 +1,159 @@
+"""What a step-memory trace found: per class of alike ranks, the peak bytes of one step, what is
+live at that peak by kind, where it falls, and whether it fits the device."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from meshbind.memory.routing import Routing
+from meshbind.world import World
+
+KINDS = (
+    "parameters",
+    "unsharded_parameters",
+    "gradients",
+    "unsharded_gradients",
+    "optimizer_state",
+    "activations",
+    "all_gather",
+    "reduce_scatter",
+    "temporaries",
+    "buffers",
+    "inputs",
+)
+"""What a byte live at the peak is. Under FSDP, ``parameters`` and ``gradients`` are each rank's
+shards and the ``unsharded_`` kinds the whole tensors FSDP gathers for a unit's forward and
+backward; ``all_gather`` and ``reduce_scatter`` are FSDP's communication buffers; ``temporaries``
+are what backward allocates beyond gradients (the gradients of activations)."""
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The step that was traced."""
+
+    batch: int
+    """Sequences per data-parallel rank."""
+    seq_len: int
+    optimizer: str
+    activation_checkpointing: str
+    device: str
+    device_memory: int | None
+    routing: Routing
+
+
+@dataclass(frozen=True)
+class RankClassMemory:
+    """Ranks ``first_rank`` to ``first_rank + ranks - 1`` hold alike shards: one was traced."""
+
+    first_rank: int
+    ranks: int
+    peak_bytes: int
+    live_at_peak: Mapping[str, int]
+    peak_module: str
+    """The innermost module running at the peak (``"<root>"``: the model itself or none)."""
+    peak_phase: str
+    """``forward``, ``backward`` or ``optimizer step``."""
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "first_rank": self.first_rank,
+            "ranks": self.ranks,
+            "peak_bytes": self.peak_bytes,
+            "live_at_peak": dict(self.live_at_peak),
+            "peak_module": self.peak_module,
+            "peak_phase": self.peak_phase,
+            "seconds": self.seconds,
+        }
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """``step_memory``'s answer."""
+
+    settings: StepSettings
+    world: World
+    classes: tuple[RankClassMemory, ...]
+    seconds: float
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest peak of any rank."""
+        return max(c.peak_bytes for c in self.classes)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether every rank's peak fits ``device_memory`` (``None``: no device memory given)."""
+        limit = self.settings.device_memory
+        return None if limit is None else self.peak_bytes <= limit
+
+    @property
+    def shortfall_bytes(self) -> int:
+        """How many more bytes the fullest rank needs than the device has (0 when it fits)."""
+        limit = self.settings.device_memory
+        return 0 if limit is None else max(0, self.peak_bytes - limit)
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "world": self.world.axis_sizes(),
+            "batch_per_rank": s.batch,
+            "seq_len": s.seq_len,
+            "optimizer": s.optimizer,
+            "activation_checkpointing": s.activation_checkpointing,
+            "device": s.device,
+            "device_memory": s.device_memory,
+            "routing": {"capacity_factor": s.routing.capacity_factor},
+            "peak_bytes": self.peak_bytes,
+            "fits": self.fits,
+            "shortfall_bytes": self.shortfall_bytes,
+            "rank_classes": [c.to_dict() for c in self.classes],
+            "seconds": self.seconds,
+        }
+
+    def text(self) -> str:
+        s = self.settings
+        lines = [
+            f"one training step on {s.device}: batch {s.batch} x seq {s.seq_len} per data-parallel rank, "
+            f"optimizer {s.optimizer}, activation checkpointing {s.activation_checkpointing}, {s.routing.text()}; "
+            f"world {self.world.text()}"
+        ]
+        for c in self.classes:
+            who = f"ranks {c.first_rank}-{c.first_rank + c.ranks - 1}" if c.ranks > 1 else f"rank {c.first_rank}"
+            lines.append(f"{who}: peak {gib(c.peak_bytes)} in {c.peak_module} {c.peak_phase}")
+            live = [(kind, size) for kind, size in c.live_at_peak.items() if size]
+            lines += [f"  {kind.replace('_', ' '):<22} {gib(size):>12}" for kind, size in sorted(live, key=lambda kv: -kv[1])]
+        if s.device_memory is not None:
+            if self.fits:
+                lines.append(f"fits {gib(s.device_memory)}: {gib(s.device_memory - self.peak_bytes)} to spare")
+            else:
+                lines.append(
+                    f"does NOT fit {gib(s.device_memory)}: the fullest rank needs {gib(self.shortfall_bytes)} more "
+                    f"({gib(self.peak_bytes)} at its peak)"
+                )
+        return "\n".join(lines)
+
+
+def gib(size: int) -> str:
+    """Bytes as a person reads them: GiB from 1 GiB up, else MiB."""
+    if size >= 2**30:
+        return f"{size / 2**30:.2f} GiB"
+    return f"{size / 2**20:.2f} MiB"
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``80GB``, ``512MiB``, ``1e9``: a number of bytes (GiB and GB both read as 2**30,
+    as GPU makers' "80GB" devices hold 80 GiB)."""
+    units = {"tib": 2**40, "tb": 2**40, "gib": 2**30, "gb": 2**30, "mib": 2**20, "mb": 2**20, "kib": 2**10, "kb": 2**10, "b": 1}
+    lowered = text.strip().lower()
+    unit = next((unit for unit in units if lowered.endswith(unit)), "b")
+    number, scale = lowered.removesuffix(unit).strip(), units[unit]
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"device memory must be a size like 80GiB or 512MiB, got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"device memory must be positive, got {text!r}")
+    return int(value * scale)

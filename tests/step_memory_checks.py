@@ -1,0 +1,67 @@
+"""One real training step per rank on a gloo world, measured by the CPU allocator's record
+(``measured_step_peak``): the truth ``test_step_memory.py`` holds the traced estimate to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from meshbind import FullyShard, LayoutContext, MeshContext, resolve_plan
+from meshbind.examples.moe_transformer import (
+    MoELayer,
+    MoETransformer,
+    TransformerConfig,
+    batch,
+    initialize,
+    local,
+    loss_head_request,
+)
+from meshbind.memory.measure import measured_step_peak
+from meshbind.memory.trace import apply_plan, make_optimizer, make_optimizer_state
+from meshbind.world import DENSE_AXES, EXPERT_AXES
+
+DEMO_UNITS = FullyShard(("blocks.*.moe", "blocks.*"))
+
+
+def balanced_route(layer: MoELayer) -> Any:
+    """The router's own weights, but each token's experts chosen round robin over every (token,
+    choice) pair: every expert-parallel rank receives the same number of pairs, the routing the
+    estimate assumes."""
+
+    def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probabilities = torch.softmax(nn.functional.linear(x, local(layer.router.weight)), dim=-1)
+        pairs = torch.arange(x.size(0) * layer.top_k, device=x.device).view(x.size(0), layer.top_k)
+        expert_ids = pairs % probabilities.size(-1)
+        weights = probabilities.gather(1, expert_ids)
+        return expert_ids, weights / weights.sum(dim=-1, keepdim=True)
+
+    return route
+
+
+def demo_step_peak(axes: dict[str, int], layers: int, experts: int, batch_per_rank: int, seq_len: int, checkpointing: str) -> int:
+    """This rank's measured peak of one demo training step (Adam, state made by a first step)."""
+    context = LayoutContext(axes)
+    world = context.world
+    mesh_context = MeshContext(
+        init_device_mesh("cpu", world.dense_shape, mesh_dim_names=DENSE_AXES),
+        init_device_mesh("cpu", world.expert_shape, mesh_dim_names=EXPERT_AXES),
+    )
+    config = TransformerConfig(layers=layers, experts=experts)
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    plan = resolve_plan(model, [loss_head_request()], context, fully_shard=DEMO_UNITS if world.dp_shard > 1 else None)
+    apply_plan(model, plan, mesh_context, checkpointing)
+    model.to_empty(device="cpu")
+    initialize(model, seed=0)
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.route = balanced_route(module)  # type: ignore[method-assign]
+    optimizer = make_optimizer(model, "adam", "cpu")
+    make_optimizer_state(optimizer)
+    dp_rank = mesh_context.world.coordinates(torch.distributed.get_rank())["dp_shard"]
+    tokens, targets = batch(config, batch_per_rank * world.dp_shard, seq_len, seed=0)
+    rows = slice(dp_rank * batch_per_rank, (dp_rank + 1) * batch_per_rank)
+    return measured_step_peak(model, optimizer, (tokens[rows], targets[rows]), {})
