@@ -5,11 +5,14 @@ rank of a gloo world (``step_memory_checks.py``)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from step_memory_checks import DEMO_UNITS
+from torch import nn
 
-from meshbind import LayoutContext, step_memory
+from meshbind import LayoutContext, Routing, StepMemory, StepMemoryError, step_memory
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
+from meshbind.memory.result import parse_bytes
 
 LAYERS, EXPERTS, SEQ_LEN = 2, 8, 32
 DEMO_WORLDS = {
@@ -44,3 +47,92 @@ def test_demo_estimate_is_within_a_tenth_of_every_rank_measured(world: str, chec
     )
     errors = {rank: estimate / peak - 1 for rank, peak in enumerate(measured)}
     assert all(abs(error) <= 0.10 for error in errors.values()), (estimate, measured, errors)
+
+
+def small_estimate(axes: dict[str, int], **settings: object) -> StepMemory:
+    return step_memory(
+        lambda: MoETransformer(TransformerConfig(layers=LAYERS, experts=EXPERTS)),
+        [loss_head_request()],
+        LayoutContext(axes),
+        seq_len=SEQ_LEN,
+        **{"batch": 2, "device": "cpu", **settings},  # type: ignore[arg-type]
+    )
+
+
+FSDP_AXES = DEMO_WORLDS["8 ranks dp_shard2 cp2 tp2 ep4 (FSDP)"][0]
+
+
+def test_what_is_live_at_the_peak_adds_up_and_names_fsdp_buffers_only_under_fsdp() -> None:
+    plain = small_estimate(DEMO_WORLDS["4 ranks cp2 tp2 ep2 (the demo's default)"][0])
+    sharded = small_estimate(FSDP_AXES, fully_shard=DEMO_UNITS)
+    for estimate in (plain, sharded):
+        (only,) = estimate.classes
+        assert sum(only.live_at_peak.values()) == only.peak_bytes
+        assert only.live_at_peak["parameters"] > 0 and only.live_at_peak["optimizer_state"] > 0
+        assert only.live_at_peak["activations"] > 0
+        assert only.peak_phase in ("forward", "backward", "optimizer step")
+    assert plain.classes[0].live_at_peak["all_gather"] == 0 and plain.classes[0].live_at_peak["unsharded_parameters"] == 0
+    assert sharded.classes[0].live_at_peak["unsharded_parameters"] > 0
+    # The demo's experts hold most activations: the peak falls in an MoE layer's backward.
+    assert plain.classes[0].peak_module.endswith(".moe") and plain.classes[0].peak_phase == "backward"
+
+
+def test_every_rank_is_one_class_and_the_answer_says_whether_it_fits() -> None:
+    estimate = small_estimate(FSDP_AXES, fully_shard=DEMO_UNITS, device_memory=2**20)
+    (only,) = estimate.classes
+    assert (only.first_rank, only.ranks) == (0, 8)
+    assert estimate.fits is False and estimate.shortfall_bytes == only.peak_bytes - 2**20
+    assert "does NOT fit 1.00 MiB" in estimate.text()
+    roomy = small_estimate(FSDP_AXES, fully_shard=DEMO_UNITS, device_memory=2**30)
+    assert roomy.fits is True and roomy.shortfall_bytes == 0
+    assert roomy.to_dict()["rank_classes"][0]["peak_bytes"] == roomy.peak_bytes
+
+
+def test_checkpointing_and_capacity_move_the_peak_the_way_they_must() -> None:
+    base = small_estimate(FSDP_AXES, fully_shard=DEMO_UNITS).peak_bytes
+    assert small_estimate(FSDP_AXES, fully_shard=DEMO_UNITS, activation_checkpointing="full").peak_bytes < 0.8 * base
+    assert small_estimate(FSDP_AXES, fully_shard=DEMO_UNITS, routing=Routing(2.0)).peak_bytes > 1.2 * base
+    assert small_estimate(FSDP_AXES, fully_shard=DEMO_UNITS, batch=4).peak_bytes > 1.6 * base
+
+
+class DataDependent(nn.Module):
+    """Reads a value to decide a shape: a fake tensor has no value to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8)])
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](ids.float().unsqueeze(-1).expand(*ids.shape, 8))
+        keep = int((x > 0).sum())
+        return x.flatten()[:keep].sum()
+
+
+def test_a_model_that_cannot_be_traced_is_refused_with_the_module_and_the_reason() -> None:
+    with pytest.raises(StepMemoryError) as refused:
+        step_memory(DataDependent, [], LayoutContext({"tp": 2}), batch=1, seq_len=4, device="cpu")
+    message = str(refused.value)
+    assert "cannot be traced with fake tensors" in message and "forward" in message
+    assert "DataDependent" in message or "<root>" in message
+
+
+def test_bad_settings_are_refused_before_any_trace() -> None:
+    build = lambda: MoETransformer(TransformerConfig(layers=1, experts=EXPERTS))  # noqa: E731
+    for settings, words in [
+        ({"batch": 0}, "batch must be a positive int"),
+        ({"optimizer": "adam-fp32-master"}, "traced optimizer must be one of"),
+        ({"activation_checkpointing": "selective"}, "activation_checkpointing must be one of"),
+        ({"device": "tpu"}, "device must be one of"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            step_memory(build, [loss_head_request()], LayoutContext({"tp": 2}), **{"batch": 1, "seq_len": 8, **settings})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"capacity factor must be a number from 1\.0"):
+        Routing(0.5)
+
+
+def test_parse_bytes_reads_what_people_write() -> None:
+    assert parse_bytes("80GiB") == 80 * 2**30 == parse_bytes("80GB") == parse_bytes(" 80 gib ")
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1e9") == 10**9
+    for bad in ("eighty", "-1GiB", "0"):
+        with pytest.raises(ValueError, match="device memory"):
+            parse_bytes(bad)

@@ -17,6 +17,8 @@ import torch
 from meshbind import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanError, from_torch_plan, resolve_plan
 from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verify_checkpoint
 from meshbind.errors import index_groups
+from meshbind.memory.result import StepMemory, parse_bytes
+from meshbind.memory.routing import Routing
 from meshbind.report import OPTIMIZERS, plan_report
 from meshbind.report_page import report_page
 
@@ -62,6 +64,8 @@ def _check(args: argparse.Namespace) -> int:
     if args.hf_config is not None:
         if args.model_factory or args.plan or args.torch_plan:
             raise _UsageError("--hf-config builds the model and reads its own plans: give no MODEL_FACTORY, PLAN or --torch-plan")
+        if args.memory:
+            raise _UsageError("--memory traces a MODEL_FACTORY's model and PLAN; --hf-config models are not traced yet")
         model, requests = _hf_model_and_plan(args.hf_config, args.strict)
     else:
         model, requests = _factory_model_and_plan(args)
@@ -85,6 +89,7 @@ def _check(args: argparse.Namespace) -> int:
         except CheckpointError as error:
             print(str(error), file=sys.stderr)
             return 1
+    memory = _step_memory(args, requests, context, fully_shard) if args.memory else None
     if args.html:
         try:
             with open(args.html, "w", encoding="utf-8") as page:
@@ -95,6 +100,9 @@ def _check(args: argparse.Namespace) -> int:
         result: dict[str, Any] = {"ok": not misfits, "problems": [], "plan": plan.to_dict(), "seconds": elapsed}
         if report is not None:
             result["report"] = report.to_dict()
+        if memory is not None:
+            result["memory"] = memory.to_dict()
+            result["ok"] = result["ok"] and memory.fits is not False
         if misfits is not None:
             result["checkpoint"] = [{"kind": m.kind, "key": m.key, "reason": m.reason} for m in misfits]
             result["checkpoint_verified"] = verified
@@ -102,13 +110,44 @@ def _check(args: argparse.Namespace) -> int:
     else:
         print(report.text() if report is not None and args.report else plan.explain())
         print(f"resolved and validated in {elapsed * 1e3:.1f} ms", file=sys.stderr)
+        if memory is not None:
+            print()
+            print(memory.text())
+            print(f"traced in {memory.seconds:.1f} s", file=sys.stderr)
     if misfits:
         print(_misfit_text(misfits, args.checkpoint), file=sys.stderr)
+        return 1
+    if memory is not None and memory.fits is False:
         return 1
     if misfits is not None and not args.json:
         how = "every file verified against its manifest" if verified else "unverified: no meshbind manifest"
         print(f"the checkpoint in {args.checkpoint} fits the model ({how})", file=sys.stderr)
     return 0
+
+
+def _step_memory(args: argparse.Namespace, requests: Any, context: LayoutContext, fully_shard: FullyShard | None) -> StepMemory:
+    """--memory: one training step traced on each class of ranks (the model built again for it)."""
+    from meshbind.memory.trace import StepMemoryError, step_memory
+
+    if args.batch is None or args.seq_len is None:
+        raise _UsageError("--memory needs --batch (sequences per data-parallel rank) and --seq-len")
+    print(f"tracing one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
+    try:
+        return step_memory(
+            args.build,
+            requests,
+            context,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            fully_shard=fully_shard,
+            optimizer=args.optimizer,
+            activation_checkpointing=args.activation_checkpointing,
+            device=args.device,
+            device_memory=args.device_memory,
+            routing=Routing(args.capacity_factor),
+        )
+    except StepMemoryError as error:
+        raise _UsageError(f"--memory: {error}") from None
 
 
 def _misfit_text(misfits: Sequence[Misfit], directory: str) -> str:
@@ -140,6 +179,7 @@ def _factory_model_and_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, 
     print(f"building {args.model_factory} on meta ...", file=sys.stderr)
     with torch.device("meta"):
         model = _user_code(f"MODEL_FACTORY {args.model_factory}", factory)
+    args.build = lambda: _user_code(f"MODEL_FACTORY {args.model_factory}", factory)
     if not isinstance(model, torch.nn.Module):
         raise _UsageError(f"MODEL_FACTORY {args.model_factory} returned {type(model).__name__}, not an nn.Module")
     return model, requests
@@ -273,6 +313,19 @@ def _axis(text: str) -> tuple[str, int]:
     return name, int(size)
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a positive whole number, got {text!r}")
+    return int(text)
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshbind", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -320,6 +373,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         metavar="DIR",
         help="check a torch.distributed.checkpoint or safetensors directory against the model (metadata only)",
+    )
+    memory = check.add_argument_group("step memory (--memory)")
+    memory.add_argument(
+        "--memory",
+        action="store_true",
+        help="trace one training step (forward, backward, optimizer step) with fake tensors: each rank's peak bytes",
+    )
+    memory.add_argument("--batch", type=_positive, metavar="B", help="sequences per data-parallel rank")
+    memory.add_argument("--seq-len", type=_positive, metavar="S", help="tokens per sequence")
+    memory.add_argument(
+        "--activation-checkpointing",
+        choices=("none", "full"),
+        default="none",
+        help="full: torch's checkpoint_wrapper on each FSDP unit (or each block); default none",
+    )
+    memory.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device the step runs on (default cuda)")
+    memory.add_argument("--device-memory", type=_bytes, metavar="SIZE", help="the device's memory (80GiB): does the step fit?")
+    memory.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="MoE routing: each rank receives F times its balanced share of tokens (default 1.0, balanced)",
     )
     check.set_defaults(run=_check)
     return parser

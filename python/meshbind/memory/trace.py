@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -148,6 +149,14 @@ def _fake_world(rank: int, world: World) -> Iterator[MeshContext]:
         dist.destroy_process_group()
 
 
+@contextmanager
+def _without_torch_advice() -> Iterator[None]:
+    """torch.distributed's warnings are for the user's own run, which will give them again."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
+        yield
+
+
 def apply_plan(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext, activation_checkpointing: str) -> None:
     """The plan applied as a training job applies it: layouts, binding, activation checkpointing
     (``checkpoint_units``), then FSDP."""
@@ -252,7 +261,7 @@ def _trace_rank(
     inputs: StepInputs | None,
 ) -> RankClassMemory:
     started = time.perf_counter()
-    with _fake_world(rank, plan.context.world) as mesh_context:
+    with _without_torch_advice(), _fake_world(rank, plan.context.world) as mesh_context:
         apply_plan(model, plan, mesh_context, settings.activation_checkpointing)
         step_inputs = inputs or default_inputs(model)
         with FakeTensorMode(allow_non_fake_inputs=True), assuming(settings.routing):
