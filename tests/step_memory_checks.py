@@ -65,3 +65,34 @@ def demo_step_peak(axes: dict[str, int], layers: int, experts: int, batch_per_ra
     tokens, targets = batch(config, batch_per_rank * world.dp_shard, seq_len, seed=0)
     rows = slice(dp_rank * batch_per_rank, (dp_rank + 1) * batch_per_rank)
     return measured_step_peak(model, optimizer, (tokens[rows], targets[rows]), {})
+
+
+def hf_step_peak(
+    name: str, axes: dict[str, int], units: tuple[str, ...], batch_per_rank: int, seq_len: int, checkpointing: str
+) -> int:
+    """This rank's measured peak of one step of a small transformers model under its own plans."""
+    from meshbind.interop.hf_plans import from_hf_plan
+
+    from hf_models import hf_model
+
+    context = LayoutContext(axes)
+    world = context.world
+    mesh_context = MeshContext(
+        init_device_mesh("cpu", world.dense_shape, mesh_dim_names=DENSE_AXES),
+        init_device_mesh("cpu", world.expert_shape, mesh_dim_names=EXPERT_AXES),
+    )
+    with torch.device("meta"):
+        model = hf_model(name)
+    plan = resolve_plan(model, from_hf_plan(model), context, fully_shard=FullyShard(units) if units else None)
+    apply_plan(model, plan, mesh_context, checkpointing)
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            held = local(parameter)
+            held.copy_(0.02 * torch.randn(held.shape, generator=generator))
+    model.train()
+    optimizer = make_optimizer(model, "adam", "cpu")
+    make_optimizer_state(optimizer)
+    ids = torch.randint(0, model.config.vocab_size, (batch_per_rank, seq_len), generator=generator)
+    return measured_step_peak(model, optimizer, (), {"input_ids": ids, "labels": ids.clone(), "use_cache": False})

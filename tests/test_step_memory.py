@@ -136,3 +136,33 @@ def test_parse_bytes_reads_what_people_write() -> None:
     for bad in ("eighty", "-1GiB", "0"):
         with pytest.raises(ValueError, match="device memory"):
             parse_bytes(bad)
+
+
+HF_WORLDS = {"llama tp2 dp_shard2": ("llama", {"dp_shard": 2, "tp": 2}, ("model.layers.*",))}
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+@pytest.mark.parametrize("world", list(HF_WORLDS))
+def test_hf_estimate_is_within_a_tenth_of_every_rank_measured(world: str, checkpointing: str) -> None:
+    from meshbind import FullyShard
+    from meshbind.interop.hf_plans import from_hf_plan
+
+    from hf_models import hf_model
+
+    name, axes, units = HF_WORLDS[world]
+    with torch.device("meta"):
+        plan_source = from_hf_plan(hf_model(name))
+    estimate = step_memory(
+        lambda: hf_model(name),
+        plan_source,
+        LayoutContext(axes),
+        batch=2,
+        seq_len=64,
+        fully_shard=FullyShard(units),
+        activation_checkpointing=checkpointing,
+        device="cpu",
+    ).peak_bytes
+    size = LayoutContext(axes).world.size
+    measured = run_local_world(size, "step_memory_checks:hf_step_peak", name, axes, units, 2, 64, checkpointing, timeout=240)
+    errors = {rank: estimate / peak - 1 for rank, peak in enumerate(measured)}
+    assert all(abs(error) <= 0.10 for error in errors.values()), (estimate, measured, errors)

@@ -38,6 +38,7 @@ from transformers.distributed.tensor_parallel import (
 from meshbind._core import PatternSet
 from meshbind.agreement import check_ranks_agree, mesh_entries, model_entries, plan_entries
 from meshbind.errors import LayoutRefusal, PlanProblem, ProblemCode
+from meshbind.interop import HF_PROTOCOL
 from meshbind.placements import shard_dim, split_dim
 from meshbind.resolution.candidates import literal_pattern
 from meshbind.resolution.plan import ParallelPlan
@@ -49,7 +50,7 @@ from meshbind.specs import (
     SourcedRequests,
 )
 
-PROTOCOL = "hf_parallel_style"
+PROTOCOL = HF_PROTOCOL
 """The protocol of every spec ``from_hf_plan`` makes; ``options["rules"]`` holds the styles."""
 
 PLANS = ("tp", "ep")

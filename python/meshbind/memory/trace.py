@@ -11,6 +11,7 @@ class of ranks holding alike shards (``plan_report``'s rank groups).
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from meshbind.binding import bind_parallel_modules, submodule
 from meshbind.errors import MeshbindError
 from meshbind.fsdp import apply_fully_shard
+from meshbind.interop import HF_PROTOCOL, torch_plans
 from meshbind.layouts import apply_layouts
 from meshbind.memory.result import KINDS, RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.routing import Routing, assuming
@@ -74,8 +76,8 @@ def step_memory(
     ``requests``, ``context`` and ``fully_shard`` are ``resolve_plan``'s. ``batch`` is the
     sequences of one data-parallel rank, ``seq_len`` their length. ``inputs(batch, seq_len)``
     gives one forward call's arguments; by default token ids ``[batch, seq_len]`` are passed as
-    ``input_ids=`` and ``labels=`` when ``forward`` takes ``input_ids``, else as two positional
-    arguments (the ids and the targets). The output is the loss, or has a ``.loss``.
+    ``input_ids=`` and ``labels=`` (with ``use_cache=False``) when ``forward`` takes ``input_ids``,
+    else as two positional arguments (the ids and the targets). The output is the loss, or has a ``.loss``.
 
     The step is traced with no weights and no collectives; it needs no process group of its own
     and refuses to run inside one (a fake group takes the default group's place while tracing).
@@ -98,20 +100,27 @@ def step_memory(
             "initialised: call it before init_process_group, or in a process of its own"
         )
     started = time.perf_counter()
-    with torch.device("meta"):
-        model = build()
-    plan = resolve_plan(model, requests, context, fully_shard=fully_shard)
+    model, plan = _planned(build, requests, context, fully_shard)
     groups = plan_report(model, plan, optimizer="none").rank_groups
     classes: list[RankClassMemory] = []
     for group in groups:
-        traced = model if not classes else _built(build)
-        classes.append(_trace_rank(traced, plan, group.first, group.count, settings, inputs))
+        if classes:  # the plan is applied in place: each traced rank has a model of its own
+            model, plan = _planned(build, requests, context, fully_shard)
+        classes.append(_trace_rank(model, plan, group.first, group.count, settings, inputs))
     return StepMemory(settings, context.world, tuple(classes), time.perf_counter() - started)
 
 
-def _built(build: Callable[[], nn.Module]) -> nn.Module:
+def _planned(
+    build: Callable[[], nn.Module], requests: Any, context: LayoutContext, fully_shard: FullyShard | None
+) -> tuple[nn.Module, ParallelPlan]:
+    """The model built on meta and its plan resolved. A transformers model's own plans
+    (``from_hf_plan``) are read again from each model built."""
     with torch.device("meta"):
-        return build()
+        model = build()
+    hf_plans = sys.modules.get("meshbind.interop.hf_plans")  # loaded when a plan was read from transformers
+    if hf_plans is not None and isinstance(requests, hf_plans.HFPlan):
+        requests = hf_plans.from_hf_plan(model, strict=requests.strict)
+    return model, resolve_plan(model, requests, context, fully_shard=fully_shard)
 
 
 def _check_settings(settings: StepSettings) -> None:
@@ -160,8 +169,18 @@ def _without_torch_advice() -> Iterator[None]:
 def apply_plan(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext, activation_checkpointing: str) -> None:
     """The plan applied as a training job applies it: layouts, binding, activation checkpointing
     (``checkpoint_units``), then FSDP."""
-    apply_layouts(model, plan, mesh_context)
-    bind_parallel_modules(model, plan, mesh_context)
+    protocols = {spec.protocol for spec in plan.parallel_modules.values()}
+    if HF_PROTOCOL in protocols:
+        from meshbind.interop import hf_plans  # transformers, loaded only for its own plans
+
+        world = mesh_context.world
+        ep_mesh = mesh_context.fsdp_moe_mesh["ep"] if mesh_context.fsdp_moe_mesh is not None and world.ep > 1 else None
+        hf_plans.apply_hf_plan(model, plan, tp_mesh=mesh_context.device_mesh["tp"], ep_mesh=ep_mesh)
+    elif torch_plans.PROTOCOL in protocols:
+        torch_plans.parallelize_checked(model, plan, mesh_context.device_mesh["tp"])
+    else:
+        apply_layouts(model, plan, mesh_context)
+        bind_parallel_modules(model, plan, mesh_context)
     if activation_checkpointing == "full":
         for fqn in checkpoint_units(model, plan):
             parent_fqn, _, name = fqn.rpartition(".")
@@ -196,14 +215,16 @@ def checkpoint_units(model: nn.Module, plan: ParallelPlan) -> list[str]:
 
 
 def default_inputs(model: nn.Module) -> StepInputs:
-    """Token ids as ``input_ids=``/``labels=`` for a forward that takes ``input_ids``, else as two
-    positional arguments. Zeros: a fake tensor's values are never read."""
-    named = "input_ids" in inspect.signature(model.forward).parameters
+    """Token ids as ``input_ids=``/``labels=`` (and ``use_cache=False``) for a forward that takes
+    ``input_ids``, else as two positional arguments. Zeros: a fake tensor's values are never read."""
+    taken = inspect.signature(model.forward).parameters
+    # Training keeps no key/value cache (a recomputed layer would append to it twice).
+    no_cache = {"use_cache": False} if "use_cache" in taken else {}
 
     def inputs(batch: int, seq_len: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
         ids = torch.zeros(batch, seq_len, dtype=torch.long)
-        if named:
-            return (), {"input_ids": ids, "labels": ids.clone()}
+        if "input_ids" in taken:
+            return (), {"input_ids": ids, "labels": ids.clone(), **no_cache}
         return (ids, ids.clone()), {}
 
     return inputs
