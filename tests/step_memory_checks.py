@@ -73,8 +73,6 @@ def hf_step_peak(
     """This rank's measured peak of one step of a small transformers model under its own plans."""
     from meshbind.interop.hf_plans import from_hf_plan
 
-    from hf_models import hf_model
-
     context = LayoutContext(axes)
     world = context.world
     mesh_context = MeshContext(
@@ -82,7 +80,7 @@ def hf_step_peak(
         init_device_mesh("cpu", world.expert_shape, mesh_dim_names=EXPERT_AXES),
     )
     with torch.device("meta"):
-        model = hf_model(name)
+        model = hf_transformer(name)
     plan = resolve_plan(model, from_hf_plan(model), context, fully_shard=FullyShard(units) if units else None)
     apply_plan(model, plan, mesh_context, checkpointing)
     model.to_empty(device="cpu")
@@ -92,7 +90,39 @@ def hf_step_peak(
             held = local(parameter)
             held.copy_(0.02 * torch.randn(held.shape, generator=generator))
     model.train()
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            module.forward = balanced_hf_route(module)  # type: ignore[method-assign]
     optimizer = make_optimizer(model, "adam", "cpu")
     make_optimizer_state(optimizer)
     ids = torch.randint(0, model.config.vocab_size, (batch_per_rank, seq_len), generator=generator)
     return measured_step_peak(model, optimizer, (), {"input_ids": ids, "labels": ids.clone(), "use_cache": False})
+
+
+def hf_transformer(name: str) -> nn.Module:
+    """A small transformers model; its experts, if any, run transformers' ``grouped_mm``, whose
+    token counts stay on the device (the default loops over the experts a batch hit, which a fake
+    tensor cannot say)."""
+    from hf_models import hf_model
+
+    model = hf_model(name)
+    if getattr(model.config, "num_experts", None):
+        model.config._experts_implementation = "grouped_mm"
+    return model
+
+
+def balanced_hf_route(router: nn.Module) -> Any:
+    """A transformers top-k router's own logits and weights, with each token's experts chosen round
+    robin over the (token, choice) pairs, so every expert-parallel rank receives an equal share."""
+
+    def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+        logits = nn.functional.linear(hidden_states, router.weight)
+        probabilities = torch.softmax(logits, dtype=torch.float, dim=-1)
+        pairs = torch.arange(hidden_states.size(0) * router.top_k, device=logits.device).view(-1, router.top_k)
+        indices = pairs % router.num_experts
+        weights = probabilities.gather(1, indices)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(logits.dtype), indices
+
+    return forward

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from step_memory_checks import DEMO_UNITS
+from step_memory_checks import DEMO_UNITS, hf_transformer
 from torch import nn
 
 from meshbind import LayoutContext, Routing, StepMemory, StepMemoryError, step_memory
@@ -138,7 +138,10 @@ def test_parse_bytes_reads_what_people_write() -> None:
             parse_bytes(bad)
 
 
-HF_WORLDS = {"llama tp2 dp_shard2": ("llama", {"dp_shard": 2, "tp": 2}, ("model.layers.*",))}
+HF_WORLDS = {
+    "llama tp2 dp_shard2": ("llama", {"dp_shard": 2, "tp": 2}, ("model.layers.*",)),
+    "qwen3_moe ep2 (balanced routing)": ("qwen3_moe", {"dp_shard": 2, "ep": 2}, ()),
+}
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
@@ -147,18 +150,16 @@ def test_hf_estimate_is_within_a_tenth_of_every_rank_measured(world: str, checkp
     from meshbind import FullyShard
     from meshbind.interop.hf_plans import from_hf_plan
 
-    from hf_models import hf_model
-
     name, axes, units = HF_WORLDS[world]
     with torch.device("meta"):
-        plan_source = from_hf_plan(hf_model(name))
+        plan_source = from_hf_plan(hf_transformer(name))
     estimate = step_memory(
-        lambda: hf_model(name),
+        lambda: hf_transformer(name),
         plan_source,
         LayoutContext(axes),
         batch=2,
         seq_len=64,
-        fully_shard=FullyShard(units),
+        fully_shard=FullyShard(units) if units else None,
         activation_checkpointing=checkpointing,
         device="cpu",
     ).peak_bytes

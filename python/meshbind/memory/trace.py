@@ -171,11 +171,12 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext, 
     (``checkpoint_units``), then FSDP."""
     protocols = {spec.protocol for spec in plan.parallel_modules.values()}
     if HF_PROTOCOL in protocols:
-        from meshbind.interop import hf_plans  # transformers, loaded only for its own plans
+        from meshbind.interop import hf_plans, hf_routing  # transformers, loaded only for its own plans
 
         world = mesh_context.world
         ep_mesh = mesh_context.fsdp_moe_mesh["ep"] if mesh_context.fsdp_moe_mesh is not None and world.ep > 1 else None
-        hf_plans.apply_hf_plan(model, plan, tp_mesh=mesh_context.device_mesh["tp"], ep_mesh=ep_mesh)
+        tp_mesh = mesh_context.device_mesh["tp"]
+        hf_plans.apply_hf_plan(model, plan, tp_mesh=tp_mesh, ep_mesh=ep_mesh, ep_implementation=hf_routing.ASSUMED_ROUTING_EP)
     elif torch_plans.PROTOCOL in protocols:
         torch_plans.parallelize_checked(model, plan, mesh_context.device_mesh["tp"])
     else:
