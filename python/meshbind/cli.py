@@ -64,9 +64,7 @@ def _check(args: argparse.Namespace) -> int:
     if args.hf_config is not None:
         if args.model_factory or args.plan or args.torch_plan:
             raise _UsageError("--hf-config builds the model and reads its own plans: give no MODEL_FACTORY, PLAN or --torch-plan")
-        if args.memory:
-            raise _UsageError("--memory traces a MODEL_FACTORY's model and PLAN; --hf-config models are not traced yet")
-        model, requests = _hf_model_and_plan(args.hf_config, args.strict)
+        model, requests = _hf_model_and_plan(args)
     else:
         model, requests = _factory_model_and_plan(args)
     started = time.perf_counter()
@@ -185,9 +183,10 @@ def _factory_model_and_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, 
     return model, requests
 
 
-def _hf_model_and_plan(path: str, strict: bool) -> tuple[torch.nn.Module, Any]:
+def _hf_model_and_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
     """--hf-config: a transformers config file (its ``model_type`` names the class), the model built
     from it on meta (no weights, no network), and its own plans."""
+    path, strict = args.hf_config, args.strict
     try:
         with open(path, encoding="utf-8") as file:
             values = json.load(file)
@@ -216,6 +215,7 @@ def _hf_model_and_plan(path: str, strict: bool) -> tuple[torch.nn.Module, Any]:
                 return AutoModel.from_config(config)  # type: ignore[no-untyped-call]
 
     model = _user_code(f"--hf-config {path}: building the model", build)
+    args.build = lambda: _user_code(f"--hf-config {path}: building the model", build)
     return model, from_hf_plan(model, strict=strict)
 
 
