@@ -4,6 +4,8 @@ rank of a gloo world (``step_memory_checks.py``)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from step_memory_checks import DEMO_UNITS, hf_transformer
@@ -167,3 +169,44 @@ def test_hf_estimate_is_within_a_tenth_of_every_rank_measured(world: str, checkp
     measured = run_local_world(size, "step_memory_checks:hf_step_peak", name, axes, units, 2, 64, checkpointing, timeout=240)
     errors = {rank: estimate / peak - 1 for rank, peak in enumerate(measured)}
     assert all(abs(error) <= 0.10 for error in errors.values()), (estimate, measured, errors)
+
+
+DEMO_CHECK = [
+    "check",
+    "meshbind.examples.moe_transformer:MoETransformer",
+    "meshbind.examples.moe_transformer:loss_head_request",
+    *("--axis", "dp_shard=2", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=4"),
+    *("--fully-shard", "blocks.*.moe", "--fully-shard", "blocks.*"),
+]
+
+
+def test_meshbind_check_memory_says_whether_it_fits_and_exits_1_when_not(capsys: pytest.CaptureFixture[str]) -> None:
+    from meshbind.cli import main
+
+    memory = ["--memory", "--batch", "1", "--seq-len", "32", "--device", "cpu"]
+    assert main([*DEMO_CHECK, *memory, "--device-memory", "1MiB"]) == 1
+    out = capsys.readouterr().out
+    assert "ranks 0-7: peak" in out and "does NOT fit 1.00 MiB" in out
+    assert main([*DEMO_CHECK, *memory, "--device-memory", "1GiB", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["ok"] is True and answer["memory"]["fits"] is True
+    (only,) = answer["memory"]["rank_classes"]
+    assert only["ranks"] == 8 and only["peak_bytes"] == answer["memory"]["peak_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--memory", "--seq-len", "32"], "--memory needs --batch"),
+        (["--memory", "--batch", "1", "--seq-len", "32", "--optimizer", "adam-fp32-master"], "traced optimizer must be one of"),
+    ],
+)
+def test_meshbind_check_memory_refuses_what_it_cannot_trace(
+    flags: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshbind.cli import main
+
+    assert main([*DEMO_CHECK, *flags]) == 2
+    assert words in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*DEMO_CHECK, "--memory", "--batch", "1", "--seq-len", "32", "--device-memory", "lots"])

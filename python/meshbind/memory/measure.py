@@ -17,6 +17,7 @@ from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import OpTree
+from torch.utils._pytree import tree_leaves
 
 from meshbind.memory.trace import training_step
 
@@ -44,18 +45,7 @@ def _existing_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if optimizer is not None:
         for state in optimizer.state.values():
             yield from (value for value in state.values() if isinstance(value, torch.Tensor))
-    yield from _flattened(inputs)
-
-
-def _flattened(value: Any) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _flattened(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _flattened(item)
+    yield from (leaf for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor))
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_leaves
 
 from meshbind.binding import bind_parallel_modules, submodule
 from meshbind.errors import MeshbindError
@@ -319,9 +320,11 @@ def _untraceable(error: Exception, tracker: Any) -> str:
     )
 
 
-class _Peak:
-    def __init__(self, total: int, kinds: dict[str, int], module: str, phase: str) -> None:
-        self.total, self.kinds, self.module, self.phase = total, kinds, module, phase
+class _Peak(NamedTuple):
+    total: int
+    kinds: dict[str, int]
+    module: str
+    phase: str
 
 
 _KIND_OF = {
@@ -405,16 +408,5 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: 
         return fsdp_tracker
     tracker = _StepTracker()
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-    tracker.track_external(*[t for t in _tensors(inputs)])
+    tracker.track_external(*[leaf for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor)])
     return tracker
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
