@@ -99,13 +99,13 @@ def hf_step_peak(
     return measured_step_peak(model, optimizer, (), {"input_ids": ids, "labels": ids.clone(), "use_cache": False})
 
 
-def hf_transformer(name: str) -> nn.Module:
+def hf_transformer(name: str, layers: int = 2) -> nn.Module:
     """A small transformers model; its experts, if any, run transformers' ``grouped_mm``, whose
     token counts stay on the device (the default loops over the experts a batch hit, which a fake
     tensor cannot say)."""
     from hf_models import hf_model
 
-    model = hf_model(name)
+    model = hf_model(name, layers=layers)
     if getattr(model.config, "num_experts", None):
         model.config._experts_implementation = "grouped_mm"
     return model

@@ -5,6 +5,8 @@ rank of a gloo world (``step_memory_checks.py``)."""
 from __future__ import annotations
 
 import json
+import re
+from typing import Any
 
 import pytest
 import torch
@@ -210,3 +212,68 @@ def test_meshbind_check_memory_refuses_what_it_cannot_trace(
     assert words in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*DEMO_CHECK, "--memory", "--batch", "1", "--seq-len", "32", "--device-memory", "lots"])
+
+
+def _both_ways(build: Any, requests: Any, axes: dict[str, int], **settings: Any) -> tuple[Any, Any]:
+    return tuple(  # type: ignore[return-value]
+        step_memory(build, requests, LayoutContext(axes), alike_layers=alike, **settings).classes[0] for alike in (True, False)
+    )
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_alike_layers_traced_at_three_depths_give_the_whole_models_answer(checkpointing: str) -> None:
+    """Extrapolating from 3, 4 and 5 alike blocks to 8 gives exactly what tracing all 8 gives:
+    the peak, every kind live at it, the module (counted from the start or from the end) and phase."""
+    from meshbind import FullyShard
+    from meshbind.interop.hf_plans import from_hf_plan
+
+    demo = _both_ways(
+        lambda: MoETransformer(TransformerConfig(layers=8, experts=EXPERTS)),
+        [loss_head_request()],
+        FSDP_AXES,
+        batch=2,
+        seq_len=SEQ_LEN,
+        fully_shard=DEMO_UNITS,
+        activation_checkpointing=checkpointing,
+        device="cpu",
+    )
+    with torch.device("meta"):
+        plan_source = from_hf_plan(hf_transformer("llama", layers=8))
+    llama = _both_ways(
+        lambda: hf_transformer("llama", layers=8),
+        plan_source,
+        {"dp_shard": 2, "tp": 2},
+        batch=2,
+        seq_len=64,
+        fully_shard=FullyShard(("model.layers.*",)),
+        activation_checkpointing=checkpointing,
+    )
+    for extrapolated, whole in (demo, llama):
+        assert "extrapolated (exact)" in extrapolated.traced and whole.traced == "the whole model"
+        assert extrapolated.peak_bytes == whole.peak_bytes
+        assert dict(extrapolated.live_at_peak) == dict(whole.live_at_peak)
+        assert extrapolated.peak_phase == whole.peak_phase
+        if checkpointing == "none":
+            assert extrapolated.peak_module == whole.peak_module
+        else:  # each block's recomputed backward reaches the same peak: any of them may be named
+            assert re.sub(r"\.\d+\.", ".N.", extrapolated.peak_module) == re.sub(r"\.\d+\.", ".N.", whole.peak_module)
+
+
+def test_the_alike_run_is_the_last_blocks_that_are_alike_and_steps_must_be_equal() -> None:
+    from meshbind.memory.depth import alike_run, extrapolated
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.proj = nn.Linear(width, width)
+
+    class Model(nn.Module):
+        def __init__(self, widths: list[int]) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Block(width) for width in widths)
+
+    run = alike_run(Model([4, 4, 8, 8, 8, 8, 8, 8]))  # dense blocks first, as DeepSeek-V3's
+    assert run is not None and (run.list_fqn, run.first, run.count) == ("layers", 2, 6)
+    assert alike_run(Model([8] * 5)) is None  # no more blocks than the deepest trace
+    assert extrapolated([{"peak": 10}, {"peak": 13}, {"peak": 16}], 8) == {"peak": 25}
+    assert extrapolated([{"peak": 10}, {"peak": 13}, {"peak": 17}], 8) is None

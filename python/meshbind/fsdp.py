@@ -20,6 +20,7 @@ from meshbind.binding import submodule
 from meshbind.errors import LayoutError
 from meshbind.layouts import check_application
 from meshbind.mesh import MeshContext
+from meshbind.placements import shard_dim
 from meshbind.resolution.fsdp import FSDPUnit
 from meshbind.resolution.plan import ParallelPlan
 
@@ -50,10 +51,14 @@ def apply_fully_shard(model: nn.Module, plan: ParallelPlan, mesh_context: MeshCo
 
 
 def _undistributed(model: nn.Module, plan: ParallelPlan) -> list[str]:
-    """FSDP composes with the layouts' DTensors: a planned parameter must already be one."""
+    """FSDP composes with the layouts' DTensors: a parameter the plan shards must already be one.
+    One the plan only replicates may stay a plain tensor, as transformers keeps its
+    ``replicated_with_grad_allreduce`` norms: FSDP shards it over the data-parallel ranks alone."""
     problems = []
     for module_fqn, sharding in plan.sharding.items():
-        for path in sharding.params:
+        for path, placements in sharding.params.items():
+            if all(shard_dim(placement) is None for placement in placements.values()):
+                continue
             fqn = f"{module_fqn}.{path}" if module_fqn else path
             owner_path, _, name = fqn.rpartition(".")
             parameter = submodule(model, owner_path)._parameters.get(name)

@@ -55,6 +55,8 @@ class RankClassMemory:
     """The innermost module running at the peak (``"<root>"``: the model itself or none)."""
     peak_phase: str
     """``forward``, ``backward`` or ``optimizer step``."""
+    traced: str
+    """How: ``the whole model``, or which depths of its alike blocks were traced and extrapolated."""
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,6 +67,7 @@ class RankClassMemory:
             "live_at_peak": dict(self.live_at_peak),
             "peak_module": self.peak_module,
             "peak_phase": self.peak_phase,
+            "traced": self.traced,
             "seconds": self.seconds,
         }
 
@@ -123,6 +126,7 @@ class StepMemory:
         for c in self.classes:
             who = f"ranks {c.first_rank}-{c.first_rank + c.ranks - 1}" if c.ranks > 1 else f"rank {c.first_rank}"
             lines.append(f"{who}: peak {gib(c.peak_bytes)} in {c.peak_module} {c.peak_phase}")
+            lines.append(f"  traced: {c.traced}")
             live = [(kind, size) for kind, size in c.live_at_peak.items() if size]
             lines += [f"  {kind.replace('_', ' '):<22} {gib(size):>12}" for kind, size in sorted(live, key=lambda kv: -kv[1])]
         if s.device_memory is not None:

@@ -10,6 +10,7 @@ class of ranks holding alike shards (``plan_report``'s rank groups).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import time
@@ -27,6 +28,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from meshbind.binding import bind_parallel_modules, submodule
@@ -34,10 +36,11 @@ from meshbind.errors import MeshbindError
 from meshbind.fsdp import apply_fully_shard
 from meshbind.interop import HF_PROTOCOL, torch_plans
 from meshbind.layouts import apply_layouts
+from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, truncated
 from meshbind.memory.result import KINDS, RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.routing import Routing, assuming
 from meshbind.mesh import MeshContext
-from meshbind.report import plan_report
+from meshbind.report import RankGroup, plan_report
 from meshbind.resolution import resolve_plan
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest
@@ -69,6 +72,7 @@ def step_memory(
     device_memory: int | None = None,
     routing: Routing | None = None,
     inputs: StepInputs | None = None,
+    alike_layers: bool = True,
 ) -> StepMemory:
     """The peak bytes of one training step (forward, backward, optimizer step) on each class of
     ranks, with what is live at the peak and where it falls.
@@ -82,6 +86,9 @@ def step_memory(
 
     The step is traced with no weights and no collectives; it needs no process group of its own
     and refuses to run inside one (a fake group takes the default group's place while tracing).
+    With ``alike_layers`` (the default), a model whose blocks end in more than five alike ones is
+    traced at three, four and five of them and extrapolated where that is exact
+    (``memory/depth.py``), else traced whole.
     """
     settings = StepSettings(
         batch=batch,
@@ -101,27 +108,88 @@ def step_memory(
             "initialised: call it before init_process_group, or in a process of its own"
         )
     started = time.perf_counter()
-    model, plan = _planned(build, requests, context, fully_shard)
-    groups = plan_report(model, plan, optimizer="none").rank_groups
-    classes: list[RankClassMemory] = []
-    for group in groups:
-        if classes:  # the plan is applied in place: each traced rank has a model of its own
-            model, plan = _planned(build, requests, context, fully_shard)
-        classes.append(_trace_rank(model, plan, group.first, group.count, settings, inputs))
+    models = _Models(build, alike_layers)
+    assert models.unused is not None
+    groups = plan_report(models.unused, _resolved(models.unused, requests, context, fully_shard), optimizer="none").rank_groups
+    classes = [_trace_class(models, (requests, context, fully_shard), group, settings, inputs) for group in groups]
     return StepMemory(settings, context.world, tuple(classes), time.perf_counter() - started)
 
 
-def _planned(
-    build: Callable[[], nn.Module], requests: Any, context: LayoutContext, fully_shard: FullyShard | None
-) -> tuple[nn.Module, ParallelPlan]:
-    """The model built on meta and its plan resolved. A transformers model's own plans
-    (``from_hf_plan``) are read again from each model built."""
-    with torch.device("meta"):
-        model = build()
+class _Models:
+    """The models the traces apply the plan to, each its own: the model first built (once), a
+    copy of it at each traced depth, and a new build where a whole model is traced again. The
+    copies are taken from the model as built, before resolution marks it."""
+
+    def __init__(self, build: Callable[[], nn.Module], alike_layers: bool) -> None:
+        self.build = build
+        with torch.device("meta"):
+            self.unused: nn.Module | None = build()
+        self.run = alike_run(self.unused) if alike_layers else None
+        self.deepest = truncated(self.unused, self.run, TRACED_DEPTHS[-1]) if self.run is not None else None
+
+    def kept(self, blocks: int) -> nn.Module:
+        assert self.run is not None and self.deepest is not None
+        return truncated(self.deepest, self.run, blocks)
+
+    def whole(self) -> nn.Module:
+        if self.unused is not None:
+            model, self.unused = self.unused, None
+            return model
+        with torch.device("meta"):
+            return self.build()
+
+
+Planning = tuple[Any, LayoutContext, "FullyShard | None"]
+"""``resolve_plan``'s requests, context and FSDP units."""
+
+
+def _resolved(model: nn.Module, requests: Any, context: LayoutContext, fully_shard: FullyShard | None) -> ParallelPlan:
+    """The plan for ``model``. A transformers model's own plans (``from_hf_plan``) are read again
+    from each model: each traced model is a copy of its own."""
     hf_plans = sys.modules.get("meshbind.interop.hf_plans")  # loaded when a plan was read from transformers
     if hf_plans is not None and isinstance(requests, hf_plans.HFPlan):
         requests = hf_plans.from_hf_plan(model, strict=requests.strict)
-    return model, resolve_plan(model, requests, context, fully_shard=fully_shard)
+    return resolve_plan(model, requests, context, fully_shard=fully_shard)
+
+
+def _trace_class(
+    models: _Models, planning: Planning, group: RankGroup, settings: StepSettings, inputs: StepInputs | None
+) -> RankClassMemory:
+    """One rank of ``group`` traced: at three depths of the alike run when that is exact, else whole."""
+    started = time.perf_counter()
+    run = models.run
+    if run is not None:
+        traced = []
+        for kept in TRACED_DEPTHS:
+            model = models.kept(kept)
+            traced.append(_trace_rank(model, _resolved(model, *planning), group.first, settings, inputs))
+        figures = [{"peak": peak.total, **peak.kinds} for peak in traced]
+        full = extrapolated(figures, run.count)
+        if full is not None:
+            deepest = traced[-1]
+            depths = ", ".join(map(str, TRACED_DEPTHS[:-1])) + f" and {TRACED_DEPTHS[-1]}"
+            return RankClassMemory(
+                first_rank=group.first,
+                ranks=group.count,
+                peak_bytes=full.pop("peak"),
+                live_at_peak=full,
+                peak_module=run.full_name(deepest.module, traced[-2].module),
+                peak_phase=deepest.phase,
+                traced=f"{depths} of the {run.count} alike blocks of {run.list_fqn}, extrapolated (exact)",
+                seconds=time.perf_counter() - started,
+            )
+    model = models.whole()
+    peak = _trace_rank(model, _resolved(model, *planning), group.first, settings, inputs)
+    return RankClassMemory(
+        first_rank=group.first,
+        ranks=group.count,
+        peak_bytes=peak.total,
+        live_at_peak=peak.kinds,
+        peak_module=peak.module,
+        peak_phase=peak.phase,
+        traced="the whole model",
+        seconds=time.perf_counter() - started,
+    )
 
 
 def _check_settings(settings: StepSettings) -> None:
@@ -167,9 +235,17 @@ def _without_torch_advice() -> Iterator[None]:
         yield
 
 
-def apply_plan(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext, activation_checkpointing: str) -> None:
+def apply_plan(
+    model: nn.Module,
+    plan: ParallelPlan,
+    mesh_context: MeshContext,
+    activation_checkpointing: str,
+    recompute_context: Callable[[], Any] | None = None,
+) -> None:
     """The plan applied as a training job applies it: layouts, binding, activation checkpointing
-    (``checkpoint_units``), then FSDP."""
+    (``checkpoint_units``), then FSDP. ``recompute_context()``, when given, is entered around each
+    checkpointed block's forward and its recomputation (torch's ``context_fn``): the backward does
+    not run under the modes the step was started in."""
     protocols = {spec.protocol for spec in plan.parallel_modules.values()}
     if HF_PROTOCOL in protocols:
         from meshbind.interop import hf_plans, hf_routing  # transformers, loaded only for its own plans
@@ -184,12 +260,16 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext, 
         apply_layouts(model, plan, mesh_context)
         bind_parallel_modules(model, plan, mesh_context)
     if activation_checkpointing == "full":
+        wrapping: dict[str, Any] = {}
+        if recompute_context is not None:
+            enter = recompute_context
+            wrapping["context_fn"] = lambda: (enter(), enter())
         for fqn in checkpoint_units(model, plan):
             parent_fqn, _, name = fqn.rpartition(".")
             parent = submodule(model, parent_fqn)
             block = parent._modules[name]
             assert block is not None
-            setattr(parent, name, checkpoint_wrapper(block))
+            setattr(parent, name, checkpoint_wrapper(block, **wrapping))
     if plan.fsdp is not None:
         apply_fully_shard(model, plan, mesh_context)
 
@@ -275,19 +355,12 @@ def training_step(
         optimizer.zero_grad(set_to_none=True)
 
 
-def _trace_rank(
-    model: nn.Module,
-    plan: ParallelPlan,
-    rank: int,
-    count: int,
-    settings: StepSettings,
-    inputs: StepInputs | None,
-) -> RankClassMemory:
-    started = time.perf_counter()
+def _trace_rank(model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None) -> _Peak:
     with _without_torch_advice(), _fake_world(rank, plan.context.world) as mesh_context:
-        apply_plan(model, plan, mesh_context, settings.activation_checkpointing)
+        on_device = _CudaAttention if settings.device == "cuda" else contextlib.nullcontext
+        apply_plan(model, plan, mesh_context, settings.activation_checkpointing, on_device)
         step_inputs = inputs or default_inputs(model)
-        with FakeTensorMode(allow_non_fake_inputs=True), assuming(settings.routing):
+        with FakeTensorMode(allow_non_fake_inputs=True), assuming(settings.routing), on_device():
             model.to_empty(device="cpu")
             optimizer = make_optimizer(model, settings.optimizer, settings.device)
             make_optimizer_state(optimizer)
@@ -300,16 +373,44 @@ def _trace_rank(
                 raise
             except Exception as error:
                 raise StepMemoryError(_untraceable(error, tracker)) from error
-    peak = tracker.peak()
-    return RankClassMemory(
-        first_rank=rank,
-        ranks=count,
-        peak_bytes=peak.total,
-        live_at_peak=peak.kinds,
-        peak_module=peak.module,
-        peak_phase=peak.phase,
-        seconds=time.perf_counter() - started,
-    )
+    return tracker.peak()
+
+
+class _CudaAttention(TorchFunctionMode):
+    """For a CUDA target, ``scaled_dot_product_attention`` is traced as CUDA's memory-efficient
+    kernel: it keeps, as the flash kernel does, the output and a float32 logsumexp per query, never
+    the probabilities. On the CPU torch picks its math path for some shapes (a value head size
+    other than the query's, as MLA's), which keeps them."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is nn.functional.scaled_dot_product_attention and args and args[0].dim() == 4:
+            return _efficient_attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _efficient_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    if enable_gqa and key.size(1) != query.size(1):
+        groups = query.size(1) // key.size(1)
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    bias = attn_mask
+    if bias is not None:
+        if bias.dtype == torch.bool:  # as SDPA turns a boolean mask into a bias for this kernel
+            bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill(~bias, float("-inf"))
+        bias = bias.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+    output: torch.Tensor = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, bias, query.requires_grad, dropout_p, is_causal, scale=scale
+    )[0]
+    return output
 
 
 def _untraceable(error: Exception, tracker: Any) -> str:

@@ -1,0 +1,82 @@
+"""Step memory at published sizes, on this CPU: DeepSeek-V3 671B, Qwen3-235B-A22B and Llama 3.1 405B
+at the 256-rank FSDP worlds of ``tests/test_report.py``, one 4096-token sequence per rank, bfloat16
+parameters and Adam state, with and without full activation checkpointing.
+
+    python benches/step_memory_sizes.py [--seq-len 4096] [--models deepseek_v3 ...]
+
+Each line gives the seconds to build the model on ``meta`` beside the seconds ``step_memory``
+takes (its own builds included), the peak per rank and how it was traced (alike decoder layers at
+three depths, extrapolated where exact). Experts run transformers' ``grouped_mm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from meshbind import FullyShard, LayoutContext, step_memory
+from meshbind.interop.hf_plans import from_hf_plan
+from meshbind.memory.result import gib
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_report import DENSE_UNITS, FSDP_UNITS, FSDP_WORLDS
+
+from hf_models import MODEL_TYPES, REAL
+
+
+UNITS = {"deepseek_v3": FullyShard(("model.layers.*.mlp.experts", "model.layers.*.mlp.gate", "model.layers.*"))}
+"""DeepSeek-V3's router keeps its score-correction bias in float32 (transformers keeps it so):
+the router is a unit of its own, as FSDP gathers a unit in one dtype."""
+
+
+def build(name: str) -> Any:
+    config = AutoConfig.for_model(MODEL_TYPES.get(name, name), **REAL[name])
+    if any(getattr(config, field, None) for field in ("num_experts", "n_routed_experts")):
+        config._experts_implementation = "grouped_mm"  # the default loops over the experts a batch hit
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--models", nargs="+", choices=list(FSDP_WORLDS), default=list(FSDP_WORLDS))
+    args = parser.parse_args()
+    print("| model | world | checkpointing | meta build | step_memory | peak per rank | traced |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.models:
+        axes = FSDP_WORLDS[name]
+        units: FullyShard = UNITS.get(name, FSDP_UNITS if "ep" in axes else DENSE_UNITS)
+        started = time.perf_counter()
+        with torch.device("meta"):
+            model = build(name)
+        built = time.perf_counter() - started
+        plan_source = from_hf_plan(model)
+        for checkpointing in ("none", "full"):
+            started = time.perf_counter()
+            answer = step_memory(
+                lambda name=name: build(name),
+                plan_source,
+                LayoutContext(axes),
+                batch=1,
+                seq_len=args.seq_len,
+                fully_shard=units,
+                activation_checkpointing=checkpointing,
+            )
+            seconds = time.perf_counter() - started
+            (only,) = answer.classes
+            world = ", ".join(f"{axis}={size}" for axis, size in axes.items())
+            print(
+                f"| {name} | {world} | {checkpointing} | {built:.1f} s | {seconds:.1f} s | {gib(only.peak_bytes)} "
+                f"in {only.peak_module} {only.peak_phase} | {only.traced} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
