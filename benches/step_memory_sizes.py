@@ -29,7 +29,6 @@ from test_report import DENSE_UNITS, FSDP_UNITS, FSDP_WORLDS
 
 from hf_models import MODEL_TYPES, REAL
 
-
 UNITS = {"deepseek_v3": FullyShard(("model.layers.*.mlp.experts", "model.layers.*.mlp.gate", "model.layers.*"))}
 """DeepSeek-V3's router keeps its score-correction bias in float32 (transformers keeps it so):
 the router is a unit of its own, as FSDP gathers a unit in one dtype."""

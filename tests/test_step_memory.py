@@ -277,3 +277,83 @@ def test_the_alike_run_is_the_last_blocks_that_are_alike_and_steps_must_be_equal
     assert alike_run(Model([8] * 5)) is None  # no more blocks than the deepest trace
     assert extrapolated([{"peak": 10}, {"peak": 13}, {"peak": 16}], 8) == {"peak": 25}
     assert extrapolated([{"peak": 10}, {"peak": 13}, {"peak": 17}], 8) is None
+
+
+class NarrowAttention(nn.Module):
+    """Attention whose value heads are narrower than its query and key heads (as MLA's): on the
+    CPU torch runs it on its math path, which keeps the probabilities; CUDA's kernels do not."""
+
+    HEADS, SEQ, QK, V = 4, 256, 32, 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(64, self.HEADS * (2 * self.QK + self.V))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, self.HEADS, -1).transpose(1, 2).split([self.QK, self.QK, self.V], dim=-1)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class NarrowValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 64)
+        self.blocks = nn.ModuleList([NarrowAttention()])  # what full checkpointing wraps: recomputed
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](self.embed(ids)).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_a_cuda_target_keeps_no_attention_probabilities(checkpointing: str) -> None:
+    def traced(device: str) -> int:
+        answer = step_memory(
+            NarrowValues,
+            [],
+            LayoutContext({"tp": 1}),
+            batch=1,
+            seq_len=NarrowAttention.SEQ,
+            device=device,
+            optimizer="none",
+            activation_checkpointing=checkpointing,
+        )
+        return answer.classes[0].peak_bytes
+
+    probabilities = NarrowAttention.HEADS * NarrowAttention.SEQ**2 * 4
+    assert traced("cpu") - traced("cuda") >= probabilities
+
+
+def test_deepseek_v3_671b_at_256_ranks_is_traced_at_three_depths() -> None:
+    """The published model at the FSDP world the report checks: its 58 MoE layers after 3 dense
+    ones are the alike run, traced at three depths and extrapolated exactly; MLA attention on a
+    CUDA target, experts through transformers' grouped_mm under balanced routing."""
+    from test_report import FSDP_UNITS, FSDP_WORLDS
+
+    from meshbind.interop.hf_plans import from_hf_plan
+
+    from hf_models import hf_model
+
+    def build() -> nn.Module:
+        model = hf_model("deepseek_v3", real=True)
+        model.config._experts_implementation = "grouped_mm"
+        return model
+
+    with torch.device("meta"):
+        plan_source = from_hf_plan(build())
+    answer = step_memory(
+        build,
+        plan_source,
+        LayoutContext(FSDP_WORLDS["deepseek_v3"]),
+        batch=1,
+        seq_len=4096,
+        fully_shard=FSDP_UNITS,
+        activation_checkpointing="full",
+    )
+    (only,) = answer.classes
+    assert (only.first_rank, only.ranks) == (0, 256)
+    assert only.traced == "3, 4 and 5 of the 58 alike blocks of model.layers, extrapolated (exact)"
+    # Adam's two moments of each sharded parameter, and its 4-byte step count per parameter.
+    moments = 2 * only.live_at_peak["parameters"]
+    assert moments < only.live_at_peak["optimizer_state"] < moments + 4 * 10_000
+    assert only.live_at_peak["activations"] > 0 and only.peak_bytes == sum(only.live_at_peak.values())

@@ -35,7 +35,7 @@ def apply_fully_shard(model: nn.Module, plan: ParallelPlan, mesh_context: MeshCo
     check_ranks_agree("apply_fully_shard", lambda: plan_agreement(model, plan, mesh_context), model=model)
     pending, problems = [], []
     for unit in plan.fsdp.units:
-        module = submodule(model, unit.fqn)
+        module = _held_at(model, unit.fqn)
         mesh = mesh_context.fsdp_mesh(unit.mesh)
         if not isinstance(module, FSDPModule):
             pending.append((unit, module, mesh))
@@ -48,6 +48,16 @@ def apply_fully_shard(model: nn.Module, plan: ParallelPlan, mesh_context: MeshCo
     for _, module, mesh in pending:
         fully_shard(module, mesh=mesh, reshard_after_forward=plan.fsdp.reshard_after_forward)
     return [unit.fqn or "<root>" for unit, _, _ in pending]
+
+
+def _held_at(model: nn.Module, fqn: str) -> nn.Module:
+    """The module the model holds at ``fqn``: a torch wrapper there (activation checkpointing) is
+    what FSDP shards, as torchtitan does, so that gathering runs outside the recomputed region."""
+    if not fqn:
+        return model
+    parent_fqn, _, name = fqn.rpartition(".")
+    held = submodule(model, parent_fqn)._modules.get(name)
+    return held if held is not None else submodule(model, fqn)
 
 
 def _undistributed(model: nn.Module, plan: ParallelPlan) -> list[str]:

@@ -28,6 +28,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -314,9 +315,11 @@ def default_inputs(model: nn.Module) -> StepInputs:
 
 def make_optimizer(model: nn.Module, name: str, device: str) -> torch.optim.Optimizer | None:
     """The optimizer torch would run on ``device``: foreach on CUDA (torch's default there, whose
-    grouped temporaries count), one parameter at a time on the CPU."""
+    grouped temporaries count) unless the parameters mix DTensors and plain tensors, one parameter
+    at a time on the CPU."""
     parameters = [p for p in model.parameters() if p.requires_grad]
-    foreach = device == "cuda"
+    # torch's foreach kernels take a list of one kind: DTensors, or plain tensors.
+    foreach = device == "cuda" and len({isinstance(p, DTensor) for p in parameters}) == 1
     if name == "sgd-momentum":
         return torch.optim.SGD(parameters, lr=0.01, momentum=0.9, foreach=foreach)
     if name == "adam":
