@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -357,3 +358,36 @@ def test_deepseek_v3_671b_at_256_ranks_is_traced_at_three_depths() -> None:
     moments = 2 * only.live_at_peak["parameters"]
     assert moments < only.live_at_peak["optimizer_state"] < moments + 4 * 10_000
     assert only.live_at_peak["activations"] > 0 and only.peak_bytes == sum(only.live_at_peak.values())
+
+
+def test_the_page_draws_each_rank_class_step_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    from meshbind.cli import main
+
+    page = tmp_path / "report.html"
+    memory = ["--memory", "--batch", "1", "--seq-len", "32", "--device", "cpu", "--device-memory", "1MiB"]
+    assert main([*DEMO_CHECK, *memory, "--json", "--html", str(page)]) == 1
+    answer = json.loads(capsys.readouterr().out)["memory"]
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"))
+    try:
+        driver.get(page.as_uri())
+        errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+        assert not errors, errors
+        bars = driver.find_elements(By.CSS_SELECTOR, "#memory .bar")
+        drawn = [tuple(int(bar.get_attribute(f"data-{key}")) for key in ("first", "count", "peak")) for bar in bars]
+        assert drawn == [(0, 8, answer["peak_bytes"])]
+        kinds = {piece.get_attribute("data-kind") for piece in bars[0].find_elements(By.CSS_SELECTOR, ".kind")}
+        assert kinds == {kind for kind, size in answer["rank_classes"][0]["live_at_peak"].items() if size}
+        assert "does NOT fit" in driver.find_element(By.ID, "memory-step").text
+    finally:
+        driver.quit()

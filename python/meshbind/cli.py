@@ -91,7 +91,8 @@ def _check(args: argparse.Namespace) -> int:
     if args.html:
         try:
             with open(args.html, "w", encoding="utf-8") as page:
-                page.write(report_page(report, f"meshbind plan report: {type(model).__name__}"))  # type: ignore[arg-type]
+                title = f"meshbind plan report: {type(model).__name__}"
+                page.write(report_page(report, title, memory))  # type: ignore[arg-type]
         except OSError as error:
             raise _UsageError(f"--html {args.html}: cannot be written ({error.strerror})") from None
     if args.json:

@@ -94,3 +94,38 @@ for (const rank of report.rank_groups) {
   bar.append(" " + size(rank.total_bytes));
   bars.append(bar);
 }
+
+// With --memory: one bar per class of ranks, the bytes live at the step's peak by kind, on the
+// scale of the device's memory when it was given.
+const memory = JSON.parse(document.getElementById("memory-data").textContent);
+if (memory === null) {
+  document.getElementById("memory-section").remove();
+} else {
+  document.getElementById("memory-step").textContent = `batch ${memory.batch_per_rank} x seq ${memory.seq_len} per data-parallel rank on ${memory.device}, optimizer ${memory.optimizer}, activation checkpointing ${memory.activation_checkpointing}` +
+    (memory.device_memory === null ? "" : memory.fits ? ` — fits ${size(memory.device_memory)}` : ` — does NOT fit ${size(memory.device_memory)}: ${size(memory.shortfall_bytes)} more needed`);
+  const widest = Math.max(memory.peak_bytes, memory.device_memory || 0, 1);
+  const into = document.getElementById("memory");
+  for (const rankClass of memory.rank_classes) {
+    const bar = document.createElement("div");
+    bar.className = "bar step";
+    bar.dataset.first = String(rankClass.first_rank);
+    bar.dataset.count = String(rankClass.ranks);
+    bar.dataset.peak = String(rankClass.peak_bytes);
+    const label = document.createElement("span");
+    label.className = "label";
+    label.textContent = rankClass.ranks === 1 ? `rank ${rankClass.first_rank}` : `ranks ${rankClass.first_rank}–${rankClass.first_rank + rankClass.ranks - 1}`;
+    bar.append(label);
+    for (const [kind, bytes] of Object.entries(rankClass.live_at_peak)) {
+      if (bytes === 0) continue;
+      const piece = document.createElement("div");
+      piece.className = "kind";
+      piece.dataset.kind = kind;
+      piece.style.width = (60 * bytes / widest) + "%";
+      piece.style.background = `hsl(${(Object.keys(rankClass.live_at_peak).indexOf(kind) * 47) % 360}, 55%, 55%)`;
+      piece.title = `${kind.replaceAll("_", " ")}: ${size(bytes)}`;
+      bar.append(piece);
+    }
+    bar.append(` ${size(rankClass.peak_bytes)} at ${rankClass.peak_module} ${rankClass.peak_phase}`);
+    into.append(bar);
+  }
+}

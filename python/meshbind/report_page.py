@@ -2,8 +2,8 @@
 
 No network, no external script, style or font: the report's JSON sits in the page and a short
 inline script draws the model tree (collapsed by layer index, each node coloured by the protocol
-of its planned module, a parameter's placements and local shape shown on hover or click) and
-each rank's bytes as bars.
+of its planned module, a parameter's placements and local shape shown on hover or click),
+each rank's bytes as bars, and with ``--memory`` each class of ranks' step peak as a bar by kind.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import html
 import json
 from importlib import resources
 
+from meshbind.memory.result import StepMemory
 from meshbind.report import PlanReport
 
 
@@ -19,9 +20,11 @@ def _asset(name: str) -> str:
     return resources.files("meshbind").joinpath(name).read_text(encoding="utf-8")
 
 
-def report_page(report: PlanReport, title: str) -> str:
-    """The page: the report's JSON, inline style and script, nothing fetched."""
-    data = json.dumps(report.to_dict()).replace("</", "<\\/")  # no "</script>" inside the data
+def report_page(report: PlanReport, title: str, memory: StepMemory | None = None) -> str:
+    """The page: the report's JSON (and the step memory's, when traced), inline style and script,
+    nothing fetched."""
+    data = _embedded(report.to_dict())
+    memory_data = _embedded(memory.to_dict() if memory is not None else None)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>{_asset("report_page.css")}</style></head>
@@ -29,8 +32,14 @@ def report_page(report: PlanReport, title: str) -> str:
 <h1>{html.escape(title)}</h1>
 <h2>Totals</h2><table id="totals"></table>
 <h2>Bytes per rank</h2><div id="bars"></div>
+<div id="memory-section"><h2>One training step's peak per rank</h2><p id="memory-step"></p><div id="memory"></div></div>
 <h2>Model tree</h2><div id="legend"></div><div id="tree"></div>
 <script type="application/json" id="report-data">{data}</script>
+<script type="application/json" id="memory-data">{memory_data}</script>
 <script>{_asset("report_page.js")}</script>
 </body></html>
 """
+
+
+def _embedded(value: object) -> str:
+    return json.dumps(value).replace("</", "<\\/")  # no "</script>" inside the data
