@@ -1,11 +1,15 @@
-"""GPU check: the EP and CP round trips on CUDA over NCCL, in a world of one process.
+"""GPU check: the EP and CP round trips on CUDA over NCCL, in a world of one process, and the
+step-memory estimate against the device's own peak.
 
     python benches/gpu_check.py                          # 1 GPU, NCCL (the point of this script)
     python benches/gpu_check.py --device cpu --backend gloo   # the same code path on a CPU
 
 Nothing in meshbind assumes a CPU: the device comes from the mesh. This runs the collectives
 (all-gather with a reduce-scatter backward, the uneven all-to-all of dispatch and combine) on the
-device against single-process references in float64, and exits non-zero on any difference.
+device against single-process references in float64, and exits non-zero on any difference. Then
+one training step of the demo's model (Adam, the step after the first) runs on the device: its
+peak (``torch.cuda.max_memory_allocated()``; on a CPU the allocator's record through the
+profiler) must be within 10% of ``step_memory(..., device=...)``, traced before the world starts.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshbind import CPContext, EPContext, MeshBinding, MeshContext
+from meshbind import CPContext, EPContext, LayoutContext, MeshBinding, MeshContext, resolve_plan, step_memory
+from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, batch, initialize, loss_head_request
 from meshbind.launch import free_port
+from meshbind.memory.measure import measured_step_peak
+from meshbind.memory.trace import apply_plan, make_optimizer, make_optimizer_state, training_step
 
 
 def check_cp(context: MeshContext, device: torch.device) -> float:
@@ -59,6 +66,40 @@ def check_ep(context: MeshContext, device: torch.device) -> float:
     return max(float((a - b).abs().max()) for a, b in zip(got, expected, strict=True))
 
 
+STEP = TransformerConfig(layers=4, experts=8)
+STEP_BATCH, STEP_SEQ = 4, 256
+
+
+def estimate_step(device: torch.device) -> int:
+    """The traced peak of one demo step on one rank (no process group may exist yet)."""
+    answer = step_memory(
+        lambda: MoETransformer(STEP), [loss_head_request()], LayoutContext({"cp": 1, "tp": 1, "ep": 1}), batch=STEP_BATCH,
+        seq_len=STEP_SEQ, device=device.type,
+    )  # fmt: skip
+    return answer.peak_bytes
+
+
+def measure_step(context: MeshContext, device: torch.device) -> int:
+    """One real demo step on ``device``: its peak, everything allocated for it included."""
+    with torch.device("meta"):
+        model = MoETransformer(STEP)
+    plan = resolve_plan(model, [loss_head_request()], context.layout_context())
+    apply_plan(model, plan, context, "none")
+    model.to_empty(device=device)
+    initialize(model, seed=0)
+    optimizer = make_optimizer(model, "adam", device.type)
+    make_optimizer_state(optimizer)
+    tokens, targets = batch(STEP, STEP_BATCH, STEP_SEQ, seed=0)
+    tokens, targets = tokens.to(device), targets.to(device)
+    if device.type != "cuda":
+        return measured_step_peak(model, optimizer, (tokens, targets), {})
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    training_step(model, optimizer, (tokens, targets), {})
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(device)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -71,6 +112,7 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    estimated = estimate_step(device)
     dist.init_process_group(args.backend, rank=0, world_size=1)
     try:
         started = time.perf_counter()
@@ -83,13 +125,16 @@ def main() -> int:
         torch.manual_seed(0)
         cp_error, ep_error = check_cp(context, device), check_ep(context, device)
         elapsed = time.perf_counter() - started
+        measured = measure_step(context, device)
     finally:
         dist.destroy_process_group()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"{name} {args.backend}: CP round trip max error {cp_error:.2e}, EP round trip max error {ep_error:.2e}, {elapsed:.2f} s"
     )
-    return 0 if max(cp_error, ep_error) <= 1e-10 else 1
+    memory_error = estimated / measured - 1
+    print(f"{name}: one demo step's peak {measured} bytes measured, {estimated} estimated ({memory_error:+.1%})")
+    return 0 if max(cp_error, ep_error) <= 1e-10 and abs(memory_error) <= 0.10 else 1
 
 
 if __name__ == "__main__":
