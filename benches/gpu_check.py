@@ -26,7 +26,7 @@ from meshbind import CPContext, EPContext, LayoutContext, MeshBinding, MeshConte
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, batch, initialize, loss_head_request
 from meshbind.launch import free_port
 from meshbind.memory.measure import measured_step_peak
-from meshbind.memory.trace import apply_plan, make_optimizer, make_optimizer_state, training_step
+from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state, training_step
 
 
 def check_cp(context: MeshContext, device: torch.device) -> float:

@@ -20,7 +20,7 @@ from meshbind.examples.moe_transformer import (
     loss_head_request,
 )
 from meshbind.memory.measure import measured_step_peak
-from meshbind.memory.trace import apply_plan, make_optimizer, make_optimizer_state
+from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state
 from meshbind.world import DENSE_AXES, EXPERT_AXES
 
 DEMO_UNITS = FullyShard(("blocks.*.moe", "blocks.*"))

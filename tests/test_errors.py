@@ -20,6 +20,7 @@ from meshbind import (
     PlanError,
     PlanProblem,
     ProblemCode,
+    StepMemoryError,
     describe_problem_codes,
     resolve_plan,
     validate_materialized_modules,
@@ -36,6 +37,7 @@ from meshbind import (
         (MaterializationError, ValueError, "materialization"),
         (LayoutError, ValueError, "layout"),
         (CheckpointError, ValueError, "checkpoint"),
+        (StepMemoryError, RuntimeError, "step_memory"),
     ],
 )
 def test_each_error_is_a_meshbind_error_and_its_builtin(

@@ -26,6 +26,7 @@ from meshbind.errors import (
     PatternError,
     PlanError,
     RankMismatchError,
+    StepMemoryError,
     describe_problem_codes,
 )
 from meshbind.errors import PlanProblem as PlanProblem
@@ -38,7 +39,7 @@ from meshbind.interop.torch_plans import from_torch_plan, parallelize_checked
 from meshbind.layouts import apply_layouts
 from meshbind.memory.result import StepMemory as StepMemory
 from meshbind.memory.routing import Routing
-from meshbind.memory.trace import StepMemoryError, step_memory
+from meshbind.memory.trace import step_memory
 from meshbind.mesh import MeshBinding, MeshContext
 from meshbind.report import PlanReport as PlanReport
 from meshbind.report import plan_report

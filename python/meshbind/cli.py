@@ -126,7 +126,8 @@ def _check(args: argparse.Namespace) -> int:
 
 def _step_memory(args: argparse.Namespace, requests: Any, context: LayoutContext, fully_shard: FullyShard | None) -> StepMemory:
     """--memory: one training step traced on each class of ranks (the model built again for it)."""
-    from meshbind.memory.trace import StepMemoryError, step_memory
+    from meshbind.errors import StepMemoryError
+    from meshbind.memory.trace import step_memory
 
     if args.batch is None or args.seq_len is None:
         raise _UsageError("--memory needs --batch (sequences per data-parallel rank) and --seq-len")

@@ -14,6 +14,7 @@ CheckpointError        ValueError      ``checkpoint`` (every misfit key in ``pro
 BindingError           RuntimeError    ``bind_parallel``
 MaterializationError   ValueError      ``materialization``
 RankMismatchError      RuntimeError    ``rank_mismatch``
+StepMemoryError        RuntimeError    ``step_memory``
 =====================  ==============  ==========================================================
 """
 
@@ -243,3 +244,10 @@ class MaterializationError(MeshbindError, ValueError):
         self.failures = failures
         lines = "\n".join(f"  {fqn!r}: {type(error).__name__}: {error}" for fqn, error in failures)
         super().__init__(f"{len(failures)} module{'s' if len(failures) != 1 else ''} failed validate_materialized:\n{lines}")
+
+
+class StepMemoryError(MeshbindError, RuntimeError):
+    """A training step that cannot be traced (``step_memory``): the reason, and the module or
+    setting that stops it. No figure is given."""
+
+    code = "step_memory"

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import OpTree
 from torch.utils._pytree import tree_leaves
 
-from meshbind.memory.trace import training_step
+from meshbind.memory.step import training_step
 
 
 def measured_step_peak(

@@ -11,35 +11,26 @@ class of ranks holding alike shards (``plan_report``'s rank groups).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
-from meshbind.binding import bind_parallel_modules, submodule
-from meshbind.errors import MeshbindError
-from meshbind.fsdp import apply_fully_shard
-from meshbind.interop import HF_PROTOCOL, torch_plans
-from meshbind.layouts import apply_layouts
+from meshbind.errors import StepMemoryError
+from meshbind.memory.attention import CudaAttention
 from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, truncated
-from meshbind.memory.result import KINDS, RankClassMemory, StepMemory, StepSettings
+from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.routing import Routing, assuming
+from meshbind.memory.step import StepInputs, apply_plan, default_inputs, make_optimizer, make_optimizer_state, training_step
+from meshbind.memory.trackers import Peak, step_tracker
 from meshbind.mesh import MeshContext
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution import resolve_plan
@@ -50,13 +41,6 @@ from meshbind.world import DENSE_AXES, EXPERT_AXES, World
 ACTIVATION_CHECKPOINTING = ("none", "full")
 TRACED_OPTIMIZERS = ("none", "sgd-momentum", "adam")
 DEVICES = ("cuda", "cpu")
-
-StepInputs = Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
-"""``inputs(batch, seq_len)`` → the positional and keyword arguments of one forward call."""
-
-
-class StepMemoryError(MeshbindError):
-    """A step that cannot be traced: the reason, and the module or setting that stops it."""
 
 
 def step_memory(
@@ -236,131 +220,9 @@ def _without_torch_advice() -> Iterator[None]:
         yield
 
 
-def apply_plan(
-    model: nn.Module,
-    plan: ParallelPlan,
-    mesh_context: MeshContext,
-    activation_checkpointing: str,
-    recompute_context: Callable[[], Any] | None = None,
-) -> None:
-    """The plan applied as a training job applies it: layouts, binding, activation checkpointing
-    (``checkpoint_units``), then FSDP. ``recompute_context()``, when given, is entered around each
-    checkpointed block's forward and its recomputation (torch's ``context_fn``): the backward does
-    not run under the modes the step was started in."""
-    protocols = {spec.protocol for spec in plan.parallel_modules.values()}
-    if HF_PROTOCOL in protocols:
-        from meshbind.interop import hf_plans, hf_routing  # transformers, loaded only for its own plans
-
-        world = mesh_context.world
-        ep_mesh = mesh_context.fsdp_moe_mesh["ep"] if mesh_context.fsdp_moe_mesh is not None and world.ep > 1 else None
-        tp_mesh = mesh_context.device_mesh["tp"]
-        hf_plans.apply_hf_plan(model, plan, tp_mesh=tp_mesh, ep_mesh=ep_mesh, ep_implementation=hf_routing.ASSUMED_ROUTING_EP)
-    elif torch_plans.PROTOCOL in protocols:
-        torch_plans.parallelize_checked(model, plan, mesh_context.device_mesh["tp"])
-    else:
-        apply_layouts(model, plan, mesh_context)
-        bind_parallel_modules(model, plan, mesh_context)
-    if activation_checkpointing == "full":
-        wrapping: dict[str, Any] = {}
-        if recompute_context is not None:
-            enter = recompute_context
-            wrapping["context_fn"] = lambda: (enter(), enter())
-        for fqn in checkpoint_units(model, plan):
-            parent_fqn, _, name = fqn.rpartition(".")
-            parent = submodule(model, parent_fqn)
-            block = parent._modules[name]
-            assert block is not None
-            setattr(parent, name, checkpoint_wrapper(block, **wrapping))
-    if plan.fsdp is not None:
-        apply_fully_shard(model, plan, mesh_context)
-
-
-def checkpoint_units(model: nn.Module, plan: ParallelPlan) -> list[str]:
-    """What full activation checkpointing wraps: each FSDP unit below the root that no other such
-    unit contains (a transformer block, not also its experts inside it); without FSDP units, each
-    module of the model's longest ``ModuleList`` (its blocks, as torchtitan wraps them)."""
-    if plan.fsdp is not None:
-        fqns = sorted(unit.fqn for unit in plan.fsdp.units if unit.fqn)
-        outermost: list[str] = []
-        for fqn in fqns:  # sorted: a unit comes right after any unit holding it
-            if not outermost or not fqn.startswith(outermost[-1] + "."):
-                outermost.append(fqn)
-        if outermost:
-            return outermost
-    lists = [(fqn, module) for fqn, module in model.named_modules() if isinstance(module, nn.ModuleList) and len(module)]
-    if not lists:
-        raise StepMemoryError(
-            "activation checkpointing full wraps the FSDP units or the blocks of a ModuleList: "
-            f"{type(model).__name__} has neither"
-        )
-    fqn, blocks = max(lists, key=lambda item: len(item[1]))
-    return [f"{fqn}.{name}" if fqn else name for name in blocks._modules]
-
-
-def default_inputs(model: nn.Module) -> StepInputs:
-    """Token ids as ``input_ids=``/``labels=`` (and ``use_cache=False``) for a forward that takes
-    ``input_ids``, else as two positional arguments. Zeros: a fake tensor's values are never read."""
-    taken = inspect.signature(model.forward).parameters
-    # Training keeps no key/value cache (a recomputed layer would append to it twice).
-    no_cache = {"use_cache": False} if "use_cache" in taken else {}
-
-    def inputs(batch: int, seq_len: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        ids = torch.zeros(batch, seq_len, dtype=torch.long)
-        if "input_ids" in taken:
-            return (), {"input_ids": ids, "labels": ids.clone(), **no_cache}
-        return (ids, ids.clone()), {}
-
-    return inputs
-
-
-def make_optimizer(model: nn.Module, name: str, device: str) -> torch.optim.Optimizer | None:
-    """The optimizer torch would run on ``device``: foreach on CUDA (torch's default there, whose
-    grouped temporaries count) unless the parameters mix DTensors and plain tensors, one parameter
-    at a time on the CPU."""
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    # torch's foreach kernels take a list of one kind: DTensors, or plain tensors.
-    foreach = device == "cuda" and len({isinstance(p, DTensor) for p in parameters}) == 1
-    if name == "sgd-momentum":
-        return torch.optim.SGD(parameters, lr=0.01, momentum=0.9, foreach=foreach)
-    if name == "adam":
-        return torch.optim.Adam(parameters, lr=0.01, foreach=foreach)
-    return None
-
-
-def make_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
-    """The optimizer's state as it is at every step after the first: made by one step on zero
-    gradients, the gradients then dropped."""
-    if optimizer is None:
-        return
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            parameter.grad = torch.zeros_like(parameter)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def training_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
-    """Forward, backward, optimizer step, gradients dropped: the step both the trace and a real
-    measurement run."""
-    output = model(*args, **kwargs)
-    loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise StepMemoryError(
-            f"{type(model).__name__}.forward must return the loss (a 0-d tensor) or an output with a .loss; "
-            f"got {type(output).__name__}"
-        )
-    loss.backward()  # type: ignore[no-untyped-call]
-    del output, loss
-    if optimizer is not None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
-def _trace_rank(model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None) -> _Peak:
+def _trace_rank(model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None) -> Peak:
     with _without_torch_advice(), _fake_world(rank, plan.context.world) as mesh_context:
-        on_device = _CudaAttention if settings.device == "cuda" else contextlib.nullcontext
+        on_device = CudaAttention if settings.device == "cuda" else contextlib.nullcontext
         apply_plan(model, plan, mesh_context, settings.activation_checkpointing, on_device)
         step_inputs = inputs or default_inputs(model)
         with FakeTensorMode(allow_non_fake_inputs=True), assuming(settings.routing), on_device():
@@ -368,7 +230,7 @@ def _trace_rank(model: nn.Module, plan: ParallelPlan, rank: int, settings: StepS
             optimizer = make_optimizer(model, settings.optimizer, settings.device)
             make_optimizer_state(optimizer)
             args, kwargs = step_inputs(settings.batch, settings.seq_len)
-            tracker = _tracker(model, optimizer, (args, kwargs))
+            tracker = step_tracker(model, optimizer, (args, kwargs))
             try:
                 with tracker:
                     training_step(model, optimizer, args, kwargs)
@@ -379,138 +241,9 @@ def _trace_rank(model: nn.Module, plan: ParallelPlan, rank: int, settings: StepS
     return tracker.peak()
 
 
-class _CudaAttention(TorchFunctionMode):
-    """For a CUDA target, ``scaled_dot_product_attention`` is traced as CUDA's memory-efficient
-    kernel: it keeps, as the flash kernel does, the output and a float32 logsumexp per query, never
-    the probabilities. On the CPU torch picks its math path for some shapes (a value head size
-    other than the query's, as MLA's), which keeps them."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is nn.functional.scaled_dot_product_attention and args and args[0].dim() == 4:
-            return _efficient_attention(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _efficient_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    if enable_gqa and key.size(1) != query.size(1):
-        groups = query.size(1) // key.size(1)
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    bias = attn_mask
-    if bias is not None:
-        if bias.dtype == torch.bool:  # as SDPA turns a boolean mask into a bias for this kernel
-            bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill(~bias, float("-inf"))
-        bias = bias.expand(query.size(0), query.size(1), query.size(2), key.size(2))
-    output: torch.Tensor = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, bias, query.requires_grad, dropout_p, is_causal, scale=scale
-    )[0]
-    return output
-
-
 def _untraceable(error: Exception, tracker: Any) -> str:
     where = tracker.current_module() or "the model"
     return (
         f"one training step cannot be traced with fake tensors: {where} ({tracker.current_phase()}) raised "
         f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     )
-
-
-class _Peak(NamedTuple):
-    total: int
-    kinds: dict[str, int]
-    module: str
-    phase: str
-
-
-_KIND_OF = {
-    "Parameter": "parameters",
-    "Sharded Param": "parameters",
-    "Unsharded Param": "unsharded_parameters",
-    "Buffer": "buffers",
-    "Gradient": "gradients",
-    "Sharded Grad": "gradients",
-    "Unsharded Grad": "unsharded_gradients",
-    "Activation": "activations",
-    "Temp": "temporaries",
-    "All Gather": "all_gather",
-    "Reduce Scatter": "reduce_scatter",
-    "Optstate": "optimizer_state",
-    "OptState": "optimizer_state",
-    "Inputs": "inputs",
-    "Other": "inputs",
-}
-
-
-class _PeakPlace:
-    """Where the step's peak falls: the innermost module running and the phase, kept each time
-    the tracker's peak rises."""
-
-    _mod_tracker: Any
-    _in_opt: bool
-    _peak_mem: dict[torch.device, int]
-    _peak_mem_snap: dict[torch.device, dict[Any, int]]
-    _root_name: str
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        before = sum(self._peak_mem.values())
-        super()._update_peak_stats(peak_state)  # type: ignore[misc]
-        if sum(self._peak_mem.values()) > before:
-            self._peak_place = (self.current_module(), self.current_phase())
-
-    def current_module(self) -> str:
-        running = [name for name in self._mod_tracker.parents if name != "Global"]
-        if not running:
-            return ""
-        innermost = max(running, key=lambda name: name.count("."))
-        fqn = innermost.partition(".")[2] if "." in innermost else ""
-        return fqn.replace("._checkpoint_wrapped_module", "") or "<root>"
-
-    def current_phase(self) -> str:
-        if self._in_opt:
-            return "optimizer step"
-        return "backward" if self._mod_tracker.is_bw else "forward"
-
-    def peak(self) -> _Peak:
-        snapshot: dict[str, int] = dict.fromkeys(KINDS, 0)
-        total = 0
-        for device_snapshot in self._peak_mem_snap.values():
-            for kind, size in device_snapshot.items():
-                if kind == "Total":
-                    total += size
-                else:
-                    snapshot[_KIND_OF[str(kind.value)]] += size
-        module, phase = getattr(self, "_peak_place", ("<root>", "forward"))
-        return _Peak(total, snapshot, module, phase)
-
-
-class _StepTracker(_PeakPlace, MemTracker):  # type: ignore[no-untyped-call]
-    pass
-
-
-class _FSDPStepTracker(_PeakPlace, FSDPMemTracker):  # type: ignore[no-untyped-call]
-    pass
-
-
-def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Any) -> _StepTracker | _FSDPStepTracker:
-    """``FSDPMemTracker`` when the root is an FSDP unit (it names the all-gather and reduce-scatter
-    buffers), ``MemTracker`` otherwise; the parameters, optimizer state and inputs made before the
-    step are counted from its start."""
-    if isinstance(model, FSDPModule):
-        fsdp_tracker = _FSDPStepTracker(model, optimizer)
-        fsdp_tracker.track_inputs(inputs)
-        if optimizer is not None:  # FSDPMemTracker counts the state only after the step made it
-            fsdp_tracker._track_optimizer_states(_FSDPRefType.OPT, optimizer)
-        return fsdp_tracker
-    tracker = _StepTracker()
-    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-    tracker.track_external(*[leaf for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor)])
-    return tracker

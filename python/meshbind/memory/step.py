@@ -1,0 +1,146 @@
+"""The training step a trace and a measurement both run, on a model the plan was applied to as a
+training job applies it; what a forward call takes; the optimizer and its state."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import DTensor
+
+from meshbind.binding import bind_parallel_modules, submodule
+from meshbind.errors import StepMemoryError
+from meshbind.fsdp import apply_fully_shard
+from meshbind.interop import HF_PROTOCOL, torch_plans
+from meshbind.layouts import apply_layouts
+from meshbind.mesh import MeshContext
+from meshbind.resolution.plan import ParallelPlan
+
+StepInputs = Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
+"""``inputs(batch, seq_len)`` → the positional and keyword arguments of one forward call."""
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: ParallelPlan,
+    mesh_context: MeshContext,
+    activation_checkpointing: str,
+    recompute_context: Callable[[], Any] | None = None,
+) -> None:
+    """The plan applied as a training job applies it: layouts, binding, activation checkpointing
+    (``checkpoint_units``), then FSDP. ``recompute_context()``, when given, is entered around each
+    checkpointed block's forward and its recomputation (torch's ``context_fn``): the backward does
+    not run under the modes the step was started in."""
+    protocols = {spec.protocol for spec in plan.parallel_modules.values()}
+    if HF_PROTOCOL in protocols:
+        from meshbind.interop import hf_plans, hf_routing  # transformers, loaded only for its own plans
+
+        world = mesh_context.world
+        ep_mesh = mesh_context.fsdp_moe_mesh["ep"] if mesh_context.fsdp_moe_mesh is not None and world.ep > 1 else None
+        tp_mesh = mesh_context.device_mesh["tp"]
+        hf_plans.apply_hf_plan(model, plan, tp_mesh=tp_mesh, ep_mesh=ep_mesh, ep_implementation=hf_routing.ASSUMED_ROUTING_EP)
+    elif torch_plans.PROTOCOL in protocols:
+        torch_plans.parallelize_checked(model, plan, mesh_context.device_mesh["tp"])
+    else:
+        apply_layouts(model, plan, mesh_context)
+        bind_parallel_modules(model, plan, mesh_context)
+    if activation_checkpointing == "full":
+        wrapping: dict[str, Any] = {}
+        if recompute_context is not None:
+            enter = recompute_context
+            wrapping["context_fn"] = lambda: (enter(), enter())
+        for fqn in checkpoint_units(model, plan):
+            parent_fqn, _, name = fqn.rpartition(".")
+            parent = submodule(model, parent_fqn)
+            block = parent._modules[name]
+            assert block is not None
+            setattr(parent, name, checkpoint_wrapper(block, **wrapping))
+    if plan.fsdp is not None:
+        apply_fully_shard(model, plan, mesh_context)
+
+
+def checkpoint_units(model: nn.Module, plan: ParallelPlan) -> list[str]:
+    """What full activation checkpointing wraps: each FSDP unit below the root that no other such
+    unit contains (a transformer block, not also its experts inside it); without FSDP units, each
+    module of the model's longest ``ModuleList`` (its blocks, as torchtitan wraps them)."""
+    if plan.fsdp is not None:
+        fqns = sorted(unit.fqn for unit in plan.fsdp.units if unit.fqn)
+        outermost: list[str] = []
+        for fqn in fqns:  # sorted: a unit comes right after any unit holding it
+            if not outermost or not fqn.startswith(outermost[-1] + "."):
+                outermost.append(fqn)
+        if outermost:
+            return outermost
+    lists = [(fqn, module) for fqn, module in model.named_modules() if isinstance(module, nn.ModuleList) and len(module)]
+    if not lists:
+        raise StepMemoryError(
+            "activation checkpointing full wraps the FSDP units or the blocks of a ModuleList: "
+            f"{type(model).__name__} has neither"
+        )
+    fqn, blocks = max(lists, key=lambda item: len(item[1]))
+    return [f"{fqn}.{name}" if fqn else name for name in blocks._modules]
+
+
+def default_inputs(model: nn.Module) -> StepInputs:
+    """Token ids as ``input_ids=``/``labels=`` (and ``use_cache=False``) for a forward that takes
+    ``input_ids``, else as two positional arguments. Zeros: a fake tensor's values are never read."""
+    taken = inspect.signature(model.forward).parameters
+    # Training keeps no key/value cache (a recomputed layer would append to it twice).
+    no_cache = {"use_cache": False} if "use_cache" in taken else {}
+
+    def inputs(batch: int, seq_len: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        ids = torch.zeros(batch, seq_len, dtype=torch.long)
+        if "input_ids" in taken:
+            return (), {"input_ids": ids, "labels": ids.clone(), **no_cache}
+        return (ids, ids.clone()), {}
+
+    return inputs
+
+
+def make_optimizer(model: nn.Module, name: str, device: str) -> torch.optim.Optimizer | None:
+    """The optimizer torch would run on ``device``: foreach on CUDA (torch's default there, whose
+    grouped temporaries count) unless the parameters mix DTensors and plain tensors, one parameter
+    at a time on the CPU."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    # torch's foreach kernels take a list of one kind: DTensors, or plain tensors.
+    foreach = device == "cuda" and len({isinstance(p, DTensor) for p in parameters}) == 1
+    if name == "sgd-momentum":
+        return torch.optim.SGD(parameters, lr=0.01, momentum=0.9, foreach=foreach)
+    if name == "adam":
+        return torch.optim.Adam(parameters, lr=0.01, foreach=foreach)
+    return None
+
+
+def make_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
+    """The optimizer's state as it is at every step after the first: made by one step on zero
+    gradients, the gradients then dropped."""
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def training_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Forward, backward, optimizer step, gradients dropped: the step both the trace and a real
+    measurement run."""
+    output = model(*args, **kwargs)
+    loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise StepMemoryError(
+            f"{type(model).__name__}.forward must return the loss (a 0-d tensor) or an output with a .loss; "
+            f"got {type(output).__name__}"
+        )
+    loss.backward()  # type: ignore[no-untyped-call]
+    del output, loss
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)

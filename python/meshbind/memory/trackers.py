@@ -1,0 +1,107 @@
+"""torch's memory trackers for one step: ``MemTracker``, or ``FSDPMemTracker`` under FSDP, and
+where each one's peak falls."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_leaves
+
+from meshbind.memory.result import KINDS
+
+
+class Peak(NamedTuple):
+    total: int
+    kinds: dict[str, int]
+    module: str
+    phase: str
+
+
+_KIND_OF = {
+    "Parameter": "parameters",
+    "Sharded Param": "parameters",
+    "Unsharded Param": "unsharded_parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "unsharded_gradients",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "All Gather": "all_gather",
+    "Reduce Scatter": "reduce_scatter",
+    "Optstate": "optimizer_state",
+    "OptState": "optimizer_state",
+    "Inputs": "inputs",
+    "Other": "inputs",
+}
+
+
+class _PeakPlace:
+    """Where the step's peak falls: the innermost module running and the phase, kept each time
+    the tracker's peak rises."""
+
+    _mod_tracker: Any
+    _in_opt: bool
+    _peak_mem: dict[torch.device, int]
+    _peak_mem_snap: dict[torch.device, dict[Any, int]]
+    _root_name: str
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        before = sum(self._peak_mem.values())
+        super()._update_peak_stats(peak_state)  # type: ignore[misc]
+        if sum(self._peak_mem.values()) > before:
+            self._peak_place = (self.current_module(), self.current_phase())
+
+    def current_module(self) -> str:
+        running = [name for name in self._mod_tracker.parents if name != "Global"]
+        if not running:
+            return ""
+        innermost = max(running, key=lambda name: name.count("."))
+        fqn = innermost.partition(".")[2] if "." in innermost else ""
+        return fqn.replace("._checkpoint_wrapped_module", "") or "<root>"
+
+    def current_phase(self) -> str:
+        if self._in_opt:
+            return "optimizer step"
+        return "backward" if self._mod_tracker.is_bw else "forward"
+
+    def peak(self) -> Peak:
+        snapshot: dict[str, int] = dict.fromkeys(KINDS, 0)
+        total = 0
+        for device_snapshot in self._peak_mem_snap.values():
+            for kind, size in device_snapshot.items():
+                if kind == "Total":
+                    total += size
+                else:
+                    snapshot[_KIND_OF[str(kind.value)]] += size
+        module, phase = getattr(self, "_peak_place", ("<root>", "forward"))
+        return Peak(total, snapshot, module, phase)
+
+
+class _StepTracker(_PeakPlace, MemTracker):  # type: ignore[no-untyped-call]
+    pass
+
+
+class _FSDPStepTracker(_PeakPlace, FSDPMemTracker):  # type: ignore[no-untyped-call]
+    pass
+
+
+def step_tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Any) -> _StepTracker | _FSDPStepTracker:
+    """``FSDPMemTracker`` when the root is an FSDP unit (it names the all-gather and reduce-scatter
+    buffers), ``MemTracker`` otherwise; the parameters, optimizer state and inputs made before the
+    step are counted from its start."""
+    if isinstance(model, FSDPModule):
+        fsdp_tracker = _FSDPStepTracker(model, optimizer)
+        fsdp_tracker.track_inputs(inputs)
+        if optimizer is not None:  # FSDPMemTracker counts the state only after the step made it
+            fsdp_tracker._track_optimizer_states(_FSDPRefType.OPT, optimizer)
+        return fsdp_tracker
+    tracker = _StepTracker()
+    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    tracker.track_external(*[leaf for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor)])
+    return tracker
