@@ -44,6 +44,11 @@ def _non_empty_str(owner: str, name: str, value: object) -> None:
         raise ValueError(f"{owner}.{name} must be a non-empty str, got {value!r}")
 
 
+def literal_pattern(fqn: str) -> str:
+    """The pattern selecting exactly ``fqn``: every character that could mean something escaped."""
+    return "".join(char if char.isalnum() or char in "._" else "\\" + char for char in fqn) if fqn else ""
+
+
 @dataclass(frozen=True, eq=True)
 class ParallelModuleSpec:
     """What a module's parallel protocol is: its binding kind, its stages and its checks."""

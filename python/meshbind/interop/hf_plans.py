@@ -40,7 +40,6 @@ from meshbind.agreement import check_ranks_agree, mesh_entries, model_entries, p
 from meshbind.errors import LayoutRefusal, PlanProblem, ProblemCode
 from meshbind.interop import HF_PROTOCOL
 from meshbind.placements import shard_dim, split_dim
-from meshbind.resolution.candidates import literal_pattern
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import (
     LayoutContext,
@@ -48,6 +47,7 @@ from meshbind.specs import (
     NativeParallelBindingRequest,
     ParallelModuleSpec,
     SourcedRequests,
+    literal_pattern,
 )
 
 PROTOCOL = HF_PROTOCOL

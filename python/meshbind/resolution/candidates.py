@@ -17,7 +17,7 @@ from torch import nn
 from meshbind._core import ModuleTree, PatternSet
 from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.family import any_family_class
-from meshbind.specs import ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
+from meshbind.specs import ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, literal_pattern
 
 FAMILY = -1
 """The request of a module that joined the plan as a family member."""
@@ -107,11 +107,6 @@ def selecting_owners(
         if owner >= 0:
             matches[owner] += [literal_pattern(fqn) for fqn in owners[index]] if index in owners else [pattern]
     return [replace(request, match=tuple(match)) for request, match in zip(requests, matches, strict=True)]
-
-
-def literal_pattern(fqn: str) -> str:
-    """The pattern selecting exactly ``fqn``: every character that could mean something escaped."""
-    return "".join(char if char.isalnum() or char in "._" else "\\" + char for char in fqn) if fqn else ""
 
 
 def cycle_problems(tree: ModuleTree) -> list[PlanProblem]:
