@@ -35,7 +35,7 @@ from meshbind.mesh import MeshContext
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution import resolve_plan
 from meshbind.resolution.plan import ParallelPlan
-from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest
+from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanSource
 from meshbind.world import DENSE_AXES, EXPERT_AXES, World
 
 ACTIVATION_CHECKPOINTING = ("none", "full")
@@ -45,7 +45,7 @@ DEVICES = ("cuda", "cpu")
 
 def step_memory(
     build: Callable[[], nn.Module],
-    requests: Sequence[NativeParallelBindingRequest],
+    requests: Sequence[NativeParallelBindingRequest] | PlanSource,
     context: LayoutContext,
     *,
     batch: int,
@@ -63,7 +63,8 @@ def step_memory(
     ranks, with what is live at the peak and where it falls.
 
     ``build()`` makes the model (called under ``torch.device("meta")``, once per traced rank);
-    ``requests``, ``context`` and ``fully_shard`` are ``resolve_plan``'s. ``batch`` is the
+    ``requests``, ``context`` and ``fully_shard`` are ``resolve_plan``'s (a transformers model's own
+    plans, ``from_hf_plan``, are read again from each model built). ``batch`` is the
     sequences of one data-parallel rank, ``seq_len`` their length. ``inputs(batch, seq_len)``
     gives one forward call's arguments; by default token ids ``[batch, seq_len]`` are passed as
     ``input_ids=`` and ``labels=`` (with ``use_cache=False``) when ``forward`` takes ``input_ids``,
