@@ -660,6 +660,7 @@ fn layout_reads(py: Python<'_>) -> String {
 
 /// For the tests of the self-check: runs it with the offset `field` moved on by one word and
 /// returns what it found wrong (`None`: it agreed). Unknown fields are a `ValueError`.
+#[cfg(feature = "self-check-hooks")]
 #[pyfunction]
 fn _layout_self_check(py: Python<'_>, field: Option<&str>) -> PyResult<Option<String>> {
     let layout = match field {
@@ -682,6 +683,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(modules_lacking, m)?)?;
     m.add_function(wrap_pyfunction!(index_groups, m)?)?;
     m.add_function(wrap_pyfunction!(layout_reads, m)?)?;
+    #[cfg(feature = "self-check-hooks")]
     m.add_function(wrap_pyfunction!(_layout_self_check, m)?)?;
     Ok(())
 }

@@ -154,4 +154,5 @@ def layout_reads() -> str:
     (``MESHBIND_NO_LAYOUT_READS`` set, an interpreter whose layout is not known, a failed self-check)."""
 
 def _layout_self_check(field: str | None) -> str | None:
-    """For the tests: the self-check with one offset moved by a word; what it found wrong, or ``None``."""
+    """For the tests: the self-check with one offset moved by a word; what it found wrong, or ``None``.
+    Only in a build with the ``self-check-hooks`` feature (the test command's), never in a wheel."""
