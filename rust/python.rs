@@ -382,6 +382,7 @@ impl ModuleTree {
     }
 
     /// The first FQN of every module, in tree order.
+    #[cfg(feature = "test-hooks")]
     fn module_names(&self) -> Vec<&str> {
         self.index
             .module_first_name
@@ -455,6 +456,7 @@ impl ModuleTree {
     }
 
     /// Every match as two parallel lists: name indices and pattern indices, in walk order.
+    #[cfg(feature = "test-hooks")]
     fn hits(&self) -> (Vec<u32>, Vec<u32>) {
         self.index.hits.iter().copied().unzip()
     }
@@ -497,6 +499,7 @@ impl ModuleTree {
     }
 
     /// The `count` parameter FQNs met nearest to `pattern` ("did you mean" among parameters).
+    #[cfg(feature = "test-hooks")]
     #[pyo3(signature = (pattern, count = 3))]
     fn nearest_parameters(&self, pattern: &str, count: usize) -> Vec<String> {
         nearest_names(pattern, &self.index.parameters.names, count)
@@ -660,7 +663,7 @@ fn layout_reads(py: Python<'_>) -> String {
 
 /// For the tests of the self-check: runs it with the offset `field` moved on by one word and
 /// returns what it found wrong (`None`: it agreed). Unknown fields are a `ValueError`.
-#[cfg(feature = "self-check-hooks")]
+#[cfg(feature = "test-hooks")]
 #[pyfunction]
 fn _layout_self_check(py: Python<'_>, field: Option<&str>) -> PyResult<Option<String>> {
     let layout = match field {
@@ -683,7 +686,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(modules_lacking, m)?)?;
     m.add_function(wrap_pyfunction!(index_groups, m)?)?;
     m.add_function(wrap_pyfunction!(layout_reads, m)?)?;
-    #[cfg(feature = "self-check-hooks")]
+    #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(_layout_self_check, m)?)?;
     Ok(())
 }

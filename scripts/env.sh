@@ -23,8 +23,8 @@ export VIRTUAL_ENV="$venv"
 # Build the extension from this checkout and install the package editable into the environment,
 # pointing it at this checkout (incremental after the first time; a fresh clone re-points it).
 build_log=$(mktemp)
-# With the self-check's test hook, which a wheel leaves out (Cargo.toml's self-check-hooks).
-if ! (cd "$repo_root" && maturin develop --release --features self-check-hooks >"$build_log" 2>&1); then
+# With what only the tests call, which a wheel leaves out (Cargo.toml's test-hooks feature).
+if ! (cd "$repo_root" && maturin develop --release --features test-hooks >"$build_log" 2>&1); then
     cat "$build_log" >&2
     exit 1
 fi

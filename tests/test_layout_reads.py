@@ -85,12 +85,13 @@ def test_the_self_check_finds_each_offset_moved_by_a_word(field: str) -> None:
 
 
 def test_the_self_check_hook_is_the_test_builds_alone() -> None:
-    """``_layout_self_check`` is compiled only with the ``self-check-hooks`` feature: the test
-    command's build turns it on, a wheel's (pyproject's maturin features) does not."""
+    """``_layout_self_check`` (and ``ModuleTree``'s test-only methods) are compiled only with the
+    ``test-hooks`` feature: the test command's build turns it on, a wheel's (pyproject's maturin
+    features) does not."""
     root = Path(__file__).resolve().parent.parent
-    assert "maturin develop --release --features self-check-hooks" in (root / "scripts" / "env.sh").read_text()
+    assert "maturin develop --release --features test-hooks" in (root / "scripts" / "env.sh").read_text()
     maturin = (root / "pyproject.toml").read_text().split("[tool.maturin]", 1)[1].split("\n[", 1)[0]
-    assert "features = []" in maturin and "self-check-hooks" not in maturin
+    assert "features = []" in maturin and "test-hooks" not in maturin
     assert hasattr(_core, "_layout_self_check")
 
 

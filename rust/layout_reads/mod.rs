@@ -90,7 +90,7 @@ pub fn known(py: Python<'_>) -> Result<Layout, String> {
 
 /// The known offsets with the one named `field` moved one word on (`managed_dict`: one word
 /// farther from the object), for the tests of the self-check; `None` for a name it does not know.
-#[cfg(feature = "self-check-hooks")]
+#[cfg(feature = "test-hooks")]
 pub fn perturbed(py: Python<'_>, field: &str) -> Result<Option<Layout>, String> {
     let mut layout = known(py)?;
     let text = &mut layout.text;
