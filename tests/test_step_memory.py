@@ -391,3 +391,38 @@ def test_the_page_draws_each_rank_class_step_peak(tmp_path: Path, capsys: pytest
         assert "does NOT fit" in driver.find_element(By.ID, "memory-step").text
     finally:
         driver.quit()
+
+
+class WideMLP(nn.Module):
+    """Blocks of an up and a down projection, as a torch plan shards them (colwise, rowwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 64)
+        self.layers = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(64, 1024), "down": nn.Linear(1024, 64)}) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer["down"](torch.relu(layer["up"](x)))  # type: ignore[index]
+        return x.float().pow(2).mean()
+
+
+def test_a_torch_plan_is_applied_by_torch_and_tp_halves_the_projections_state() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from meshbind import from_torch_plan
+
+    plan = from_torch_plan({"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()})
+
+    def peak(tp: int) -> dict[str, int]:
+        answer = step_memory(WideMLP, plan, LayoutContext({"tp": tp}), batch=1, seq_len=8, device="cpu")
+        return dict(answer.classes[0].live_at_peak)
+
+    whole, halved = peak(1), peak(2)
+    # tp=2 holds half of each layer's up weight, up bias and down weight (float32), and Adam's
+    # two moments of them (and less of the step's temporaries, counted with the state); the down
+    # bias stays whole.
+    sharded = 2 * 4 * (64 * 1024 + 1024 + 1024 * 64)
+    assert whole["parameters"] - halved["parameters"] == sharded // 2
+    assert whole["optimizer_state"] - halved["optimizer_state"] >= sharded

@@ -26,7 +26,8 @@ KINDS = (
 """What a byte live at the peak is. Under FSDP, ``parameters`` and ``gradients`` are each rank's
 shards and the ``unsharded_`` kinds the whole tensors FSDP gathers for a unit's forward and
 backward; ``all_gather`` and ``reduce_scatter`` are FSDP's communication buffers; ``temporaries``
-are what backward allocates beyond gradients (the gradients of activations)."""
+are what backward allocates beyond gradients (the gradients of activations). What the optimizer
+step allocates while it runs counts as ``optimizer_state``, as torch's trackers count it."""
 
 
 @dataclass(frozen=True)
