@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from browser_pages import opened_page
 from safetensors.torch import save_file
 from torch import nn
 
@@ -118,24 +118,13 @@ def test_check_prints_the_report_and_carries_it_in_json(capsys: pytest.CaptureFi
 def test_the_page_loads_in_headless_chromium_and_shows_the_jsons_totals(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
     page = tmp_path / "report.html"
     assert main(["check", *DEMO, *DEMO_AXES, "--json", "--html", str(page)]) == 0
     totals = json.loads(capsys.readouterr().out)["report"]["totals"]
     assert "http" not in page.read_text().replace("http://www.w3.org", "")  # nothing fetched
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"))
-    try:
-        driver.get(page.as_uri())
-        errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
-        assert not errors, errors
+    with opened_page(page) as driver:
         shown = {
             cell.get_attribute("data-total"): int(cell.text) for cell in driver.find_elements(By.CSS_SELECTOR, "td[data-total]")
         }
@@ -147,8 +136,6 @@ def test_the_page_loads_in_headless_chromium_and_shows_the_jsons_totals(
         assert driver.find_elements(By.XPATH, "//summary[contains(., 'blocks')]")
         parameter = driver.find_element(By.XPATH, "//div[@class='param' and contains(., 'w_gate')]")
         assert "ep: S(0)" in parameter.get_attribute("title") and "[4,64,32]" in parameter.get_attribute("title")
-    finally:
-        driver.quit()
 
 
 @pytest.fixture(scope="module")

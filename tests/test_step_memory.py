@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from browser_pages import opened_page
 from step_memory_checks import DEMO_UNITS, hf_transformer
 from torch import nn
 
@@ -361,10 +362,6 @@ def test_deepseek_v3_671b_at_256_ranks_is_traced_at_three_depths() -> None:
 
 
 def test_the_page_draws_each_rank_class_step_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import shutil
-
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
     from meshbind.cli import main
@@ -373,24 +370,13 @@ def test_the_page_draws_each_rank_class_step_peak(tmp_path: Path, capsys: pytest
     memory = ["--memory", "--batch", "1", "--seq-len", "32", "--device", "cpu", "--device-memory", "1MiB"]
     assert main([*DEMO_CHECK, *memory, "--json", "--html", str(page)]) == 1
     answer = json.loads(capsys.readouterr().out)["memory"]
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"))
-    try:
-        driver.get(page.as_uri())
-        errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
-        assert not errors, errors
+    with opened_page(page) as driver:
         bars = driver.find_elements(By.CSS_SELECTOR, "#memory .bar")
         drawn = [tuple(int(bar.get_attribute(f"data-{key}")) for key in ("first", "count", "peak")) for bar in bars]
         assert drawn == [(0, 8, answer["peak_bytes"])]
         kinds = {piece.get_attribute("data-kind") for piece in bars[0].find_elements(By.CSS_SELECTOR, ".kind")}
         assert kinds == {kind for kind, size in answer["rank_classes"][0]["live_at_peak"].items() if size}
         assert "does NOT fit" in driver.find_element(By.ID, "memory-step").text
-    finally:
-        driver.quit()
 
 
 class WideMLP(nn.Module):

@@ -71,28 +71,35 @@ function firstProtocol(node) {
 }
 draw(root, document.getElementById("tree"));
 
+// A bar: its data attributes, a label, and one piece per [class, bytes, title] on a scale of `widest` bytes.
+function drawBar(into, data, labelText, pieces, widest, tail) {
+  const bar = document.createElement("div");
+  bar.className = "bar";
+  Object.assign(bar.dataset, data);
+  const label = document.createElement("span");
+  label.className = "label";
+  label.textContent = labelText;
+  bar.append(label);
+  for (const [className, bytes, title] of pieces) {
+    const piece = document.createElement("div");
+    piece.className = className;
+    piece.style.width = (60 * bytes / widest) + "%";
+    piece.title = `${title}: ${size(bytes)}`;
+    bar.append(piece);
+  }
+  bar.append(" " + tail);
+  into.append(bar);
+  return bar;
+}
+
 const bars = document.getElementById("bars");
 const largest = Math.max(...report.rank_groups.map(g => g.total_bytes), 1);
 for (const rank of report.rank_groups) {
-  const bar = document.createElement("div");
-  bar.className = "bar";
-  bar.dataset.first = String(rank.first);
-  bar.dataset.count = String(rank.count);
-  bar.dataset.total = String(rank.total_bytes);
-  const label = document.createElement("span");
-  label.className = "label";
-  label.textContent = rank.count === 1 ? `rank ${rank.first} ${JSON.stringify(rank.first_coordinates)}`
+  const label = rank.count === 1 ? `rank ${rank.first} ${JSON.stringify(rank.first_coordinates)}`
     : `ranks ${rank.first}–${rank.first + rank.count - 1} (${rank.count.toLocaleString()} ranks, each the same)`;
-  bar.append(label);
-  for (const [kind, bytes] of [["parameters", rank.parameter_bytes], ["gradients", rank.gradient_bytes], ["optimizer", rank.optimizer_bytes]]) {
-    const piece = document.createElement("div");
-    piece.className = kind;
-    piece.style.width = (60 * bytes / largest) + "%";
-    piece.title = `${kind}: ${size(bytes)}`;
-    bar.append(piece);
-  }
-  bar.append(" " + size(rank.total_bytes));
-  bars.append(bar);
+  const pieces = [["parameters", rank.parameter_bytes], ["gradients", rank.gradient_bytes], ["optimizer", rank.optimizer_bytes]];
+  drawBar(bars, {first: String(rank.first), count: String(rank.count), total: String(rank.total_bytes)}, label,
+    pieces.map(([kind, bytes]) => [kind, bytes, kind]), largest, size(rank.total_bytes));
 }
 
 // With --memory: one bar per class of ranks, the bytes live at the step's peak by kind, on the
@@ -106,26 +113,17 @@ if (memory === null) {
   const widest = Math.max(memory.peak_bytes, memory.device_memory || 0, 1);
   const into = document.getElementById("memory");
   for (const rankClass of memory.rank_classes) {
-    const bar = document.createElement("div");
-    bar.className = "bar step";
-    bar.dataset.first = String(rankClass.first_rank);
-    bar.dataset.count = String(rankClass.ranks);
-    bar.dataset.peak = String(rankClass.peak_bytes);
-    const label = document.createElement("span");
-    label.className = "label";
-    label.textContent = rankClass.ranks === 1 ? `rank ${rankClass.first_rank}` : `ranks ${rankClass.first_rank}–${rankClass.first_rank + rankClass.ranks - 1}`;
-    bar.append(label);
-    for (const [kind, bytes] of Object.entries(rankClass.live_at_peak)) {
-      if (bytes === 0) continue;
-      const piece = document.createElement("div");
-      piece.className = "kind";
-      piece.dataset.kind = kind;
-      piece.style.width = (60 * bytes / widest) + "%";
-      piece.style.background = `hsl(${(Object.keys(rankClass.live_at_peak).indexOf(kind) * 47) % 360}, 55%, 55%)`;
-      piece.title = `${kind.replaceAll("_", " ")}: ${size(bytes)}`;
-      bar.append(piece);
-    }
-    bar.append(` ${size(rankClass.peak_bytes)} at ${rankClass.peak_module} ${rankClass.peak_phase}`);
-    into.append(bar);
+    const kinds = Object.keys(rankClass.live_at_peak);
+    const live = Object.entries(rankClass.live_at_peak).filter(([, bytes]) => bytes > 0);
+    const label = rankClass.ranks === 1 ? `rank ${rankClass.first_rank}` : `ranks ${rankClass.first_rank}–${rankClass.first_rank + rankClass.ranks - 1}`;
+    const bar = drawBar(into, {first: String(rankClass.first_rank), count: String(rankClass.ranks), peak: String(rankClass.peak_bytes)},
+      label, live.map(([kind, bytes]) => ["kind", bytes, kind.replaceAll("_", " ")]), widest,
+      `${size(rankClass.peak_bytes)} at ${rankClass.peak_module} ${rankClass.peak_phase}`);
+    bar.classList.add("step");
+    // Each kind keeps its colour across rank classes: its place in the kinds' fixed order.
+    bar.querySelectorAll(".kind").forEach((piece, index) => {
+      piece.dataset.kind = live[index][0];
+      piece.style.background = `hsl(${(kinds.indexOf(live[index][0]) * 47) % 360}, 55%, 55%)`;
+    });
   }
 }
