@@ -63,8 +63,8 @@ def _match_and_required_calls(
     each planned FQN with its request and layout."""
     index = PatternSet(plan).walk(target, prune=True, modules=True)
     noticed = 0 in index.hit_counts()
-    rows, request_of, _ = index.owners(list(range(len(plan))))
-    fqns, modules = index.module_fqns(rows), cast(list[nn.Module], index.modules(rows))
+    _, fqns, selected, _, first, _, _ = index.selected(list(range(len(plan))), [])
+    modules, request_of = cast(list[nn.Module], selected), cast(list[int], first)
     shardings = []
     for r, module, fqn in zip(request_of, modules, fqns, strict=True):
         sharding = requests[r].sharding(module, fqn, bench.CONTEXT)

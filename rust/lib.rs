@@ -11,6 +11,7 @@ pub mod names;
 pub mod pattern;
 mod presence;
 mod python;
+pub mod selection;
 pub mod sequence;
 mod step_memo;
 pub mod suggest;

@@ -10,6 +10,7 @@ use crate::checks::{PlacementKind, PlacementRow, PlacementTable, TableError};
 use crate::layout_reads::ListTexts;
 use crate::matcher::{BuildError, MatchError, PatternSet};
 use crate::names::NameTable;
+use crate::selection::{select, PatternOwner};
 use crate::sequence::{IndexHits, NameIndexer};
 use crate::suggest::nearest_names;
 use crate::walk::{not_utf8_error, walk_tree, TreeIndex, WalkError, WalkMode};
@@ -327,6 +328,17 @@ fn uint32_view<'py>(py: Python<'py>, values: &[u32]) -> PyResult<Bound<'py, PyAn
     view.call_method1(intern!(py, "cast"), ("I",))
 }
 
+/// `ModuleTree.selected`: see there.
+type SelectedRows<'t> = (
+    Vec<u32>,
+    Vec<&'t str>,
+    Vec<Py<PyAny>>,
+    Vec<Py<PyType>>,
+    Vec<Option<u32>>,
+    Vec<(u32, Vec<u32>)>,
+    Vec<(u32, Vec<u32>)>,
+);
+
 /// `ModuleTree.named_parameters`: FQNs, each one's kind, one parameter per kind.
 type NamedParameterLists<'t> = (Vec<&'t str>, Vec<u32>, Vec<Py<PyAny>>);
 
@@ -466,11 +478,48 @@ impl ModuleTree {
         grouped_hits(&self.index.names, &self.index.hits)
     }
 
-    /// Which owner selects each module, where `pattern_owner[p]` owns pattern `p` (`None`: skip):
-    /// `(modules ascending, the owner of each one's first match, [(module, another owner)])`.
-    fn owners(&self, pattern_owner: Vec<Option<u32>>) -> (Vec<u32>, Vec<u32>, Vec<(u32, u32)>) {
-        let ownership = self.index.owners(&pattern_owner);
-        (ownership.modules, ownership.first, ownership.others)
+    /// One row per module a request or an override selects, in tree order: `(module indices,
+    /// FQNs, modules, classes, first request (None: only overrides), [(row, other requests)],
+    /// [(row, overrides)])`; modules and classes are empty offline. Pattern `i` belongs to request
+    /// `request_patterns[i]`, pattern `len(request_patterns) + k` to override `override_patterns[k]`.
+    fn selected(
+        &self,
+        py: Python<'_>,
+        request_patterns: Vec<u32>,
+        override_patterns: Vec<u32>,
+    ) -> SelectedRows<'_> {
+        let owners: Vec<PatternOwner> = (request_patterns.into_iter().map(PatternOwner::Request))
+            .chain(override_patterns.into_iter().map(PatternOwner::Override))
+            .collect();
+        let found = select(&self.index, &owners);
+        let index = &self.index;
+        let fqns = (found.modules.iter())
+            .map(|&m| {
+                index
+                    .names
+                    .get(index.module_first_name[m as usize] as usize)
+            })
+            .collect();
+        let (modules, classes) = if index.modules.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            let module = |&m: &u32| index.modules[m as usize].clone_ref(py);
+            let class =
+                |&m: &u32| index.classes[index.module_class[m as usize] as usize].clone_ref(py);
+            (
+                found.modules.iter().map(module).collect(),
+                found.modules.iter().map(class).collect(),
+            )
+        };
+        (
+            found.modules,
+            fqns,
+            modules,
+            classes,
+            found.first_request,
+            found.other_requests,
+            found.overrides,
+        )
     }
 
     /// How many names matched at least one pattern.

@@ -66,49 +66,6 @@ pub(crate) fn not_utf8_error(what: &str, text: &Bound<'_, PyAny>) -> PyErr {
     ))
 }
 
-/// Which owner (a request, an override…) selects each module: see [`TreeIndex::owners`].
-pub struct Ownership {
-    /// Every selected module, ascending (tree order), with the owner of its first match.
-    pub modules: Vec<u32>,
-    pub first: Vec<u32>,
-    /// `(module, owner)` for every further distinct owner of a selected module, in match order.
-    pub others: Vec<(u32, u32)>,
-}
-
-impl TreeIndex {
-    /// Maps every match to its module and to `pattern_owner[pattern]` (`None`: ignored), and
-    /// returns which owners select each module — the first one, and any others.
-    pub fn owners(&self, pattern_owner: &[Option<u32>]) -> Ownership {
-        let module_count = self.module_first_name.len();
-        let mut first = vec![u32::MAX; module_count];
-        let mut seen = rustc_hash::FxHashSet::default();
-        let mut others = Vec::new();
-        for &(name, pattern) in &self.hits {
-            let Some(Some(owner)) = pattern_owner.get(pattern as usize) else {
-                continue;
-            };
-            let Some(&module) = self.name_module.get(name as usize) else {
-                continue;
-            };
-            let slot = &mut first[module as usize];
-            if *slot == u32::MAX {
-                *slot = *owner;
-            } else if *slot != *owner && seen.insert((module, *owner)) {
-                others.push((module, *owner));
-            }
-        }
-        let modules: Vec<u32> = (0..module_count as u32)
-            .filter(|&m| first[m as usize] != u32::MAX)
-            .collect();
-        let first = modules.iter().map(|&m| first[m as usize]).collect();
-        Ownership {
-            modules,
-            first,
-            others,
-        }
-    }
-}
-
 pub enum WalkError {
     Python(PyErr),
     Match(MatchError),
@@ -474,33 +431,4 @@ fn not_a_module(object: &Bound<'_, PyAny>, fqn: &str) -> PyErr {
     PyTypeError::new_err(format!(
         "expected an nn.Module at {fqn:?}, got an object of type {type_name} without a _modules dict"
     ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::matcher::PatternSet;
-    use crate::sequence::NameIndexer;
-
-    #[test]
-    fn owners_keeps_the_first_owner_and_lists_the_others_once() {
-        let Ok(set) = PatternSet::new(&["a.*", "a.b", "a.{b,c}", "z"]) else {
-            panic!("the patterns compile")
-        };
-        let names = ["", "a", "a.b", "a.c", "d"];
-        let index = set
-            .with_matcher(|m| {
-                let mut indexer = NameIndexer::new(false);
-                names
-                    .into_iter()
-                    .try_for_each(|name| indexer.push(name, m))?;
-                Ok::<_, MatchError>(indexer.finish())
-            })
-            .unwrap();
-        // Patterns 0 and 2 belong to owner 0, pattern 1 to owner 1, pattern 3 is ignored.
-        let ownership = index.owners(&[Some(0), Some(1), Some(0), None]);
-        assert_eq!(ownership.modules, vec![2, 3]);
-        assert_eq!(ownership.first, vec![0, 0]);
-        assert_eq!(ownership.others, vec![(2, 1)]);
-    }
 }

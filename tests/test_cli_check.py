@@ -136,7 +136,7 @@ def test_the_meshbind_script_finds_the_users_modules_in_the_working_directory(tm
 def test_the_command_line_defines_no_family_class_before_the_demo_runs() -> None:
     """The demo model's family classes would make every `meshbind check` and `meshbind bench`
     resolution walk the whole tree (a fresh interpreter: the tests here define family classes)."""
-    script = "import meshbind.cli; from meshbind.family import any_family_class; print(any_family_class())"
+    script = "import meshbind.cli; from meshbind.family import family_classes_declared; print(family_classes_declared())"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "False"

@@ -248,9 +248,9 @@ def test_two_requests_with_equal_specs_and_different_layouts_conflict() -> None:
 MIXIN_FAMILY_SCRIPT = """
 from torch import nn
 from meshbind import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, resolve_plan
-from meshbind.family import any_family_class
+from meshbind.family import family_classes_declared
 
-assert not any_family_class()  # so resolution may prune: the case under test
+assert not family_classes_declared()  # so resolution may prune: the case under test
 
 
 class OwnsProtocol:  # a mixin, no module
@@ -316,7 +316,7 @@ def test_a_bound_module_inside_another_of_the_same_kind_is_nested() -> None:
 @pytest.fixture(params=["pruned", "full"])
 def walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Resolution walks the whole tree when a family class is loaded (here one is), else it prunes."""
-    monkeypatch.setattr(meshbind.resolution.candidates, "any_family_class", lambda: request.param == "full")
+    monkeypatch.setattr(meshbind.resolution.selection, "family_classes_declared", lambda: request.param == "full")
     return str(request.param)
 
 
@@ -713,7 +713,9 @@ def test_nested_matches_every_alias_of_named_modules(case: tuple[list[list[int]]
         if kind in kinds.values()
     ]
     for family_class_loaded in (False, True):  # pruned walk, full walk
-        with mock.patch.object(meshbind.resolution.candidates, "any_family_class", lambda loaded=family_class_loaded: loaded):
+        with mock.patch.object(
+            meshbind.resolution.selection, "family_classes_declared", lambda loaded=family_class_loaded: loaded
+        ):
             try:
                 planned = set(resolve_plan(model, requests, CONTEXT).parallel_modules)
                 nested = set()
@@ -786,9 +788,9 @@ def test_pruning_the_walk_changes_no_plan_and_no_problem(
             return [(p.code, p.fqn, p.request, p.message) for p in error.problems]
         return list(plan.parallel_modules.items()), dict(plan.sharding), dict(plan.sources)
 
-    with mock.patch.object(meshbind.resolution.candidates, "any_family_class", lambda: False):
+    with mock.patch.object(meshbind.resolution.selection, "family_classes_declared", lambda: False):
         pruned = outcome(_tree_of(fqns))
-    with mock.patch.object(meshbind.resolution.candidates, "any_family_class", lambda: True):
+    with mock.patch.object(meshbind.resolution.selection, "family_classes_declared", lambda: True):
         assert outcome(_tree_of(fqns)) == pruned
     if all(request.sharding is PROVIDERS[0] for request in requests):
         assert outcome([name for name, _ in _tree_of(fqns).named_modules()]) == pruned

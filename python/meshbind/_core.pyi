@@ -94,7 +94,16 @@ class ModuleTree:
     def hits(self) -> tuple[list[int], list[int]]:
         """Every match as name and pattern indices (a ``test-hooks`` build's only)."""
     def matches(self) -> list[tuple[str, list[int]]]: ...
-    def owners(self, pattern_owner: Sequence[int | None]) -> tuple[list[int], list[int], list[tuple[int, int]]]: ...
+    def selected(
+        self, request_patterns: Sequence[int], override_patterns: Sequence[int]
+    ) -> tuple[
+        list[int], list[str], list[Any], list[type], list[int | None], list[tuple[int, list[int]]], list[tuple[int, list[int]]]
+    ]:
+        """One row per module a request or an override selects, in tree order: ``(module indices,
+        FQNs, modules, classes, first request (None: only overrides), [(row, other requests)],
+        [(row, overrides)])``; modules and classes are empty offline. Pattern ``i`` belongs to
+        request ``request_patterns[i]``, pattern ``len(request_patterns) + k`` to override
+        ``override_patterns[k]``."""
     def matched_names(self) -> int: ...
     def hit_counts(self) -> list[int]: ...
     def cycles(self) -> list[tuple[str, str]]: ...

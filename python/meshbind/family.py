@@ -1,9 +1,9 @@
 """Family modules: classes that own their parallel protocol.
 
-A class joins every plan without a request by declaring ``parallel_spec`` (a class attribute) and
-``parallel_sharding(self, fqn, context)``. Resolution records on each member the layout it was
-planned with, applied when the module is bound with that very layout; binding records the layout
-it bound as applied on its mesh.
+A class joins every plan without a request by declaring ``parallel_spec`` (a class attribute
+written in its body, or a base's) and ``parallel_sharding(self, fqn, context)``. Resolution
+records on each member the layout it was planned with, applied when the module is bound with that
+very layout; binding records the layout it bound as applied on its mesh.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
+from meshbind.specs import FAMILY_DECLARATIONS, ModuleShardingSpec, ParallelModuleSpec
 
 _BUILD_INFO = "_meshbind_family_build_info"
 _BOUND = "_meshbind_family_bound"
@@ -52,21 +52,11 @@ def family_spec(cls: type) -> object:
     return None
 
 
-def any_family_class() -> bool:
-    """Whether ``nn.Module`` or any subclass now defined has a ``parallel_spec`` (its own or
-    inherited, also from a base that is no module, as a mixin).
-
-    Every module's class is one of them, so when none has one no module of any tree can be a
-    family member, and resolution need not visit modules no pattern reaches.
-    """
-    classes = [nn.Module]
-    seen = set(classes)
-    for cls in classes:  # grows while it is read: every subclass, breadth first
-        for subclass in type.__subclasses__(cls):
-            if subclass not in seen:
-                seen.add(subclass)
-                classes.append(subclass)
-    return any(getattr(cls, "parallel_spec", None) is not None for cls in classes)
+def family_classes_declared() -> bool:
+    """Whether some living class declares a ``parallel_spec`` in its body (registered as it is
+    defined). When none does, no module of any tree is a family member, and resolution need not
+    visit modules no pattern reaches."""
+    return bool(FAMILY_DECLARATIONS)
 
 
 def get_family_build_info(module: nn.Module) -> FamilyBuildInfo:

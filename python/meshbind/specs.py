@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -93,6 +94,15 @@ class ParallelModuleSpec:
 
     def describe(self) -> str:
         return f"{self.protocol} v{self.version} ({self.binding_kind})"
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        # Python calls this for a spec written in a class body: how family classes are declared.
+        if name == "parallel_spec":
+            FAMILY_DECLARATIONS.add(owner)
+
+
+FAMILY_DECLARATIONS: weakref.WeakSet[type] = weakref.WeakSet()
+"""Every class (a module or a mixin) whose body declares a ``parallel_spec``, while it lives."""
 
 
 def _read_stages(stages: object) -> dict[str, tuple[str, ...]]:

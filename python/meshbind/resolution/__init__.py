@@ -1,46 +1,35 @@
 """Plan resolution: one walk, every problem collected, one ``PlanError``.
 
-``resolve_plan`` reads as its steps, each in a file of its name that returns its
-problems: the walk and one record per planned module (``candidates``), who owns each module
-(``ownership``), a bound module inside another (``nesting``), the layout providers
-(``providers``), overrides merged over them (``overrides``), patterns that select nothing
-(``messages``), then the §5 checks of ``ValidationBatch``.
+``resolve_plan`` reads as its steps, each in a file of its name that reads and extends one record
+per planned module (``selection.ModuleRecord``) and returns its problems: the walk and the
+records (``selection``), who owns each module (``ownership``), family members joining
+(``families``), patterns that select nothing (``unmatched``), a bound module inside another
+(``nesting``), the layout providers (``providers``), overrides merged over them (``overrides``),
+the per-module rules (``validate``), the FSDP units (``fsdp``), and the plan (``plan``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from operator import attrgetter
-from types import MappingProxyType
 from typing import Any
 
 from torch import nn
 
 from meshbind.errors import PlanError, PlanProblem
 from meshbind.family import record_family_layout
-from meshbind.resolution.candidates import (
-    PlanPatterns,
-    by_index,
-    candidates_of,
-    cycle_problems,
-    parameter_owners,
-    selecting_owners,
-    walk,
-)
-from meshbind.resolution.fsdp import fsdp_units
-from meshbind.resolution.messages import reported_source, unmatched_problems
+from meshbind.resolution.families import join_families
+from meshbind.resolution.fsdp import FSDPPlan, fsdp_units
 from meshbind.resolution.nesting import nested_problems
-from meshbind.resolution.overrides import Override, checked_overrides, merge_overrides, override_hits
-from meshbind.resolution.ownership import assign_requests, family_specs, join_families
-from meshbind.resolution.plan import ParallelPlan
+from meshbind.resolution.overrides import checked_overrides, merge_overrides
+from meshbind.resolution.ownership import own_modules
+from meshbind.resolution.plan import ParallelPlan, build_plan
 from meshbind.resolution.providers import Progress, provide_layouts
+from meshbind.resolution.selection import Override, select_modules
+from meshbind.resolution.unmatched import unmatched_problems
+from meshbind.resolution.validate import validation_problems
 from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanSource, SourcedRequests, is_int_from
-from meshbind.validation.batch import ValidationBatch
 
 __all__ = ["ParallelPlan", "PlanError", "PlanProblem", "resolve_plan"]
-
-_COLUMNS = ("fqn", "spec", "sharding", "module", "source")
-"""What validation and the plan read of every laid-out candidate."""
 
 
 def resolve_plan(
@@ -81,66 +70,35 @@ def _resolve(
     model: nn.Module | Sequence[str],
     sourced: SourcedRequests,
     context: LayoutContext,
-    override_items: list[Override],
+    overrides: list[Override],
     shapes: dict[str, tuple[int, ...]] | None,
     progress: Progress | None,
     fully_shard: FullyShard | None,
 ) -> ParallelPlan:
     """``resolve_plan`` on checked arguments."""
-    requests = sourced.requests
-    patterns = PlanPatterns.of(requests, override_items)
-    tree, offline = walk(patterns.pattern_set, model)
-    if owners := parameter_owners(model, patterns, tree):
-        # Patterns naming parameters plan the modules that hold them: resolve those modules by name.
-        owning = SourcedRequests(selecting_owners(requests, patterns, owners), sourced.problems, sourced.warnings)
-        return _resolve(model, owning, context, override_items, shapes, progress, fully_shard)
-    problems = cycle_problems(tree) + list(sourced.problems)
-
-    ownership = assign_requests(tree, patterns, requests)
-    classes = [] if offline else tree.classes()
-    module_classes = [] if offline else tree.module_classes()
-    families, family_problems = family_specs(classes)
-    ownership.problems += family_problems
-    if families:
-        join_families(ownership, tree, requests, families, classes, module_classes)
-    problems += ownership.problems
-    candidates = candidates_of(tree, ownership.planned, ownership.request_of, requests, families, module_classes, offline)
-    for candidate, others in by_index(candidates, ownership.sharing):
-        candidate.shared_with = tuple(others)
-    if override_items:
-        for candidate, hits in by_index(candidates, override_hits(tree, patterns)):
-            candidate.overrides = tuple(hits)
-
-    unmatched, warnings = unmatched_problems(tree, patterns, requests, candidates, model)
+    selection = select_modules(model, sourced.requests, overrides)
+    problems = [*selection.problems, *sourced.problems]
+    records, found = own_modules(selection.records, selection.requests)
+    problems += found
+    records, family_members, found = join_families(records, selection)
+    problems += found
+    unmatched, warnings = unmatched_problems(selection, records, model)
     problems += unmatched
-    problems += nested_problems(candidates, tree)
-    problems += provide_layouts(candidates, requests, context, progress)
-    problems += merge_overrides(candidates, override_items)
-    laid_out = [candidate for candidate in candidates if candidate.sharding is not None]
-
-    batch = ValidationBatch(context, shapes)
-    fqns, specs, shardings, modules, sources = (list(map(attrgetter(field), laid_out)) for field in _COLUMNS)
-    module_types = None if offline else [classes[module_classes[candidate.index]] for candidate in laid_out]
-    for row, code, message in batch.check(modules, fqns, specs, shardings, module_types):
-        problems.append(PlanProblem(code, fqns[row], reported_source(laid_out[row], override_items), message))
-    fsdp = None
+    problems += nested_problems(records, selection.tree)
+    problems += provide_layouts(records, selection.requests, context, progress)
+    problems += merge_overrides(records, overrides)
+    laid_out = [record for record in records if record.sharding is not None]
+    problems += validation_problems(laid_out, context, shapes, overrides, selection.offline)
+    fsdp: FSDPPlan | None = None
     if fully_shard is not None:
-        fsdp, fsdp_problems = fsdp_units(model, fully_shard, dict(zip(fqns, shardings, strict=True)))
-        problems += fsdp_problems
+        fsdp, found = fsdp_units(model, fully_shard, {record.fqn: record.sharding for record in laid_out})  # type: ignore[misc]
+        problems += found
     if problems:
         raise PlanError(problems)
-    plan = ParallelPlan(
-        parallel_modules=MappingProxyType(dict(zip(fqns, specs, strict=True))),
-        sharding=MappingProxyType(dict(zip(fqns, shardings, strict=True))),
-        context=context,
-        sources=MappingProxyType(dict(zip(fqns, sources, strict=True))),
-        warnings=(*sourced.warnings, *warnings),
-        fsdp=fsdp,
-    )
-    if families:
-        for candidate in laid_out:
-            if candidate.module is not None and module_classes[candidate.index] in families:
-                record_family_layout(candidate.module, candidate.fqn, candidate.spec, candidate.sharding)  # type: ignore[arg-type]
+    plan = build_plan(laid_out, context, (*sourced.warnings, *warnings), fsdp)
+    for record in laid_out:
+        if record.index in family_members:
+            record_family_layout(record.module, record.fqn, record.spec, record.sharding)  # type: ignore[arg-type]
     return plan
 
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Placement
 
 from meshbind._core import PatternSet
 from meshbind.errors import PlanProblem, ProblemCode
-from meshbind.resolution.messages import ModelNames
+from meshbind.resolution.unmatched import ModelNames
 from meshbind.specs import FullyShard, ModuleShardingSpec
 from meshbind.world import EXPERT_AXES, MODEL_PARALLEL_AXIS, canonical_axis
 

@@ -11,32 +11,32 @@ from collections.abc import Sequence
 
 from meshbind._core import ModuleTree
 from meshbind.errors import PlanProblem, ProblemCode
-from meshbind.resolution.candidates import Candidate
+from meshbind.resolution.selection import ModuleRecord
 
 
-def nested_problems(candidates: Sequence[Candidate], tree: ModuleTree) -> list[PlanProblem]:
-    bound = [candidate for candidate in candidates if candidate.spec.binding_kind != "none"]
+def nested_problems(records: Sequence[ModuleRecord], tree: ModuleTree) -> list[PlanProblem]:
+    bound = [record for record in records if record.spec.binding_kind != "none"]
     if not bound:
         return []
-    names: list[tuple[str, Candidate]]
+    names: list[tuple[str, ModuleRecord]]
     if tree.complete and len(tree) > tree.module_count:  # the tree has aliases
-        of_module = {candidate.index: candidate for candidate in bound}
+        of_module = {record.index: record for record in bound}
         named = zip(tree.names(), map(of_module.get, tree.name_modules()), strict=True)
-        names = [(name, candidate) for name, candidate in named if candidate is not None]
+        names = [(name, record) for name, record in named if record is not None]
     else:
-        names = [(candidate.fqn, candidate) for candidate in bound]  # in tree order
-    outer_of: dict[int, Candidate] = {}
-    inner: dict[int, Candidate] = {}
-    open_by_kind: dict[str, list[tuple[str, Candidate]]] = {}
-    for name, candidate in names:
-        stack = open_by_kind.setdefault(candidate.spec.binding_kind, [])
+        names = [(record.fqn, record) for record in bound]  # in tree order
+    outer_of: dict[int, ModuleRecord] = {}
+    inner: dict[int, ModuleRecord] = {}
+    open_by_kind: dict[str, list[tuple[str, ModuleRecord]]] = {}
+    for name, record in names:
+        stack = open_by_kind.setdefault(record.spec.binding_kind, [])
         while stack and not (stack[-1][0] == "" or name.startswith(stack[-1][0] + ".")):
             stack.pop()
-        if candidate.index not in outer_of:
-            outer = next((other for _, other in reversed(stack) if other is not candidate), None)
+        if record.index not in outer_of:
+            outer = next((other for _, other in reversed(stack) if other is not record), None)
             if outer is not None:
-                outer_of[candidate.index], inner[candidate.index] = outer, candidate
-        stack.append((name, candidate))
+                outer_of[record.index], inner[record.index] = outer, record
+        stack.append((name, record))
     problems = []
     for index, outer in outer_of.items():
         kind = inner[index].spec.binding_kind

@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-from meshbind._core import ModuleTree
 from meshbind.errors import PlanProblem, ProblemCode
-from meshbind.resolution.candidates import Candidate, PlanPatterns
+from meshbind.resolution.selection import ModuleRecord, Override
 from meshbind.specs import SHARDING_FIELDS, ModuleShardingSpec
-
-Override = tuple[str, Mapping[str, Any]]
-"""``(pattern, sharding fields)``."""
 
 
 def checked_overrides(overrides: object) -> list[Override]:
@@ -30,30 +25,16 @@ def checked_overrides(overrides: object) -> list[Override]:
     return list(overrides.items())
 
 
-def override_hits(tree: ModuleTree, patterns: PlanPatterns) -> dict[int, list[int]]:
-    """Module index → the overrides selecting it, ascending."""
-    override_of = [-1 - owner if owner < 0 else None for owner in patterns.owners]
-    if all(owner is None for owner in override_of):
-        return {}
-    modules, first_override, more = tree.owners(override_of)
-    hits = {module: [index] for module, index in zip(modules, first_override, strict=True)}
-    for module, index in more:
-        hits[module].append(index)
-    for indices in hits.values():
-        indices.sort()
-    return hits
-
-
 def override_label(overrides: Sequence[Override], index: int) -> str:
     return f"overrides[{overrides[index][0]!r}]"
 
 
-def merge_overrides(candidates: Sequence[Candidate], overrides: Sequence[Override]) -> list[PlanProblem]:
-    """Merges each candidate's overrides into its sharding; a failed merge leaves it ``None``."""
+def merge_overrides(records: Sequence[ModuleRecord], overrides: Sequence[Override]) -> list[PlanProblem]:
+    """Merges each record's overrides into its sharding; a failed merge leaves it ``None``."""
     problems: list[PlanProblem] = []
-    for candidate in candidates:
-        if candidate.overrides and candidate.sharding is not None:
-            candidate.sharding = _merged(candidate.sharding, candidate.fqn, [overrides[i] for i in candidate.overrides], problems)
+    for record in records:
+        if record.overrides and record.sharding is not None:
+            record.sharding = _merged(record.sharding, record.fqn, [overrides[i] for i in record.overrides], problems)
     return problems
 
 

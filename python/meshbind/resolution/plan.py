@@ -1,13 +1,15 @@
-"""The resolved plan: immutable, in tree order, with a table and a JSON form."""
+"""The resolved plan, built from the records: immutable, in tree order, with a table and a JSON form."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from meshbind.errors import PlanProblem
 from meshbind.resolution.fsdp import FSDPPlan
+from meshbind.resolution.selection import ModuleRecord
 from meshbind.specs import LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 
 
@@ -70,3 +72,18 @@ class ParallelPlan:
                 for fqn, spec in self.parallel_modules.items()
             ],
         }
+
+
+def build_plan(
+    records: Sequence[ModuleRecord], context: LayoutContext, warnings: tuple[PlanProblem, ...], fsdp: FSDPPlan | None
+) -> ParallelPlan:
+    """The plan of records that all have their layout."""
+    fqns = [record.fqn for record in records]
+    return ParallelPlan(
+        parallel_modules=MappingProxyType(dict(zip(fqns, [record.spec for record in records], strict=True))),
+        sharding=MappingProxyType(dict(zip(fqns, [record.sharding for record in records], strict=True))),  # type: ignore[misc]
+        context=context,
+        sources=MappingProxyType(dict(zip(fqns, [record.source for record in records], strict=True))),
+        warnings=warnings,
+        fsdp=fsdp,
+    )

@@ -9,12 +9,13 @@ binds it would depend on the order of the requests.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from torch import nn
 
 from meshbind.errors import LayoutRefusal, PlanProblem, ProblemCode
 from meshbind.placements import placements_text
-from meshbind.resolution.candidates import Candidate
+from meshbind.resolution.selection import ModuleRecord
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest
 
 Provider = Callable[[nn.Module | None, str, LayoutContext], ModuleShardingSpec]
@@ -32,49 +33,49 @@ def family_sharding(module: nn.Module | None, fqn: str, context: LayoutContext) 
 
 
 def provide_layouts(
-    candidates: Sequence[Candidate],
+    records: Sequence[ModuleRecord],
     requests: Sequence[NativeParallelBindingRequest],
     context: LayoutContext,
     progress: Progress | None = None,
 ) -> list[PlanProblem]:
-    """Sets every candidate's sharding from its provider (``None`` after a problem), then drops
+    """Sets every record's sharding from its provider (``None`` after a problem), then drops
     the sharding of a module whose sharing requests' providers disagree. The providers are user
     code, possibly slow: ``progress`` hears of each call."""
-    # Index FAMILY (-1) is the last entry: the family member's own method.
-    providers: list[Provider] = [request.sharding for request in requests] + [family_sharding]
+    providers: list[Provider] = [request.sharding for request in requests]
     problems: list[PlanProblem] = []
-    for done, candidate in enumerate(candidates, 1):
-        candidate.sharding = _provided(providers[candidate.request], candidate, candidate.source, context, problems)
+    for done, record in enumerate(records, 1):
+        provider = family_sharding if record.request is None else providers[record.request]
+        record.sharding = _provided(provider, record, record.source, context, problems)
         if progress is not None:
-            progress("layout providers", done, len(candidates))
-    shared = [(c, other) for c in candidates if c.shared_with and c.sharding is not None for other in c.shared_with]
+            progress("layout providers", done, len(records))
+    shared = [(c, other) for c in records if c.other_requests and c.sharding is not None for other in c.other_requests]
     if shared:
         problems += _check_shared_layouts(shared, providers, requests, context)
     return problems
 
 
 def _provided(
-    provider: Provider, candidate: Candidate, source: str, context: LayoutContext, problems: list[PlanProblem]
+    provider: Provider, record: ModuleRecord, source: str, context: LayoutContext, problems: list[PlanProblem]
 ) -> ModuleShardingSpec | None:
-    """The candidate's layout from ``provider``; ``None`` after a problem (named for ``source``)."""
+    """The record's layout from ``provider``; ``None`` after a problem (named for ``source``)."""
     try:
-        sharding = provider(candidate.module, candidate.fqn, context)
+        sharding = provider(record.module, record.fqn, context)
     except LayoutRefusal as refusal:
-        problems.append(PlanProblem(ProblemCode.LAYOUT, candidate.fqn, source, str(refusal)))
+        problems.append(PlanProblem(ProblemCode.LAYOUT, record.fqn, source, str(refusal)))
         return None
     except Exception as error:
         message = f"the layout provider raised {type(error).__name__}: {error}"
-        problems.append(PlanProblem(ProblemCode.LAYOUT, candidate.fqn, source, message))
+        problems.append(PlanProblem(ProblemCode.LAYOUT, record.fqn, source, message))
         return None
     if not isinstance(sharding, ModuleShardingSpec):
         message = f"the layout provider returned {type(sharding).__name__}, not a ModuleShardingSpec"
-        problems.append(PlanProblem(ProblemCode.LAYOUT, candidate.fqn, source, message))
+        problems.append(PlanProblem(ProblemCode.LAYOUT, record.fqn, source, message))
         return None
     return sharding
 
 
 def _check_shared_layouts(
-    shared: Sequence[tuple[Candidate, int]],
+    shared: Sequence[tuple[ModuleRecord, int]],
     providers: Sequence[Provider],
     requests: Sequence[NativeParallelBindingRequest],
     context: LayoutContext,
@@ -82,23 +83,23 @@ def _check_shared_layouts(
     """Every other sharing provider is called in one batch; a module whose layouts differ is a
     conflict and loses its sharding."""
     problems: list[PlanProblem] = []
-    theirs = [_provided(providers[other], candidate, f"requests[{other}]", context, problems) for candidate, other in shared]
-    for (candidate, other), layout in zip(shared, theirs, strict=True):
-        ours = candidate.sharding
+    theirs = [_provided(providers[other], record, f"requests[{other}]", context, problems) for record, other in shared]
+    for (record, other), layout in zip(shared, theirs, strict=True):
+        ours = record.sharding
         if ours is None or layout is ours or layout == ours:  # dropped by an earlier pair, or agreeing
             continue
         if layout is None:  # that provider failed: its layout problem is reported
-            candidate.sharding = None
+            record.sharding = None
             continue
         mine, differing = _field_texts(ours), _field_texts(layout)
         fields = "; ".join(f"{key} {mine[key]} against {differing[key]}" for key in mine if mine[key] != differing[key])
-        first = candidate.request
+        first = cast(int, record.request)  # a shared module is a request's
         message = (
             f"selected by requests[{first}] and requests[{other}] with equal specs "
             f"({requests[first].parallel.describe()}) but different layouts: {fields}"
         )
-        problems.append(PlanProblem(ProblemCode.CONFLICT, candidate.fqn, f"requests[{first}], requests[{other}]", message))
-        candidate.sharding = None
+        problems.append(PlanProblem(ProblemCode.CONFLICT, record.fqn, f"requests[{first}], requests[{other}]", message))
+        record.sharding = None
     return problems
 
 

@@ -14,33 +14,28 @@ from torch import nn
 
 from meshbind._core import ModuleTree, PatternSet
 from meshbind.errors import PlanProblem, ProblemCode
-from meshbind.resolution.candidates import Candidate, PlanPatterns
-from meshbind.resolution.overrides import Override, override_label
-from meshbind.specs import NativeParallelBindingRequest
+from meshbind.resolution.overrides import override_label
+from meshbind.resolution.selection import ModuleRecord, Override, Selection
 
 
 def unmatched_problems(
-    tree: ModuleTree,
-    patterns: PlanPatterns,
-    requests: Sequence[NativeParallelBindingRequest],
-    candidates: Sequence[Candidate],
-    model: nn.Module | Sequence[str],
+    selection: Selection, records: Sequence[ModuleRecord], model: nn.Module | Sequence[str]
 ) -> tuple[list[PlanProblem], list[PlanProblem]]:
     """The unmatched problems, and the warnings of optional requests' patterns that select nothing."""
-    counts = tree.hit_counts()
-    overrides_used = {index for candidate in candidates for index in candidate.overrides}
+    counts = selection.tree.hit_counts()
+    overrides_used = {index for record in records for index in record.overrides}
     every_name: ModelNames | None = None
     planned_names: ModuleTree | None = None
     problems: list[PlanProblem] = []
     warnings: list[PlanProblem] = []
-    for index, (pattern, owner) in enumerate(zip(patterns.patterns, patterns.owners, strict=True)):
-        if owner >= 0 and counts[index] == 0:
+    for index, (pattern, request, override) in enumerate(selection.patterns.owned()):
+        if request is not None and counts[index] == 0:
             if every_name is None:
                 every_name = ModelNames.of(model)
-            nearest, source, what = every_name.nearest(pattern), f"requests[{owner}]", "any module"
-        elif owner < 0 and -1 - owner not in overrides_used:
+            nearest, source, what = every_name.nearest(pattern), f"requests[{request}]", "any module"
+        elif override is not None and override not in overrides_used:
             if planned_names is None:
-                planned_names = PatternSet([]).index_names([candidate.fqn for candidate in candidates], prune=False)
+                planned_names = PatternSet([]).index_names([record.fqn for record in records], prune=False)
             nearest = [repr(name) for name in planned_names.nearest(pattern, 3)]
             source, what = f"overrides[{pattern!r}]", "any planned module"
         else:
@@ -49,7 +44,7 @@ def unmatched_problems(
         found = PlanProblem(
             ProblemCode.UNMATCHED, None, source, f"pattern {pattern!r} does not select {what}{hint}", about="pattern"
         )
-        (problems if owner < 0 or requests[owner].required else warnings).append(found)
+        (warnings if request is not None and not selection.requests[request].required else problems).append(found)
     return problems, warnings
 
 
@@ -77,8 +72,8 @@ class ModelNames:
         ]
 
 
-def reported_source(candidate: Candidate, overrides: Sequence[Override]) -> str:
+def reported_source(record: ModuleRecord, overrides: Sequence[Override]) -> str:
     """What a module's problems name: its source, and every override merged into its sharding."""
-    if not candidate.overrides:
-        return candidate.source
-    return ", ".join([candidate.source, *(override_label(overrides, index) for index in candidate.overrides)])
+    if not record.overrides:
+        return record.source
+    return ", ".join([record.source, *(override_label(overrides, index) for index in record.overrides)])
