@@ -282,6 +282,35 @@ def test_a_family_member_no_request_reaches_joins_when_its_spec_comes_from_a_mix
     assert result.stdout.strip() == "['head', 'block.mixed']"
 
 
+FAMILY_REGISTRATION_SCRIPT = """
+import gc
+from torch import nn
+from meshbind import ParallelModuleSpec
+from meshbind.family import family_classes_declared
+
+class Plain(nn.Module):
+    spec = ParallelModuleSpec("not_a_family")  # another name: no declaration
+
+print(family_classes_declared())
+
+class Member(nn.Module):
+    parallel_spec = ParallelModuleSpec("member")
+
+print(family_classes_declared())
+del Member
+gc.collect()
+print(family_classes_declared())
+"""
+
+
+def test_a_family_class_is_known_by_its_declaration_while_it_lives() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", FAMILY_REGISTRATION_SCRIPT], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["False", "True", "False"]
+
+
 def test_a_request_giving_a_family_member_another_spec_conflicts() -> None:
     request = NativeParallelBindingRequest(("layers.0.attn",), LINEAR_SPEC, linear_sharding)
     [problem] = problems_of(Model(), [request])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Any
 
@@ -78,12 +79,16 @@ def build_plan(
     records: Sequence[ModuleRecord], context: LayoutContext, warnings: tuple[PlanProblem, ...], fsdp: FSDPPlan | None
 ) -> ParallelPlan:
     """The plan of records that all have their layout."""
-    fqns = [record.fqn for record in records]
+    fqns = list(map(attrgetter("fqn"), records))
+
+    def mapping(field: str) -> MappingProxyType[str, Any]:
+        return MappingProxyType(dict(zip(fqns, map(attrgetter(field), records), strict=True)))
+
     return ParallelPlan(
-        parallel_modules=MappingProxyType(dict(zip(fqns, [record.spec for record in records], strict=True))),
-        sharding=MappingProxyType(dict(zip(fqns, [record.sharding for record in records], strict=True))),  # type: ignore[misc]
+        parallel_modules=mapping("spec"),
+        sharding=mapping("sharding"),
         context=context,
-        sources=MappingProxyType(dict(zip(fqns, [record.source for record in records], strict=True))),
+        sources=mapping("source"),
         warnings=warnings,
         fsdp=fsdp,
     )

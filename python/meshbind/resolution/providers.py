@@ -45,7 +45,15 @@ def provide_layouts(
     problems: list[PlanProblem] = []
     for done, record in enumerate(records, 1):
         provider = family_sharding if record.request is None else providers[record.request]
-        record.sharding = _provided(provider, record, record.source, context, problems)
+        try:
+            sharding = provider(record.module, record.fqn, context)
+        except Exception as error:
+            problems.append(_refusal(error, record, record.source))
+        else:
+            if isinstance(sharding, ModuleShardingSpec):
+                record.sharding = sharding
+            else:
+                problems.append(_refusal(sharding, record, record.source))
         if progress is not None:
             progress("layout providers", done, len(records))
     shared = [(c, other) for c in records if c.other_requests and c.sharding is not None for other in c.other_requests]
@@ -60,18 +68,24 @@ def _provided(
     """The record's layout from ``provider``; ``None`` after a problem (named for ``source``)."""
     try:
         sharding = provider(record.module, record.fqn, context)
-    except LayoutRefusal as refusal:
-        problems.append(PlanProblem(ProblemCode.LAYOUT, record.fqn, source, str(refusal)))
-        return None
     except Exception as error:
-        message = f"the layout provider raised {type(error).__name__}: {error}"
-        problems.append(PlanProblem(ProblemCode.LAYOUT, record.fqn, source, message))
+        problems.append(_refusal(error, record, source))
         return None
     if not isinstance(sharding, ModuleShardingSpec):
-        message = f"the layout provider returned {type(sharding).__name__}, not a ModuleShardingSpec"
-        problems.append(PlanProblem(ProblemCode.LAYOUT, record.fqn, source, message))
+        problems.append(_refusal(sharding, record, source))
         return None
     return sharding
+
+
+def _refusal(result: object, record: ModuleRecord, source: str) -> PlanProblem:
+    """The ``layout`` problem of a provider that raised ``result`` or returned it (no sharding)."""
+    if isinstance(result, LayoutRefusal):
+        message = str(result)
+    elif isinstance(result, Exception):
+        message = f"the layout provider raised {type(result).__name__}: {result}"
+    else:
+        message = f"the layout provider returned {type(result).__name__}, not a ModuleShardingSpec"
+    return PlanProblem(ProblemCode.LAYOUT, record.fqn, source, message)
 
 
 def _check_shared_layouts(

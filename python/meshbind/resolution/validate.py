@@ -4,12 +4,16 @@ over all of them, each problem naming the module's source and the overrides merg
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from meshbind.errors import PlanProblem
 from meshbind.resolution.selection import ModuleRecord, Override
 from meshbind.resolution.unmatched import reported_source
-from meshbind.specs import LayoutContext, ModuleShardingSpec
+from meshbind.specs import LayoutContext
 from meshbind.validation.batch import ValidationBatch
+
+_READ = ("fqn", "module", "spec", "sharding", "cls")
+"""What the rules read of each record."""
 
 
 def validation_problems(
@@ -20,13 +24,6 @@ def validation_problems(
     offline: bool,
 ) -> list[PlanProblem]:
     """The problems of the records with a layout (the others' problems are reported)."""
-    fqns = [record.fqn for record in records]
-    shardings: list[ModuleShardingSpec] = [record.sharding for record in records]  # type: ignore[misc]
-    found = ValidationBatch(context, shapes).check(
-        [record.module for record in records],
-        fqns,
-        [record.spec for record in records],
-        shardings,
-        None if offline else [record.cls for record in records],  # type: ignore[misc]
-    )
+    fqns, modules, specs, shardings, classes = (list(map(attrgetter(field), records)) for field in _READ)
+    found = ValidationBatch(context, shapes).check(modules, fqns, specs, shardings, None if offline else classes)
     return [PlanProblem(code, fqns[row], reported_source(records[row], overrides), message) for row, code, message in found]
