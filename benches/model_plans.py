@@ -28,11 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from resolution_methods import RecordingStyle
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshbind import LayoutContext, from_hf_plan, from_torch_plan, resolve_plan
-from meshbind.bench import RecordingStyle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hf_models import hf_model

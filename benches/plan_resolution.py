@@ -4,8 +4,8 @@ results section of docs/benchmarks.md.
     python benches/plan_resolution.py --sizes 8x16,61x256,61x1024,1M --plans deep,shallow,per_layer,globstar,typo,moe \\
         --json bench-results/plan_resolution.json --plot docs/plan_resolution.png --docs docs/benchmarks.md
 
-The methods and the way each is timed are those of ``meshbind bench`` (``meshbind/bench.py``);
-this adds ``rust_walk_floor`` (a Rust walk over every module that matches nothing) and the
+The methods and the way each is timed are in ``resolution_methods.py``; this adds
+``rust_walk_floor`` (a Rust walk over every module that matches nothing) and the
 rewriting of the docs' table between its markers.
 """
 
@@ -15,19 +15,21 @@ import os
 import sys
 from collections.abc import Sequence
 
-from meshbind import PatternSet, bench
+import resolution_methods
+
+from meshbind import PatternSet
 
 DOCS_START, DOCS_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
-def rust_walk_floor(target: bench.Target, plan: tuple[str, ...]) -> bench.Outcome:
+def rust_walk_floor(target: resolution_methods.Target, plan: tuple[str, ...]) -> resolution_methods.Outcome:
     """A Rust walk over every module that matches nothing: the floor of any full walk."""
     if isinstance(target, list):
-        raise bench.NotExpressible("no tree to walk")
-    return bench.Outcome(len(PatternSet([]).walk(target, prune=False)), False)
+        raise resolution_methods.NotExpressible("no tree to walk")
+    return resolution_methods.Outcome(len(PatternSet([]).walk(target, prune=False)), False)
 
 
-METHODS: dict[str, bench.Method] = {**bench.METHODS, "rust_walk_floor": rust_walk_floor}
+METHODS: dict[str, resolution_methods.Method] = {**resolution_methods.METHODS, "rust_walk_floor": rust_walk_floor}
 
 
 def docs_text(path: str) -> str:
@@ -42,11 +44,18 @@ def docs_text(path: str) -> str:
     return text
 
 
-def update_docs(path: str, rows: Sequence[bench.Row], command: str, plot_path: str | None) -> None:
+def update_docs(path: str, rows: Sequence[resolution_methods.Row], command: str, plot_path: str | None) -> None:
     """Replace the document's results section (between the bench markers) with this run's."""
     text = docs_text(path)
-    body = [f"Machine: {bench.machine()}.", "", f"Regenerate: `{command}`", "", *bench.table(rows, markdown=True), ""]
-    body += [f"- {line}" for line in bench.summary(rows)]
+    body = [
+        f"Machine: {resolution_methods.machine()}.",
+        "",
+        f"Regenerate: `{command}`",
+        "",
+        *resolution_methods.table(rows, markdown=True),
+        "",
+    ]
+    body += [f"- {line}" for line in resolution_methods.summary(rows)]
     if plot_path:
         body += ["", f"![plan resolution, log-log]({os.path.relpath(plot_path, os.path.dirname(os.path.abspath(path)))})"]
     head, rest = text.split(DOCS_START, 1)
@@ -56,16 +65,20 @@ def update_docs(path: str, rows: Sequence[bench.Row], command: str, plot_path: s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    flags = bench.parser("plan_resolution.py", __doc__ or "", "8x16,61x256,61x1024", "deep,shallow", None, list(METHODS))
+    flags = resolution_methods.parser(
+        "plan_resolution.py", __doc__ or "", "8x16,61x256,61x1024", "deep,shallow", None, list(METHODS)
+    )
     flags.add_argument("--docs", metavar="PATH", help="rewrite the results section of this document")
-    args = bench.parse(flags, argv, METHODS)
+    args = resolution_methods.parse(flags, argv, METHODS)
     if args.docs:
         try:
             docs_text(args.docs)
         except ValueError as error:
             flags.error(str(error))
-    rows = bench.run_each_size_apart(args.sizes, args.plans, args.repeat, {name: METHODS[name] for name in args.methods})
-    bench.report(args, rows)
+    rows = resolution_methods.run_each_size_apart(
+        args.sizes, args.plans, args.repeat, {name: METHODS[name] for name in args.methods}
+    )
+    resolution_methods.report(args, rows)
     if args.docs:
         command = "python benches/plan_resolution.py " + " ".join(argv if argv is not None else sys.argv[1:])
         update_docs(args.docs, rows, command, args.plot)

@@ -18,10 +18,8 @@ from collections.abc import Sequence
 from types import MappingProxyType
 from typing import cast
 
-from torch import nn
-
-from meshbind import ModuleShardingSpec, NativeParallelBindingRequest, PatternSet, bench
-from meshbind.bench import (
+import resolution_methods
+from resolution_methods import (
     FUSED_EXPERT_PLANS,
     PLANS,
     Size,
@@ -30,29 +28,32 @@ from meshbind.bench import (
     time_method,
     validation_requests,
 )
+from torch import nn
+
+from meshbind import ModuleShardingSpec, NativeParallelBindingRequest, PatternSet
 from meshbind.examples.moe_tree import build_moe_tree
 
 
-def validation_floor(target: nn.Module, plan: tuple[str, ...]) -> bench.Outcome:
+def validation_floor(target: nn.Module, plan: tuple[str, ...]) -> resolution_methods.Outcome:
     """The least Python work any resolution must add to meshbind's match (SPEC §3-§5): one
     layout-provider call per planned module; for each ``ep`` module, the ``shape[0]`` of its
     ``Shard`` parameters and its spec's ``validate``; the plan's FQN → spec / sharding / source
     mappings. No check, no report, no class rule: ``meshbind_validate`` cannot beat it."""
-    requests = bench.validation_requests(target, plan)
+    requests = resolution_methods.validation_requests(target, plan)
     noticed, fqns, request_of, shardings = _match_and_required_calls(target, plan, requests)
     specs = [requests[r].parallel for r in request_of]
     sources = [f"requests[{r}]" for r in request_of]
     plan_mappings = [MappingProxyType(dict(zip(fqns, values, strict=True))) for values in (specs, shardings, sources)]
-    return bench.Outcome(len(plan_mappings[0]), noticed)
+    return resolution_methods.Outcome(len(plan_mappings[0]), noticed)
 
 
 def required_calls_floor(
     target: nn.Module, plan: tuple[str, ...], requests: Sequence[NativeParallelBindingRequest]
-) -> bench.Outcome:
+) -> resolution_methods.Outcome:
     """Tighter than ``validation_floor``: its match and user calls alone, with the requests built
     beforehand and no plan built. Any resolution costs at least this."""
     noticed, fqns, _, _ = _match_and_required_calls(target, plan, requests)
-    return bench.Outcome(len(fqns), noticed)
+    return resolution_methods.Outcome(len(fqns), noticed)
 
 
 def _match_and_required_calls(
@@ -67,12 +68,12 @@ def _match_and_required_calls(
     modules, request_of = cast(list[nn.Module], selected), cast(list[int], first)
     shardings = []
     for r, module, fqn in zip(request_of, modules, fqns, strict=True):
-        sharding = requests[r].sharding(module, fqn, bench.CONTEXT)
+        sharding = requests[r].sharding(module, fqn, resolution_methods.CONTEXT)
         spec = requests[r].parallel
         if spec.binding_kind == "ep" and spec.validate is not None:
             parameters = module._parameters
             [parameters[path].shape[0] for path, placements in sharding.params.items() if "ep" in placements]  # type: ignore[union-attr]
-            spec.validate(module=module, sharding=sharding, context=bench.CONTEXT)
+            spec.validate(module=module, sharding=sharding, context=resolution_methods.CONTEXT)
         shardings.append(sharding)
     return noticed, fqns, request_of, shardings
 

@@ -12,18 +12,21 @@ import binding as binding_bench
 import fsdp_apply as fsdp_apply_bench
 import plan_resolution
 import pytest
+import resolution_methods
 import validation_floor
 
 from meshbind import bench
 from meshbind.cli import main
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig
-from meshbind.examples.moe_tree import build_moe_tree
+from meshbind.examples.moe_tree import build_moe_tree, moe_tree_fqns
 
 
-def test_meshbind_bench_runs_the_quick_version_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_resolution_benchmark_runs_every_method_side_by_side_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     plot, rows = tmp_path / "plot.png", tmp_path / "rows.json"
-    argv = ["bench", "--sizes", "4x4,8x8", "--plans", "deep,typo,globstar", "--plot", str(plot), "--json", str(rows)]
-    assert main(argv) == 0
+    argv = ["--sizes", "4x4,8x8", "--plans", "deep,typo,globstar", "--plot", str(plot), "--json", str(rows)]
+    assert plan_resolution.main(argv) == 0
     out = capsys.readouterr().out
     assert f"plot: {plot}" in out and plot.stat().st_size > 1000
     data = json.loads(rows.read_text())["rows"]
@@ -33,6 +36,35 @@ def test_meshbind_bench_runs_the_quick_version_and_plots(tmp_path: Path, capsys:
     globstar = {row["method"]: row["median_s"] for row in data if row["plan"] == "globstar"}
     assert globstar["fnmatch"] is None and globstar["torch_parallelize_module"] is None  # n/a: no ** or ranges
     assert "fastest Python baseline / meshbind" in out
+
+
+SMALL_TREE = ["meshbind.examples.moe_tree:small_moe_tree", "meshbind.examples.moe_tree:deep_plan_requests"]
+
+
+def test_meshbind_bench_times_each_phase_of_a_users_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *SMALL_TREE, "--axis", "tp=2", "--repeat", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["modules"], result["planned"], result["runs"]) == (len(moe_tree_fqns(4, 8)), 118, 3)
+    phases = [result[f"{phase}_s"] for phase in bench.PHASES]
+    assert all(seconds > 0 for seconds in phases) and result["total_s"] > 0
+    assert main(["bench", *SMALL_TREE, "--axis", "tp=2", "--repeat", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "MoeForCausalLM: 193 modules, 118 planned; median of 3 runs" in text
+    assert all(f"  {phase} " in text for phase in (*bench.PHASES, "total"))
+
+
+def test_meshbind_bench_of_a_plan_with_problems_lists_them_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *SMALL_TREE]) == 1  # no 'tp' axis for the replicated weights
+    assert "'tp'" in capsys.readouterr().err
+
+
+def test_the_package_names_no_benchmark_method() -> None:
+    """The baselines and floors live in benches/: nothing an installed wheel ships names them."""
+    package = Path(bench.__file__).parent
+    names = [name for name in plan_resolution.METHODS if "_" in name]  # not the words "meshbind", "fnmatch"
+    assert len(names) >= 5
+    sources = {path.name: path.read_text() for path in package.rglob("*.py")}
+    assert not [(file, name) for file, text in sources.items() for name in names if name in text]
 
 
 @pytest.mark.parametrize(
@@ -58,8 +90,8 @@ def test_bad_sizes_and_outputs_are_refused_before_the_run(
 
 
 def test_flat_names_are_matched_offline() -> None:
-    methods = {name: bench.METHODS[name] for name in ("one_regex", "meshbind", "meshbind_validate")}
-    rows = bench.run([bench.Size("flat", 2, 4, True)], ["deep", "per_layer"], 5, methods)
+    methods = {name: resolution_methods.METHODS[name] for name in ("one_regex", "meshbind", "meshbind_validate")}
+    rows = resolution_methods.run([resolution_methods.Size("flat", 2, 4, True)], ["deep", "per_layer"], 5, methods)
     assert {row.matches for row in rows} == {2 * (4 * 3 + 4 + 1) + 2}
 
 
@@ -67,7 +99,7 @@ def test_the_docs_section_is_rewritten_between_its_markers(tmp_path: Path) -> No
     docs = tmp_path / "benchmarks.md"
     docs.write_text(f"# title\n{plan_resolution.DOCS_START}\nold\n{plan_resolution.DOCS_END}\ntail\n")
     methods = {name: plan_resolution.METHODS[name] for name in ("one_regex", "meshbind", "rust_walk_floor")}
-    rows = bench.run([bench.Size.parse("4x4")], ["deep"], 5, methods)
+    rows = resolution_methods.run([resolution_methods.Size.parse("4x4")], ["deep"], 5, methods)
     plan_resolution.update_docs(str(docs), rows, "python benches/plan_resolution.py --sizes 4x4", None)
     text = docs.read_text()
     assert "old" not in text and text.endswith("tail\n") and "| 4x4 |" in text and "Machine:" in text
@@ -76,28 +108,28 @@ def test_the_docs_section_is_rewritten_between_its_markers(tmp_path: Path) -> No
 @pytest.mark.parametrize("plan, fused", [("moe", True), ("deep", False), ("typo", False)])
 def test_the_validation_floors_plan_what_meshbind_validate_plans(plan: str, fused: bool) -> None:
     tree = build_moe_tree(4, 8, fused_experts=fused)
-    patterns = bench.PLANS[plan](4)
-    floor, validated = validation_floor.validation_floor(tree, patterns), bench.meshbind_validate(tree, patterns)
-    required = validation_floor.required_calls_floor(tree, patterns, bench.validation_requests(tree, patterns))
+    patterns = resolution_methods.PLANS[plan](4)
+    floor, validated = validation_floor.validation_floor(tree, patterns), resolution_methods.meshbind_validate(tree, patterns)
+    required = validation_floor.required_calls_floor(tree, patterns, resolution_methods.validation_requests(tree, patterns))
     assert floor.noticed == validated.noticed == required.noticed == (plan == "typo")
-    assert floor.matches == required.matches == bench.meshbind_resolution(tree, patterns).matches
+    assert floor.matches == required.matches == resolution_methods.meshbind_resolution(tree, patterns).matches
     assert validated.matches == (None if plan == "typo" else floor.matches)
 
 
 def test_a_fast_method_runs_on_for_the_time_budget_and_a_slow_one_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[None] = []
 
-    def method() -> bench.Outcome:
+    def method() -> resolution_methods.Outcome:
         calls.append(None)
-        return bench.Outcome(1, False)
+        return resolution_methods.Outcome(1, False)
 
-    monkeypatch.setattr(bench, "MIN_TIMED_SECONDS", 0.0)
-    assert bench.time_method(method, 5)[1] == 5
-    monkeypatch.setattr(bench, "MIN_TIMED_SECONDS", 60.0)
-    monkeypatch.setattr(bench, "MAX_RUNS", 12)
-    assert bench.time_method(method, 5)[1] == 12
-    monkeypatch.setattr(bench, "SLOW_SECONDS", 0.0)
-    assert bench.time_method(method, 5)[1] == 1
+    monkeypatch.setattr(resolution_methods, "MIN_TIMED_SECONDS", 0.0)
+    assert resolution_methods.time_method(method, 5)[1] == 5
+    monkeypatch.setattr(resolution_methods, "MIN_TIMED_SECONDS", 60.0)
+    monkeypatch.setattr(resolution_methods, "MAX_RUNS", 12)
+    assert resolution_methods.time_method(method, 5)[1] == 12
+    monkeypatch.setattr(resolution_methods, "SLOW_SECONDS", 0.0)
+    assert resolution_methods.time_method(method, 5)[1] == 1
     assert len(calls) == 5 + 12 + 1
 
 

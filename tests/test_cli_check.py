@@ -142,18 +142,6 @@ def test_the_command_line_defines_no_family_class_before_the_demo_runs() -> None
     assert result.stdout.strip() == "False"
 
 
-def test_meshbind_check_loads_no_benchmark_code() -> None:
-    """The baselines (torch's parallelize_module, fnmatch, regex) load only for `meshbind bench`."""
-    script = (
-        "import sys, meshbind.cli\n"
-        f"status = meshbind.cli.main(['check', {MODEL!r}, {PLAN!r}, '--axis', 'tp=2'])\n"
-        "print(status, 'meshbind.bench' in sys.modules)"
-    )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "0 False"
-
-
 def test_a_malformed_axis_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["check", MODEL, PLAN, "--axis", "tp=x"])

@@ -8,12 +8,12 @@ import warnings
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from resolution_methods import RecordingStyle
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from meshbind import LayoutContext, PatternSet, PlanError, resolve_plan
-from meshbind.bench import RecordingStyle
 from meshbind.interop.torch_plans import from_torch_plan, style_placements, torch_key_pattern
 from meshbind.launch import run_local_world
 

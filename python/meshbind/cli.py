@@ -50,23 +50,11 @@ def _demo(arguments: list[str]) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
-    names = [name for name, _ in args.axis]
-    twice = next((name for name in names if names.count(name) > 1), None)
-    if twice is not None:
-        raise _UsageError(f"--axis {twice} is given more than once")
-    try:
-        context = LayoutContext(dict(args.axis))
-    except ValueError as error:
-        raise _UsageError(f"--axis: {error}") from None
+    context = _layout_context(args.axis)
     fully_shard = FullyShard(tuple(args.fully_shard)) if args.fully_shard is not None else None
     if args.html is not None:
         _check_writable(args.html, "--html")
-    if args.hf_config is not None:
-        if args.model_factory or args.plan or args.torch_plan:
-            raise _UsageError("--hf-config builds the model and reads its own plans: give no MODEL_FACTORY, PLAN or --torch-plan")
-        model, requests = _hf_model_and_plan(args)
-    else:
-        model, requests = _factory_model_and_plan(args)
+    model, requests = _model_and_plan(args)
     started = time.perf_counter()
     try:
         plan = resolve_plan(model, requests, context, progress=_ProgressBar(), fully_shard=fully_shard)
@@ -122,6 +110,49 @@ def _check(args: argparse.Namespace) -> int:
         how = "every file verified against its manifest" if verified else "unverified: no meshbind manifest"
         print(f"the checkpoint in {args.checkpoint} fits the model ({how})", file=sys.stderr)
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Times the resolution of a plan over a model built on meta, phase by phase."""
+    from meshbind.bench import time_resolution
+
+    if args.model_factory is None and args.plan is None and args.hf_config is None and args.torch_plan is None:
+        args.model_factory, args.plan = (
+            "meshbind.examples.moe_tree:deepseek_sized_tree",
+            "meshbind.examples.moe_tree:deep_plan_requests",
+        )
+        args.axis = args.axis or [("tp", 8)]
+    context = _layout_context(args.axis)
+    model, requests = _model_and_plan(args)
+    print(f"timing {args.repeat} resolutions ...", file=sys.stderr)
+    try:
+        times = time_resolution(model, requests, context, repeat=args.repeat)
+    except PlanError as error:
+        print(str(error), file=sys.stderr)
+        return 1
+    print(json.dumps(times.to_dict()) if args.json else times.text())
+    return 0
+
+
+def _layout_context(axes: list[tuple[str, int]]) -> LayoutContext:
+    """--axis NAME=SIZE, each name once."""
+    names = [name for name, _ in axes]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise _UsageError(f"--axis {twice} is given more than once")
+    try:
+        return LayoutContext(dict(axes))
+    except ValueError as error:
+        raise _UsageError(f"--axis: {error}") from None
+
+
+def _model_and_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
+    """The model on meta and its requests: MODEL_FACTORY with PLAN or --torch-plan, or --hf-config."""
+    if args.hf_config is None:
+        return _factory_model_and_plan(args)
+    if args.model_factory or args.plan or args.torch_plan:
+        raise _UsageError("--hf-config builds the model and reads its own plans: give no MODEL_FACTORY, PLAN or --torch-plan")
+    return _hf_model_and_plan(args)
 
 
 def _step_memory(args: argparse.Namespace, requests: Any, context: LayoutContext, fully_shard: FullyShard | None) -> StepMemory:
@@ -328,6 +359,27 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``check`` and ``bench`` build the model and read the plan from, and the axes."""
+    parser.add_argument("model_factory", metavar="MODEL_FACTORY", nargs="?", help="module:function returning the nn.Module")
+    parser.add_argument(
+        "plan", metavar="PLAN", nargs="?", help="module:attribute, a sequence of requests or a function returning one"
+    )
+    parser.add_argument(
+        "--torch-plan",
+        metavar="MODULE:ATTR",
+        help="instead of PLAN: a torch parallelize_module dict (FQN key -> ParallelStyle), or a function returning one",
+    )
+    parser.add_argument(
+        "--hf-config",
+        metavar="CONFIG.json",
+        help="instead of MODEL_FACTORY and PLAN: a transformers config file; the model is built from it on meta"
+        " and its own tp/ep plans are checked",
+    )
+    parser.add_argument("--strict", action="store_true", help="with --hf-config: a key that selects nothing is an error")
+    parser.add_argument("--axis", type=_axis, action="append", default=[], metavar="NAME=SIZE", help="a mesh axis (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshbind", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -337,27 +389,18 @@ def build_parser() -> argparse.ArgumentParser:
         " (meshbind demo --help)",
         add_help=False,
     )
-    commands.add_parser(
-        "bench", help="the quick plan-resolution benchmark against the baselines (meshbind bench --help)", add_help=False
+    bench = commands.add_parser(
+        "bench",
+        help="time the resolution of a plan over a model built on meta, phase by phase",
+        description="Time resolve_plan and plan_report phase by phase (walk, resolve, validate, report), the median of"
+        " several runs. Without MODEL_FACTORY, PLAN or --hf-config: an embedded MoE tree of DeepSeek-V3's size.",
     )
+    _add_model_arguments(bench)
+    bench.add_argument("--repeat", type=_positive, default=5, metavar="N", help="timed runs (default 5); the median is shown")
+    bench.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    bench.set_defaults(run=_bench)
     check = commands.add_parser("check", help="offline pre-flight of a plan against a model built on meta")
-    check.add_argument("model_factory", metavar="MODEL_FACTORY", nargs="?", help="module:function returning the nn.Module")
-    check.add_argument(
-        "plan", metavar="PLAN", nargs="?", help="module:attribute, a sequence of requests or a function returning one"
-    )
-    check.add_argument(
-        "--torch-plan",
-        metavar="MODULE:ATTR",
-        help="instead of PLAN: a torch parallelize_module dict (FQN key -> ParallelStyle), or a function returning one",
-    )
-    check.add_argument(
-        "--hf-config",
-        metavar="CONFIG.json",
-        help="instead of MODEL_FACTORY and PLAN: a transformers config file; the model is built from it on meta"
-        " and its own tp/ep plans are checked",
-    )
-    check.add_argument("--strict", action="store_true", help="with --hf-config: a key that selects nothing is an error")
-    check.add_argument("--axis", type=_axis, action="append", default=[], metavar="NAME=SIZE", help="a mesh axis (repeatable)")
+    _add_model_arguments(check)
     check.add_argument(
         "--fully-shard",
         action="append",
@@ -405,11 +448,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if arguments[:1] == ["bench"]:
-        # Imported here only: no other command loads the baselines. The benchmark owns its flags.
-        from meshbind import bench
-
-        return bench.main([a for a in arguments[1:] if a != "--"])
     if arguments[:1] == ["demo"]:
         return _demo(arguments[1:])
     parser = build_parser()

@@ -134,6 +134,11 @@ def small_moe_tree() -> MoeForCausalLM:
     return MoeForCausalLM(4, 8)
 
 
+def deepseek_sized_tree() -> MoeForCausalLM:
+    """DeepSeek-V3's 61 layers of 256 experts each (63k modules): ``meshbind bench``'s default model."""
+    return MoeForCausalLM(61, 256)
+
+
 def deep_plan_requests() -> tuple[NativeParallelBindingRequest, ...]:
     """``DEEP_PLAN`` as requests: every projection a ``linear`` module with a replicated weight."""
     spec = ParallelModuleSpec("linear", stages={"forward": ("input",)})

@@ -51,8 +51,10 @@ def resolve_plan(
     not run; with a module, whose own parameters give the shapes, ``param_shapes`` is refused.
     ``requests`` may be a ``PlanSource`` (``from_hf_plan``): it gives the requests for ``context``,
     and what it found reading its plan joins the problems and warnings. ``progress(step, done,
-    total)``, when given, hears how far the layout providers (user code, possibly slow) have come;
-    a library call is silent otherwise (``meshbind check`` shows a bar after two seconds).
+    total)``, when given, hears when the walk is done (``"walk"``), how far the layout providers
+    (user code, possibly slow) have come (``"layout providers"``) and when validation starts and
+    ends (``"validation"``, 0 then 1 of 1); a library call is silent otherwise (``meshbind check``
+    shows a bar after two seconds, ``meshbind bench`` tells the phases apart).
     ``fully_shard`` names the FSDP units (``plan.fsdp``), checked with the rest.
     Raises ``PlanError`` listing every problem.
     """
@@ -77,6 +79,8 @@ def _resolve(
 ) -> ParallelPlan:
     """``resolve_plan`` on checked arguments."""
     selection = select_modules(model, sourced.requests, overrides)
+    if progress is not None:
+        progress("walk", 1, 1)
     problems = [*selection.problems, *sourced.problems]
     records, found = own_modules(selection.records, selection.requests)
     problems += found
@@ -88,7 +92,11 @@ def _resolve(
     problems += provide_layouts(records, selection.requests, context, progress)
     problems += merge_overrides(records, overrides)
     laid_out = [record for record in records if record.sharding is not None]
+    if progress is not None:
+        progress("validation", 0, 1)
     problems += validation_problems(laid_out, context, shapes, overrides, selection.offline)
+    if progress is not None:
+        progress("validation", 1, 1)
     fsdp: FSDPPlan | None = None
     if fully_shard is not None:
         fsdp, found = fsdp_units(model, fully_shard, {record.fqn: record.sharding for record in laid_out})  # type: ignore[misc]
