@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
+import meshbind.binding
 from meshbind import (
     BindingError,
     BindingRefusedError,
@@ -465,6 +466,8 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
     ):
         other.blocks[1].mlp = replacement
         _expect(ValueError, text, lambda: bind_parallel_modules(other, offline, context), code="class")
+        # A plan resolved over another model proved the rules for the classes it met there only.
+        _expect(ValueError, text, lambda: bind_parallel_modules(other, plan, context), code="class")
         if other.blocks[0].attn.events or other.blocks[0].mlp.events or bound_modules(other) != ():
             raise AssertionError("a plan that cannot bind every module bound some")
     # A plan naming a module this model does not have binds nothing, and says where the path ends.
@@ -475,10 +478,19 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
     _expect(ValueError, text, lambda: bind_parallel_modules(missing, plan, context), code="module")
     if missing.blocks[0].attn.events or missing.blocks[0].mlp.events or bound_modules(missing) != ():
         raise AssertionError("a plan naming a missing module bound some")
-    # Restored means rebindable: once the module is fixed, the same plan binds.
+    # Restored means rebindable: once the module is fixed, the same plan binds. Resolution proved
+    # every class of this model: binding does not check one again.
     model.blocks[1].mlp.fail_bind = None
-    if len(bind_parallel_modules(model, plan, context)) != 4:
-        raise AssertionError("the restored model did not bind")
+    checked: list[type] = []
+    original = meshbind.binding.class_failure
+    meshbind.binding.class_failure = lambda cls, spec: checked.append(cls)  # type: ignore[assignment,func-returns-value]
+    try:
+        if len(bind_parallel_modules(model, plan, context)) != 4:
+            raise AssertionError("the restored model did not bind")
+    finally:
+        meshbind.binding.class_failure = original
+    if checked:
+        raise AssertionError(f"binding checked the classes resolution proved: {checked}")
 
 
 def check_validate_materialized(context: MeshContext) -> None:

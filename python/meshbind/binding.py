@@ -105,8 +105,9 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
     mesh_context = mesh_binding.mesh_context
     cp_contexts: dict[str, CPContext] = {}
     ep_contexts: dict[int, EPContext] = {}
-    # Rules 1 and 2 again, once per (class, spec): a plan resolved offline or on another model
-    # never checked this module's class.
+    # Rules 1 and 2 only where resolution did not prove them: a plan resolved offline, or over a
+    # model whose module here has another class. Once per (class, spec).
+    proved = plan.classes or {}
     class_failures: dict[tuple[type, int], Failure | None] = {}
     prepared: list[_Prepared] = []
     unchanged: list[_Prepared] = []
@@ -122,9 +123,11 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
             message = f"{fqn!r} already has a communication owner ({owner.spec.describe()}); unbind it first"
             raise BindingRefusedError("owner", message)
         cls = type(module)
-        if (cls, id(spec)) not in class_failures:
-            class_failures[cls, id(spec)] = class_failure(cls, spec)
-        failure = class_failures[cls, id(spec)]
+        failure = None
+        if proved.get(fqn) is not cls:
+            if (cls, id(spec)) not in class_failures:
+                class_failures[cls, id(spec)] = class_failure(cls, spec)
+            failure = class_failures[cls, id(spec)]
         if failure is not None:
             code, message = failure
             message = f"{fqn!r} ({cls.__qualname__}) cannot be bound as {spec.describe()}: [{code}] {message}"

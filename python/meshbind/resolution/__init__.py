@@ -103,7 +103,7 @@ def _resolve(
         problems += found
     if problems:
         raise PlanError(problems)
-    plan = build_plan(laid_out, context, (*sourced.warnings, *warnings), fsdp)
+    plan = build_plan(laid_out, context, (*sourced.warnings, *warnings), fsdp, selection.offline)
     for record in laid_out:
         if record.index in family_members:
             record_family_layout(record.module, record.fqn, record.spec, record.sharding)  # type: ignore[arg-type]

@@ -27,6 +27,9 @@ class ParallelPlan:
     """What is worth knowing but no problem: an optional request's pattern that selects nothing."""
     fsdp: FSDPPlan | None = None
     """The FSDP units, bottom-up with the root last (``resolve_plan(..., fully_shard=)``)."""
+    classes: Mapping[str, type] | None = None
+    """The class of each planned module whose class rules resolution checked; ``None`` for a plan
+    resolved offline, which checked none. Binding checks a module only when its class is not this."""
 
     def explain(self) -> str:
         """A table: FQN, protocol, binding kind, source and parameter placements."""
@@ -76,7 +79,11 @@ class ParallelPlan:
 
 
 def build_plan(
-    records: Sequence[ModuleRecord], context: LayoutContext, warnings: tuple[PlanProblem, ...], fsdp: FSDPPlan | None
+    records: Sequence[ModuleRecord],
+    context: LayoutContext,
+    warnings: tuple[PlanProblem, ...],
+    fsdp: FSDPPlan | None,
+    offline: bool,
 ) -> ParallelPlan:
     """The plan of records that all have their layout."""
     fqns = list(map(attrgetter("fqn"), records))
@@ -91,4 +98,5 @@ def build_plan(
         sources=mapping("source"),
         warnings=warnings,
         fsdp=fsdp,
+        classes=None if offline else mapping("cls"),
     )
