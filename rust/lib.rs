@@ -1,15 +1,18 @@
 //! meshbind's Rust core: the FQN pattern engine, the module-tree walk, bulk plan checks and
-//! diagnostics. `python.rs` is the only file that knows about Python.
+//! diagnostics. `python.rs` is the binding layer: it converts arguments and maps errors. Besides
+//! it, only the walk (`walk.rs`, `named_parameters.rs`) reads Python objects, through pyo3's safe
+//! API and `layout_reads/`, which holds every `unsafe` block and every decision made from
+//! CPython's internals (its object layout, a reference count). The other modules are plain Rust.
 
 pub mod checks;
 pub mod families;
+pub mod hits;
 pub mod index_groups;
 mod layout_reads;
 pub mod matcher;
 mod named_parameters;
 pub mod names;
 pub mod pattern;
-mod presence;
 mod python;
 pub mod selection;
 pub mod sequence;

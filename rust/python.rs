@@ -1,17 +1,17 @@
 //! The binding layer: converts arguments, maps errors, and nothing else.
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyList, PyString, PyType};
-use pyo3::{ffi, intern, Borrowed};
+use pyo3::types::{PyBytes, PyList, PyMemoryView, PyString, PyType};
 
 use crate::checks::{PlacementKind, PlacementRow, PlacementTable, TableError};
-use crate::layout_reads::ListTexts;
+use crate::hits::{count_hits, distinct_runs, grouped_hits};
+use crate::layout_reads::{list_strs, list_texts};
 use crate::matcher::{BuildError, MatchError, PatternSet};
-use crate::names::NameTable;
 use crate::selection::{select, PatternOwner};
-use crate::sequence::{IndexHits, NameIndexer};
+use crate::sequence::{HitsError, IndexHits, NameIndexer};
 use crate::suggest::nearest_names;
 use crate::walk::{not_utf8_error, walk_tree, TreeIndex, WalkError, WalkMode};
 
@@ -42,46 +42,6 @@ fn walk_error(error: WalkError) -> PyErr {
     }
 }
 
-/// The `str` items of a list, borrowed in place, naming `what[i]` for an item that is not one.
-/// No Python code may run while they are borrowed, so the list and its items stay as they are.
-fn borrowed_strs<'a>(
-    list: &'a Bound<'_, PyList>,
-    what: &'a str,
-) -> impl Iterator<Item = PyResult<&'a str>> + 'a {
-    // SAFETY: no Python code runs while the items are borrowed (see above).
-    let texts = unsafe { ListTexts::new(list) };
-    (0..list.len()).map(move |i| {
-        if let Some(text) = texts.as_ref().and_then(|texts| texts.ascii(i)) {
-            return Ok(text);
-        }
-        // SAFETY: PyList_GetItem checks the index and returns a reference borrowed from the list.
-        let item = unsafe {
-            Borrowed::from_ptr_or_err(
-                list.py(),
-                ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t),
-            )
-        }?;
-        let mut size: ffi::Py_ssize_t = 0;
-        // SAFETY: `item` is alive; for a str, the UTF-8 buffer CPython returns (and caches in the
-        // object) lives as long as the object, which the list holds while it is borrowed.
-        let data = unsafe { ffi::PyUnicode_AsUTF8AndSize(item.as_ptr(), &mut size) };
-        if data.is_null() {
-            PyErr::fetch(list.py());
-            if item.is_instance_of::<PyString>() {
-                return Err(not_utf8_error(&format!("{what}[{i}]"), &item.to_owned()));
-            }
-            return Err(PyTypeError::new_err(format!(
-                "{what}[{i}] must be a str, got {}",
-                type_name(&item)
-            )));
-        }
-        // SAFETY: CPython hands out valid UTF-8 of `size` bytes.
-        Ok(unsafe {
-            std::str::from_utf8_unchecked(std::slice::from_raw_parts(data.cast(), size as usize))
-        })
-    })
-}
-
 /// `values` itself when it is a list, else a new list of its items; a bare `str` or something
 /// that is not iterable is a `TypeError` naming `what`.
 fn as_list<'py>(values: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyList>> {
@@ -99,10 +59,7 @@ fn as_list<'py>(values: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, P
             type_name(values)
         ))
     })?;
-    // SAFETY: PySequence_List returns a new reference, or NULL with an exception set.
-    let list = unsafe {
-        Bound::from_owned_ptr_or_err(values.py(), ffi::PySequence_List(values.as_ptr()))
-    }?;
+    let list = values.py().get_type::<PyList>().call1((values,))?;
     Ok(list.cast_into::<PyList>()?)
 }
 
@@ -125,7 +82,7 @@ impl PyPatternSet {
     #[new]
     fn new(py: Python<'_>, patterns: &Bound<'_, PyAny>) -> PyResult<Self> {
         let list = as_list(patterns, "patterns")?;
-        let texts = borrowed_strs(&list, "patterns").collect::<PyResult<Vec<&str>>>()?;
+        let texts = list_strs(&list, "patterns").collect::<PyResult<Vec<&str>>>()?;
         match PatternSet::new(&texts) {
             Ok(inner) => Ok(PyPatternSet { inner }),
             Err(BuildError::Pattern(e)) => Err(pattern_error(py, &e)),
@@ -165,7 +122,7 @@ impl PyPatternSet {
     fn match_many(&self, names: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
         let list = as_list(names, "names")?;
         self.inner.with_matcher(|m| {
-            borrowed_strs(&list, "names")
+            list_strs(&list, "names")
                 .map(|name| {
                     let mut out = Vec::new();
                     m.match_name(name?, &mut out).map_err(match_error)?;
@@ -209,7 +166,7 @@ impl PyPatternSet {
         let list = as_list(names, "names")?;
         let index = self.inner.with_matcher(|m| -> PyResult<TreeIndex> {
             let mut indexer = NameIndexer::new(prune);
-            for name in borrowed_strs(&list, "names") {
+            for name in list_strs(&list, "names") {
                 indexer.push(name?, m).map_err(match_error)?;
             }
             Ok(indexer.finish())
@@ -223,20 +180,15 @@ impl PyPatternSet {
     fn match_indices(&self, names: &Bound<'_, PyAny>) -> PyResult<IndexMatches> {
         let list = as_list(names, "names")?;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // SAFETY: the GIL stays held and no Python code runs until the matching ends, so the
-        // list keeps its length and items; the threads only read the items' text.
-        let fast = unsafe { ListTexts::new(&list) }
-            .map(|texts| IndexHits::of(&self.inner, list.len(), |i| texts.ascii(i), threads));
-        let found = match fast.transpose().map_err(match_error)?.flatten() {
-            Some(found) => found,
-            // A layout not known here, or a name that is not an ASCII `str`: through the API.
-            None => {
-                let texts = borrowed_strs(&list, "names").collect::<PyResult<Vec<&str>>>()?;
-                IndexHits::of(&self.inner, texts.len(), |i| Some(texts[i]), 1)
-                    .map_err(match_error)?
-                    .ok_or_else(|| PyRuntimeError::new_err("a name could not be read"))?
-            }
-        };
+        let texts = list_texts(&list);
+        let in_place = texts.as_ref().map(|texts| |i| texts.ascii(i));
+        let read = || list_strs(&list, "names").collect::<PyResult<Vec<&str>>>();
+        let found = IndexHits::of_names(&self.inner, list.len(), in_place, read, threads).map_err(
+            |error| match error {
+                HitsError::Match(error) => match_error(error),
+                HitsError::Read(error) => error,
+            },
+        )?;
         Ok(IndexMatches {
             names: found.names,
             patterns: found.patterns,
@@ -284,48 +236,15 @@ impl IndexMatches {
     }
 }
 
-/// How many of `hits` (`(name, pattern)` pairs) fall to each of `pattern_count` patterns.
-fn count_hits(hits: &[(u32, u32)], pattern_count: usize) -> Vec<u32> {
-    let mut counts = vec![0u32; pattern_count];
-    for &(_, pattern) in hits {
-        if let Some(c) = counts.get_mut(pattern as usize) {
-            *c += 1;
-        }
-    }
-    counts
-}
-
-/// `(name, [pattern indices])` for every name that `hits` (in name order) match.
-fn grouped_hits<'t>(names: &'t NameTable, hits: &[(u32, u32)]) -> Vec<(&'t str, Vec<u32>)> {
-    let mut out: Vec<(&str, Vec<u32>)> = Vec::new();
-    let mut last = u32::MAX;
-    for &(name, pattern) in hits {
-        if name != last {
-            out.push((names.get(name as usize), Vec::new()));
-            last = name;
-        }
-        if let Some(entry) = out.last_mut() {
-            entry.1.push(pattern);
-        }
-    }
-    out
-}
-
-/// How many runs of equal values `values` holds: the distinct names of hits grouped by name.
-fn distinct_runs(values: impl Iterator<Item = u32>) -> usize {
-    let mut last = None;
-    values.filter(|&v| last.replace(v) != Some(v)).count()
-}
-
 /// A read-only `memoryview` of format `I` over a copy of `values`.
 fn uint32_view<'py>(py: Python<'py>, values: &[u32]) -> PyResult<Bound<'py, PyAny>> {
-    // SAFETY: a u32 slice is also a byte slice four times as long (no padding, any alignment).
-    let raw = unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), values.len() * 4) };
-    let bytes = PyBytes::new(py, raw);
-    // SAFETY: PyMemoryView_FromObject returns a new reference, or NULL with an exception set.
-    let view =
-        unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyMemoryView_FromObject(bytes.as_ptr())) }?;
-    view.call_method1(intern!(py, "cast"), ("I",))
+    let bytes = PyBytes::new_with(py, values.len() * 4, |buffer| {
+        for (chunk, value) in buffer.chunks_exact_mut(4).zip(values) {
+            chunk.copy_from_slice(&value.to_ne_bytes());
+        }
+        Ok(())
+    })?;
+    PyMemoryView::from(bytes.as_any())?.call_method1(intern!(py, "cast"), ("I",))
 }
 
 /// `ModuleTree.selected`: see there.
@@ -456,15 +375,7 @@ impl ModuleTree {
 
     /// The indices of the modules whose class is one of `classes`, in tree order.
     fn modules_of_classes(&self, classes: Vec<u32>) -> Vec<u32> {
-        let mut wanted = vec![false; self.index.classes.len()];
-        for c in classes {
-            if let Some(slot) = wanted.get_mut(c as usize) {
-                *slot = true;
-            }
-        }
-        (0..self.index.module_class.len() as u32)
-            .filter(|&m| wanted[self.index.module_class[m as usize] as usize])
-            .collect()
+        self.index.modules_of_classes(&classes)
     }
 
     /// Every match as two parallel lists: name indices and pattern indices, in walk order.
@@ -591,7 +502,7 @@ impl ModuleTree {
 #[pyfunction]
 fn check_patterns(py: Python<'_>, patterns: &Bound<'_, PyAny>) -> PyResult<()> {
     let list = as_list(patterns, "patterns")?;
-    for text in borrowed_strs(&list, "patterns") {
+    for text in list_strs(&list, "patterns") {
         crate::pattern::Pattern::compile(text?).map_err(|e| pattern_error(py, &e))?;
     }
     Ok(())
@@ -700,7 +611,7 @@ fn index_groups(fqns: Vec<String>, kinds: Vec<u32>) -> PyResult<Vec<(String, Vec
 /// The indices of the modules in a list whose `_parameters` has no key `path`.
 #[pyfunction]
 fn modules_lacking(modules: &Bound<'_, PyList>, path: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
-    crate::presence::modules_lacking(modules, path)
+    crate::layout_reads::modules_lacking(modules, path)
 }
 
 /// Whether meshbind reads CPython's object layout in place: `"on"`, or `"off: <why>"`

@@ -102,6 +102,39 @@ impl IndexHits {
     }
 }
 
+/// Why `IndexHits::of_names` found nothing: the matcher failed, or a name could not be read.
+#[derive(Debug)]
+pub enum HitsError<E> {
+    Match(MatchError),
+    Read(E),
+}
+
+impl IndexHits {
+    /// The names read in place where `in_place` reads every one of them, matched on up to
+    /// `threads` threads; else (a name it cannot read) on one thread, over the names `read` gives.
+    pub fn of_names<'n, E>(
+        set: &PatternSet,
+        count: usize,
+        in_place: Option<impl Fn(usize) -> Option<&'n str> + Sync>,
+        read: impl FnOnce() -> Result<Vec<&'n str>, E>,
+        threads: usize,
+    ) -> Result<IndexHits, HitsError<E>> {
+        if let Some(in_place) = in_place {
+            if let Some(found) =
+                IndexHits::of(set, count, in_place, threads).map_err(HitsError::Match)?
+            {
+                return Ok(found);
+            }
+        }
+        let names = read().map_err(HitsError::Read)?;
+        let found =
+            IndexHits::of(set, names.len(), |i| Some(names[i]), 1).map_err(HitsError::Match)?;
+        found.ok_or_else(|| {
+            HitsError::Match(MatchError::Automaton("a name could not be read".to_owned()))
+        })
+    }
+}
+
 /// The hits of the names at `positions` (`None` when one cannot be read).
 fn run_hits<'n>(
     set: &PatternSet,
@@ -247,6 +280,37 @@ fn common_prefix(a: &[u8], b: &[u8]) -> usize {
 mod tests {
     use super::*;
     use crate::matcher::PatternSet;
+
+    #[test]
+    fn names_read_in_place_are_matched_unless_one_cannot_be_read() {
+        let Ok(set) = PatternSet::new(&["a.*", "b"]) else {
+            panic!("the patterns compile")
+        };
+        let names = ["a.x", "b", "c"];
+        let read = || Ok::<_, ()>(names.to_vec());
+        let all = IndexHits::of_names(&set, 3, Some(|i: usize| Some(names[i])), read, 2).unwrap();
+        assert_eq!(
+            (all.names, all.patterns, all.counts),
+            (vec![0, 1], vec![0, 1], vec![1, 1])
+        );
+        // One name the fast reader cannot read: every name through `read`.
+        let partial = |i: usize| (i != 1).then(|| names[i]);
+        let found = IndexHits::of_names(&set, 3, Some(partial), read, 2).unwrap();
+        assert_eq!(found.names, vec![0, 1]);
+        let failing = IndexHits::of_names(
+            &set,
+            3,
+            Some(partial),
+            || Err::<Vec<&str>, _>("unreadable"),
+            1,
+        );
+        assert!(matches!(failing, Err(HitsError::Read("unreadable"))));
+        let none: Option<fn(usize) -> Option<&'static str>> = None;
+        assert_eq!(
+            IndexHits::of_names(&set, 3, none, read, 1).unwrap().counts,
+            vec![1, 1]
+        );
+    }
 
     /// Every name answered in sequence, against each name answered alone.
     fn sequence_agrees(patterns: &[&str], names: &[&str]) {

@@ -7,12 +7,12 @@
 //! recorded instead. With pruning on, it enters no subtree that no pattern can reach.
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyType};
-use pyo3::{ffi, intern, Borrowed};
 use rustc_hash::FxHashMap;
 
-use crate::layout_reads::{Lookahead, WIDE};
+use crate::layout_reads::{has_other_holders, Children, Lookahead, WIDE};
 use crate::matcher::{DfaState, MatchError, Matcher};
 use crate::names::NameTable;
 use crate::step_memo::StepMemo;
@@ -66,6 +66,21 @@ pub(crate) fn not_utf8_error(what: &str, text: &Bound<'_, PyAny>) -> PyErr {
     ))
 }
 
+impl TreeIndex {
+    /// The indices of the modules whose class index is one of `classes`, in tree order.
+    pub fn modules_of_classes(&self, classes: &[u32]) -> Vec<u32> {
+        let mut wanted = vec![false; self.classes.len()];
+        for &class in classes {
+            if let Some(slot) = wanted.get_mut(class as usize) {
+                *slot = true;
+            }
+        }
+        (0..self.module_class.len() as u32)
+            .filter(|&m| wanted[self.module_class[m as usize] as usize])
+            .collect()
+    }
+}
+
 pub enum WalkError {
     Python(PyErr),
     Match(MatchError),
@@ -85,9 +100,7 @@ impl From<MatchError> for WalkError {
 
 /// A module being walked: its `_modules` dict, where its iteration stands, and its FQN's state.
 struct Frame<'py> {
-    children: Bound<'py, PyDict>,
-    position: ffi::Py_ssize_t,
-    size: ffi::Py_ssize_t,
+    children: Children<'py>,
     name_end: usize,
     identity: usize,
     /// The DFA state after this module's FQN and the `.` its children's names follow.
@@ -175,44 +188,28 @@ impl Walker<'_, '_> {
         on_path.insert(root_identity);
         let mut memo = StepMemo::default();
         while let Some(frame) = stack.last_mut() {
-            let wide = frame.size >= WIDE;
+            let wide = frame.children.size() >= WIDE;
             if wide {
-                // SAFETY: the frame owns the dict.
-                unsafe { lookahead.ahead(frame.children.as_ptr(), frame.position, frame.entering) };
+                let children = &frame.children;
+                lookahead.ahead(children.dict(), children.position(), frame.entering);
             }
-            let (mut key, mut child) = (std::ptr::null_mut(), std::ptr::null_mut());
-            // SAFETY: the frame owns a reference to the dict; key and child are borrowed from it
-            // and used before any Python code runs, except through owned references below.
-            let more = unsafe {
-                ffi::PyDict_Next(
-                    frame.children.as_ptr(),
-                    &mut frame.position,
-                    &mut key,
-                    &mut child,
-                )
-            };
-            if more == 0 {
+            let Some((key, child)) = frame.children.next_entry() else {
                 if let Some(done) = stack.pop() {
                     on_path.remove(&done.identity);
                 }
                 continue;
-            }
-            // SAFETY: the dict pointer is valid for the frame's lifetime.
-            if unsafe { ffi::PyDict_Size(frame.children.as_ptr()) } != frame.size {
+            };
+            if frame.children.changed() {
                 return Err(PyRuntimeError::new_err(format!(
                     "the children of '{}' changed during the walk",
                     &fqn[..frame.name_end]
                 ))
                 .into());
             }
-            if child == unsafe { ffi::Py_None() } {
+            if child.is_none() {
                 continue;
             }
             let (name_end, parent_state) = (frame.name_end, frame.child_state);
-            // SAFETY: borrowed from the live dict; no Python code runs before the last use of
-            // `key`, and `child` is turned into an owned reference before it is entered.
-            let (key, child) =
-                unsafe { (Borrowed::from_ptr(py, key), Borrowed::from_ptr(py, child)) };
             let key = key.cast::<PyString>().map_err(|_| {
                 PyTypeError::new_err(format!(
                     "module '{}' has a child whose name is not a str",
@@ -253,8 +250,7 @@ impl Walker<'_, '_> {
                 && (recorded || descend)
                 && !self.index.may_share_matches
             {
-                // SAFETY: a live object borrowed from the dict, which holds one reference.
-                self.index.may_share_matches = unsafe { ffi::Py_REFCNT(child.as_ptr()) } > 1;
+                self.index.may_share_matches = has_other_holders(&child);
             }
             if recorded {
                 self.record(identity, &child, &fqn, state)?;
@@ -270,7 +266,6 @@ impl Walker<'_, '_> {
                 continue;
             }
             if descend {
-                let child = child.to_owned();
                 let frame = enter(&child, modules_attr, &mut lookahead, &fqn, identity, below)?;
                 stack.push(frame);
                 if self.parameters {
@@ -392,29 +387,22 @@ fn enter<'py>(
     identity: usize,
     child_state: Option<DfaState>,
 ) -> PyResult<Frame<'py>> {
-    // SAFETY: the module is alive and `modules_attr` is the interned "_modules".
-    let in_place = unsafe { lookahead.modules_in_place(module.as_ptr(), modules_attr.as_ptr()) };
-    let children = match in_place {
-        // SAFETY: a live dict held by the module's instance dict.
-        Some(dict) => unsafe { Bound::from_borrowed_ptr(module.py(), dict) }.cast_into::<PyDict>(),
+    let children = match lookahead.modules_in_place(module, modules_attr) {
+        Some(dict) => Ok(dict),
         None => {
             let children = module
                 .getattr(modules_attr)
                 .map_err(|_| not_a_module(module, fqn))?;
             let children = children.cast_into::<PyDict>();
             if let Ok(dict) = &children {
-                // SAFETY: both are alive, and the dict is the module's `_modules`.
-                unsafe { lookahead.learn(module, dict.as_ptr()) };
+                lookahead.learn(module, dict);
             }
             children
         }
     }
     .map_err(|e| not_a_module(&e.into_inner(), fqn))?;
-    let size = children.len() as ffi::Py_ssize_t;
     Ok(Frame {
-        children,
-        position: 0,
-        size,
+        children: Children::new(children),
         entering: true,
         name_end: fqn.len(),
         identity,

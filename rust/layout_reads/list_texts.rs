@@ -7,9 +7,12 @@
 
 use std::marker::PhantomData;
 
-use pyo3::ffi;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyList, PyString};
+use pyo3::{ffi, Borrowed};
+
+use crate::walk::not_utf8_error;
 
 use super::lookahead::prefetch;
 use super::TextOffsets;
@@ -31,16 +34,57 @@ pub struct ListTexts<'l> {
 // SAFETY: the items are only read, while the list stays as it is (see `ListTexts::new`).
 unsafe impl Sync for ListTexts<'_> {}
 
-impl<'l> ListTexts<'l> {
-    /// The items of `list`, where `layout_reads` allows reading them in place.
-    ///
-    /// # Safety
-    /// No Python code may run, and the list may not change, while the texts are read.
-    pub unsafe fn new(list: &'l Bound<'_, PyList>) -> Option<Self> {
-        let layout = super::layout(list.py())?;
-        Some(Self::with_offsets(list, layout.text))
-    }
+/// The items of `list` read in place, where `layout_reads` allows it (`None`: through the API).
+///
+/// Crate-internal: the texts are borrowed from the list's items, which hold while no Python code
+/// runs and the list does not change; every caller here matches names and runs nothing else.
+pub(crate) fn list_texts<'l>(list: &'l Bound<'_, PyList>) -> Option<ListTexts<'l>> {
+    let layout = super::layout(list.py())?;
+    // SAFETY: the callers keep the condition above.
+    Some(unsafe { ListTexts::with_offsets(list, layout.text) })
+}
 
+/// The `str` items of a list, borrowed in place where they can be, naming `what[i]` for an item
+/// that is not one. Crate-internal, borrowed as `list_texts`'s are.
+pub(crate) fn list_strs<'a>(
+    list: &'a Bound<'_, PyList>,
+    what: &'a str,
+) -> impl Iterator<Item = PyResult<&'a str>> + 'a {
+    let texts = list_texts(list);
+    (0..list.len()).map(move |i| {
+        if let Some(text) = texts.as_ref().and_then(|texts| texts.ascii(i)) {
+            return Ok(text);
+        }
+        // SAFETY: PyList_GetItem checks the index and returns a reference borrowed from the list.
+        let item = unsafe {
+            Borrowed::from_ptr_or_err(
+                list.py(),
+                ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t),
+            )
+        }?;
+        let mut size: ffi::Py_ssize_t = 0;
+        // SAFETY: `item` is alive; for a str, the UTF-8 buffer CPython returns (and caches in the
+        // object) lives as long as the object, which the list holds while it is borrowed.
+        let data = unsafe { ffi::PyUnicode_AsUTF8AndSize(item.as_ptr(), &mut size) };
+        if data.is_null() {
+            PyErr::fetch(list.py());
+            if item.is_instance_of::<PyString>() {
+                return Err(not_utf8_error(&format!("{what}[{i}]"), &item.to_owned()));
+            }
+            let name = item.get_type().name().map(|n| n.to_string());
+            return Err(PyTypeError::new_err(format!(
+                "{what}[{i}] must be a str, got {}",
+                name.as_deref().unwrap_or("?")
+            )));
+        }
+        // SAFETY: CPython hands out valid UTF-8 of `size` bytes.
+        Ok(unsafe {
+            std::str::from_utf8_unchecked(std::slice::from_raw_parts(data.cast(), size as usize))
+        })
+    })
+}
+
+impl<'l> ListTexts<'l> {
     /// The items of `list` read with `offsets` (the self-check's, before they are confirmed).
     ///
     /// # Safety

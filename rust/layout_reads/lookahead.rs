@@ -22,6 +22,7 @@
 //! walked, and only within the bounds that layout guarantees.
 
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString};
 use pyo3::{ffi, intern, Python};
 
 use super::DictOffsets;
@@ -243,14 +244,15 @@ impl Lookahead {
     /// of that name, `object.__getattribute__`), so that reading the slot gives what `getattr`
     /// gives.
     ///
-    /// # Safety
-    /// `object` must be alive and `modules` its `_modules` dict.
-    pub unsafe fn learn(&mut self, object: &Bound<'_, PyAny>, modules: *mut ffi::PyObject) {
-        let class = ffi::Py_TYPE(object.as_ptr()) as usize;
+    /// `modules` is the dict `getattr(object, "_modules")` gave.
+    pub fn learn(&mut self, object: &Bound<'_, PyAny>, modules: &Bound<'_, PyDict>) {
+        let class = object.get_type().as_ptr() as usize;
         if self.modules_slot.knows(class) {
             return;
         }
-        let slot = plain_getattr(object).then(|| self.slot_holding(object.as_ptr(), modules));
+        // SAFETY: `object` is alive.
+        let slot = plain_getattr(object)
+            .then(|| unsafe { self.slot_holding(object.as_ptr(), modules.as_ptr()) });
         self.modules_slot.insert(class, slot.flatten());
     }
 
@@ -272,9 +274,24 @@ impl Lookahead {
     /// give it (`None`: ask `getattr`): its class was learned, and this instance's dict is split
     /// with `name` (the interned `"_modules"`) as the key of the class's slot.
     ///
+    /// Another `name` than the interned string finds nothing (the keys are compared by identity).
+    pub fn modules_in_place<'py>(
+        &mut self,
+        object: &Bound<'py, PyAny>,
+        name: &Bound<'py, PyString>,
+    ) -> Option<Bound<'py, PyDict>> {
+        // SAFETY: `object` is alive; what is read of it lies within its layout's bounds.
+        let found = unsafe { self.modules_dict_named(object.as_ptr(), name.as_ptr())? };
+        // SAFETY: a live dict, held by the object's instance dict.
+        let dict = unsafe { Bound::from_borrowed_ptr(object.py(), found) };
+        dict.cast_into::<PyDict>().ok()
+    }
+
+    /// `modules_in_place` on raw pointers.
+    ///
     /// # Safety
-    /// `object` must be alive, and `name` the interned `"_modules"`.
-    pub unsafe fn modules_in_place(
+    /// `object` must be alive.
+    unsafe fn modules_dict_named(
         &mut self,
         object: *mut ffi::PyObject,
         name: *mut ffi::PyObject,
@@ -294,10 +311,17 @@ impl Lookahead {
     /// `PyDict_Next` position) in `dict`, a module's `_modules`. While the walk enters them, the
     /// links of the children `LINKS` ahead: each child's farther links were asked for on earlier
     /// steps, so each link has arrived before the next is read. Otherwise only their names.
+    /// Every read is bounded by the dict's entry count, whatever `position` is.
+    pub fn ahead(&mut self, dict: &Bound<'_, PyDict>, position: ffi::Py_ssize_t, entering: bool) {
+        // SAFETY: `dict` is a live dict.
+        unsafe { self.ahead_of(dict.as_ptr(), position, entering) }
+    }
+
+    /// `ahead` on a raw pointer.
     ///
     /// # Safety
     /// `dict` must be a live dict.
-    pub unsafe fn ahead(
+    unsafe fn ahead_of(
         &mut self,
         dict: *mut ffi::PyObject,
         position: ffi::Py_ssize_t,

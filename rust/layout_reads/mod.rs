@@ -8,14 +8,18 @@
 //! takes the public C API instead, with the same results. The decision is made once per process,
 //! silently; `status()` says which it was.
 
+mod children;
 mod list_texts;
 mod lookahead;
 #[allow(dead_code)] // the mirrored structs exist for their field offsets
 mod offsets;
+mod presence;
 
-pub(crate) use list_texts::{ListTexts, COMPACT_ASCII};
+pub(crate) use children::{has_other_holders, Children};
+pub(crate) use list_texts::{list_strs, list_texts, ListTexts, COMPACT_ASCII};
 pub(crate) use lookahead::{DictChain, Lookahead, SlotTable, WIDE};
 pub(crate) use offsets::{DictOffsets, TextOffsets};
+pub(crate) use presence::modules_lacking;
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -234,12 +238,9 @@ fn check_dicts(py: Python<'_>, offsets: &DictOffsets) -> Result<(), String> {
     if used != 2 {
         return Err(format!("an instance dict's item count reads {used}, not 2"));
     }
-    // SAFETY: the probe is alive and `children` is its `_modules` dict.
-    unsafe { lookahead.learn(&probe, children.as_ptr()) };
-    // SAFETY: the probe is alive and the name is the interned "_modules".
-    let in_place =
-        unsafe { lookahead.modules_in_place(probe.as_ptr(), intern!(py, "_modules").as_ptr()) };
-    if in_place != Some(children.as_ptr()) {
+    lookahead.learn(&probe, &children);
+    let in_place = lookahead.modules_in_place(&probe, intern!(py, "_modules"));
+    if in_place.map(|dict| dict.as_ptr()) != Some(children.as_ptr()) {
         return Err("an instance's _modules read in place is not what getattr gives".to_owned());
     }
     Ok(())

@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 use pyo3::{ffi, intern};
 
-use crate::layout_reads::{DictChain, Lookahead, SlotTable};
+use super::{DictChain, Lookahead, SlotTable};
 
 /// How many modules ahead each link is asked for (one lookup takes about as long as a step of
 /// the walk, so the walk's spacing serves here too).
