@@ -107,11 +107,11 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
     ep_contexts: dict[int, EPContext] = {}
     # Rules 1 and 2 only where resolution did not prove them: a plan resolved offline, or over a
     # model whose module here has another class. Once per (class, spec).
-    proved = plan.classes or {}
     class_failures: dict[tuple[type, int], Failure | None] = {}
     prepared: list[_Prepared] = []
     unchanged: list[_Prepared] = []
-    for fqn, spec in plan.parallel_modules.items():
+    proved = plan.classes or (None,) * len(plan.parallel_modules)
+    for (fqn, spec), proved_class in zip(plan.parallel_modules.items(), proved, strict=True):
         if spec.binding_kind == "none":
             continue
         module = submodule(model, fqn)
@@ -124,7 +124,7 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
             raise BindingRefusedError("owner", message)
         cls = type(module)
         failure = None
-        if proved.get(fqn) is not cls:
+        if proved_class is not cls:
             if (cls, id(spec)) not in class_failures:
                 class_failures[cls, id(spec)] = class_failure(cls, spec)
             failure = class_failures[cls, id(spec)]

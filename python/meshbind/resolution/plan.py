@@ -27,9 +27,10 @@ class ParallelPlan:
     """What is worth knowing but no problem: an optional request's pattern that selects nothing."""
     fsdp: FSDPPlan | None = None
     """The FSDP units, bottom-up with the root last (``resolve_plan(..., fully_shard=)``)."""
-    classes: Mapping[str, type] | None = None
-    """The class of each planned module whose class rules resolution checked; ``None`` for a plan
-    resolved offline, which checked none. Binding checks a module only when its class is not this."""
+    classes: tuple[type, ...] | None = None
+    """The class of each planned module, in ``parallel_modules``' order, as resolution checked its
+    class rules; ``None`` for a plan resolved offline, which checked none. Binding checks a
+    module only when its class is not this one."""
 
     def explain(self) -> str:
         """A table: FQN, protocol, binding kind, source and parameter placements."""
@@ -98,5 +99,5 @@ def build_plan(
         sources=mapping("source"),
         warnings=warnings,
         fsdp=fsdp,
-        classes=None if offline else mapping("cls"),
+        classes=None if offline else tuple(map(attrgetter("cls"), records)),
     )
