@@ -130,7 +130,6 @@ def _records(
     indices, fqns, found_modules, found_classes, first, others, override_hits = tree.selected(
         patterns.request_of, list(range(len(patterns.overrides)))
     )
-    module_of_row = indices
     modules: list[Any] = found_modules or [None] * len(indices)  # empty offline
     classes: list[Any] = found_classes or [None] * len(indices)
     specs = [request.parallel for request in requests]
@@ -153,13 +152,13 @@ def _records(
             ModuleRecord, indices, fqns, modules, classes, owners, map(specs.__getitem__, owners), map(labels.__getitem__, owners)
         )
     )
+    by_row: Mapping[int, ModuleRecord] | list[ModuleRecord] = records
     if override_hits:
-        for record, row in zip(records, rows, strict=True):
+        by_row = dict(zip(rows, records, strict=True))
+        for row, record in by_row.items():
             record.overrides = hits.get(row, ())
-    if others:
-        row_of = {record.index: record for record in records}
-        for row, found in others:
-            row_of[module_of_row[row]].other_requests = tuple(found)
+    for row, found in others:
+        by_row[row].other_requests = tuple(found)
     return records, override_only
 
 
