@@ -49,8 +49,22 @@ def test_meshbind_bench_times_each_phase_of_a_users_plan(capsys: pytest.CaptureF
     assert all(seconds > 0 for seconds in phases) and result["total_s"] > 0
     assert main(["bench", *SMALL_TREE, "--axis", "tp=2", "--repeat", "3"]) == 0
     text = capsys.readouterr().out
-    assert "MoeForCausalLM: 193 modules, 118 planned; median of 3 runs" in text
+    assert "MoeForCausalLM: 193 modules, 118 planned; the median of 3 runs" in text
     assert all(f"  {phase} " in text for phase in (*bench.PHASES, "total"))
+
+
+def test_meshbind_bench_times_a_hugging_face_config_with_its_own_plans(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hf_models import REAL
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", **REAL["qwen3_moe"]}))
+    axes = ["--axis", "dp_shard=2", "--axis", "tp=4", "--axis", "ep=8"]
+    assert main(["bench", "--hf-config", str(config), *axes, "--repeat", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == "Qwen3MoeForCausalLM" and result["planned"] >= 48 * 5  # attention and experts, each layer
+    assert result["modules"] > result["planned"] and result["runs"] == 1
 
 
 def test_meshbind_bench_of_a_plan_with_problems_lists_them_and_fails(capsys: pytest.CaptureFixture[str]) -> None:

@@ -45,7 +45,8 @@ class ResolutionTimes:
     total: float
 
     def text(self) -> str:
-        lines = [f"{self.model}: {self.modules:,} modules, {self.planned:,} planned; median of {self.runs} runs"]
+        runs = "one run" if self.runs == 1 else f"the median of {self.runs} runs"
+        lines = [f"{self.model}: {self.modules:,} modules, {self.planned:,} planned; {runs}"]
         lines += [f"  {phase:<9} {self.phases[phase] * 1e3:10.2f} ms" for phase in PHASES]
         lines.append(f"  {'total':<9} {self.total * 1e3:10.2f} ms")
         return "\n".join(lines)
