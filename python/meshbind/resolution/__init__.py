@@ -65,7 +65,7 @@ def resolve_plan(
     shapes = _checked_param_shapes(param_shapes, model)
     if fully_shard is not None and not isinstance(fully_shard, FullyShard):
         raise TypeError(f"fully_shard must be a FullyShard, got {type(fully_shard).__name__}")
-    return _resolve(model, checked, context, checked_overrides(overrides), shapes, progress or _silent, fully_shard)
+    return _resolve(model, checked, context, checked_overrides(overrides), shapes, progress, fully_shard)
 
 
 def _resolve(
@@ -74,12 +74,13 @@ def _resolve(
     context: LayoutContext,
     overrides: list[Override],
     shapes: dict[str, tuple[int, ...]] | None,
-    progress: Progress,
+    progress: Progress | None,
     fully_shard: FullyShard | None,
 ) -> ParallelPlan:
     """``resolve_plan`` on checked arguments."""
+    phase_done = progress or _silent  # the providers' loop hears nothing unless a caller asked
     selection = select_modules(model, sourced.requests, overrides)
-    progress("walk", 1, 1)
+    phase_done("walk", 1, 1)
     problems = [*selection.problems, *sourced.problems]
     records, found = own_modules(selection.records, selection.requests)
     problems += found
@@ -91,9 +92,9 @@ def _resolve(
     problems += provide_layouts(records, selection.requests, context, progress)
     problems += merge_overrides(records, overrides)
     laid_out = [record for record in records if record.sharding is not None]
-    progress("validation", 0, 1)
+    phase_done("validation", 0, 1)
     problems += validation_problems(laid_out, context, shapes, overrides, selection.offline)
-    progress("validation", 1, 1)
+    phase_done("validation", 1, 1)
     fsdp: FSDPPlan | None = None
     if fully_shard is not None:
         fsdp, found = fsdp_units(model, fully_shard, {record.fqn: record.sharding for record in laid_out})  # type: ignore[misc]

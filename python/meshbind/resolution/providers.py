@@ -36,7 +36,7 @@ def provide_layouts(
     records: Sequence[ModuleRecord],
     requests: Sequence[NativeParallelBindingRequest],
     context: LayoutContext,
-    progress: Progress,
+    progress: Progress | None,
 ) -> list[PlanProblem]:
     """Sets every record's sharding from its provider (``None`` after a problem), then drops
     the sharding of a module whose sharing requests' providers disagree. The providers are user
@@ -54,7 +54,8 @@ def provide_layouts(
                 record.sharding = sharding
             else:
                 problems.append(_refusal(sharding, record, record.source))
-        progress("layout providers", done, len(records))
+        if progress is not None:
+            progress("layout providers", done, len(records))
     shared = [(c, other) for c in records if c.other_requests and c.sharding is not None for other in c.other_requests]
     if shared:
         problems += _check_shared_layouts(shared, providers, requests, context)
