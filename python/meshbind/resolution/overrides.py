@@ -51,3 +51,10 @@ def _merged(
             problems.append(PlanProblem(ProblemCode.LAYOUT, fqn, f"overrides[{pattern!r}]", f"the override failed: {error}"))
             return None
     return sharding
+
+
+def reported_source(record: ModuleRecord, overrides: Sequence[Override]) -> str:
+    """What a module's problems name: its source, and every override merged into its sharding."""
+    if not record.overrides:
+        return record.source
+    return ", ".join([record.source, *(override_label(overrides, index) for index in record.overrides)])

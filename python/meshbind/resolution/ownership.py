@@ -18,8 +18,8 @@ from meshbind.specs import NativeParallelBindingRequest
 def own_modules(
     records: list[ModuleRecord], requests: Sequence[NativeParallelBindingRequest]
 ) -> tuple[list[ModuleRecord], list[PlanProblem]]:
-    """The records kept, each keeping in ``other_requests`` only the requests with its spec; a
-    module a second request with a different spec selects is a conflict and leaves the plan."""
+    """The records kept and the conflicts: a module that a second request with a different spec
+    selects leaves the plan; a kept record's ``other_requests`` all have its spec."""
     problems: list[PlanProblem] = []
     conflicted: set[int] = set()
     for record in records:

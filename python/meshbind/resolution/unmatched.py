@@ -1,5 +1,5 @@
 """The ``unmatched`` problem: a pattern that selects nothing, with "did you mean" among the names it
-could have meant, and the sources problems name.
+could have meant.
 
 A request's pattern is suggested the model's FQNs; an override's, the planned modules' FQNs (the
 only ones it may select). An optional request's pattern that selects nothing is a warning of the
@@ -14,8 +14,7 @@ from torch import nn
 
 from meshbind._core import ModuleTree, PatternSet
 from meshbind.errors import PlanProblem, ProblemCode
-from meshbind.resolution.overrides import override_label
-from meshbind.resolution.selection import ModuleRecord, Override, Selection
+from meshbind.resolution.selection import ModuleRecord, Selection
 
 
 def unmatched_problems(
@@ -70,10 +69,3 @@ class ModelNames:
             f"{name!r} (a parameter of {name.rpartition('.')[0]!r})" if name in self.parameters else repr(name)
             for name in self.index.nearest(pattern, 3)
         ]
-
-
-def reported_source(record: ModuleRecord, overrides: Sequence[Override]) -> str:
-    """What a module's problems name: its source, and every override merged into its sharding."""
-    if not record.overrides:
-        return record.source
-    return ", ".join([record.source, *(override_label(overrides, index) for index in record.overrides)])

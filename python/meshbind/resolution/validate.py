@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from operator import attrgetter
 
 from meshbind.errors import PlanProblem
+from meshbind.resolution.overrides import reported_source
 from meshbind.resolution.selection import ModuleRecord, Override
-from meshbind.resolution.unmatched import reported_source
 from meshbind.specs import LayoutContext
 from meshbind.validation.batch import ValidationBatch
 
