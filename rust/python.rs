@@ -608,6 +608,18 @@ fn index_groups(fqns: Vec<String>, kinds: Vec<u32>) -> PyResult<Vec<(String, Vec
         .collect())
 }
 
+/// The rows grouped by the identity of their item in every list of `columns` (the lists of one
+/// length), each group ascending, the groups in the order of their first row.
+#[pyfunction]
+fn same_object_groups(columns: Vec<Bound<'_, PyList>>) -> PyResult<Vec<Vec<u32>>> {
+    let rows = columns.first().map_or(0, |column| column.len());
+    let keys: Vec<Vec<usize>> = columns
+        .iter()
+        .map(|column| column.iter().map(|item| item.as_ptr() as usize).collect())
+        .collect();
+    crate::same_keys::same_key_groups(&keys, rows).map_err(PyValueError::new_err)
+}
+
 /// The indices of the modules in a list whose `_parameters` has no key `path`.
 #[pyfunction]
 fn modules_lacking(modules: &Bound<'_, PyList>, path: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
@@ -645,6 +657,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_patterns, m)?)?;
     m.add_function(wrap_pyfunction!(modules_lacking, m)?)?;
     m.add_function(wrap_pyfunction!(index_groups, m)?)?;
+    m.add_function(wrap_pyfunction!(same_object_groups, m)?)?;
     m.add_function(wrap_pyfunction!(layout_reads, m)?)?;
     #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(_layout_self_check, m)?)?;

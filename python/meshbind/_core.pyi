@@ -15,6 +15,7 @@ __all__ = [
     "index_groups",
     "layout_reads",
     "modules_lacking",
+    "same_object_groups",
 ]
 
 # Malformed patterns raise meshbind.errors.PatternError (a MeshbindError and a ValueError).
@@ -157,6 +158,10 @@ def check_patterns(patterns: Sequence[str]) -> None:
 def index_groups(fqns: Sequence[str], kinds: Sequence[int]) -> list[tuple[str, list[int]]]:
     """``(written FQN, member indices)`` for entries ``(fqns[i], kinds[i])`` whose FQNs differ in one
     numeric segment only (``layers.<0-47>.mlp``), in the order of each group's first entry."""
+
+def same_object_groups(columns: Sequence[list[Any]]) -> list[list[int]]:
+    """The rows grouped by the identity of their item in every list of ``columns`` (the lists of one
+    length), each group ascending, the groups in the order of their first row."""
 
 def modules_lacking(modules: list[Any], path: str) -> list[int]:
     """The indices of the modules in the list whose ``_parameters`` has no key ``path``."""

@@ -1,8 +1,8 @@
 """Plan resolution: one walk, every problem collected, one ``PlanError``.
 
-``resolve_plan`` reads as its steps, each in a file of its name that reads and extends one record
-per planned module (``selection.ModuleRecord``) and returns its problems: the walk and the
-records (``selection``), who owns each module (``ownership``), family members joining
+``resolve_plan`` reads as its steps, each in a file of its name that reads and extends the planned
+modules (``selection.PlannedModules``: one row per module, in columns) and returns its problems:
+the walk and the planned modules (``selection``), who owns each module (``ownership``), family members joining
 (``families``), patterns that select nothing (``unmatched``), a bound module inside another
 (``nesting``), the layout providers (``providers``), overrides merged over them (``overrides``),
 the per-module rules (``validate``), the FSDP units (``fsdp``), and the plan (``plan``).
@@ -81,30 +81,33 @@ def _resolve(
     phase_done = progress or _silent  # the providers' loop hears nothing unless a caller asked
     selection = select_modules(model, sourced.requests, overrides)
     phase_done("walk", 1, 1)
+    planned = selection.planned
     problems = [*selection.problems, *sourced.problems]
-    records, found = own_modules(selection.records, selection.requests)
+    problems += own_modules(planned, selection.requests)
+    family_members, found = join_families(selection)
     problems += found
-    records, family_members, found = join_families(records, selection)
-    problems += found
-    unmatched, warnings = unmatched_problems(selection, records, model)
+    unmatched, warnings = unmatched_problems(selection, model)
     problems += unmatched
-    problems += nested_problems(records, selection.tree)
-    problems += provide_layouts(records, selection.requests, context, progress)
-    problems += merge_overrides(records, overrides)
-    laid_out = [record for record in records if record.sharding is not None]
+    problems += nested_problems(planned, selection.tree)
+    problems += provide_layouts(planned, selection.requests, context, progress)
+    problems += merge_overrides(planned, overrides)
+    laid_out = planned.laid_out()
     phase_done("validation", 0, 1)
     problems += validation_problems(laid_out, context, shapes, overrides, selection.offline)
     phase_done("validation", 1, 1)
     fsdp: FSDPPlan | None = None
     if fully_shard is not None:
-        fsdp, found = fsdp_units(model, fully_shard, {record.fqn: record.sharding for record in laid_out})  # type: ignore[misc]
+        fsdp, found = fsdp_units(model, fully_shard, dict(zip(laid_out.fqns, laid_out.shardings, strict=True)))  # type: ignore[arg-type]
         problems += found
     if problems:
         raise PlanError(problems)
     plan = build_plan(laid_out, context, (*sourced.warnings, *warnings), fsdp, selection.offline)
-    for record in laid_out:
-        if record.index in family_members:
-            record_family_layout(record.module, record.fqn, record.spec, record.sharding)  # type: ignore[arg-type]
+    if family_members:
+        for index, module, fqn, spec, sharding in zip(
+            laid_out.indices, laid_out.modules, laid_out.fqns, laid_out.specs, laid_out.shardings, strict=True
+        ):
+            if index in family_members:
+                record_family_layout(module, fqn, spec, sharding)  # type: ignore[arg-type]
     return plan
 
 

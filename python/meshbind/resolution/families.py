@@ -6,43 +6,40 @@ from __future__ import annotations
 
 from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.family import family_spec
-from meshbind.resolution.selection import ModuleRecord, Selection
+from meshbind.resolution.selection import Selection
 from meshbind.specs import ParallelModuleSpec
 
 
-def join_families(records: list[ModuleRecord], selection: Selection) -> tuple[list[ModuleRecord], set[int], list[PlanProblem]]:
-    """The records with every family member the walk met, in tree order; the members' module
-    indices; the problems: a conflicting request, or a class whose ``parallel_spec`` is no
-    ``ParallelModuleSpec``."""
+def join_families(selection: Selection) -> tuple[set[int], list[PlanProblem]]:
+    """Adds every family member the walk met to the planned modules, in tree order; returns the
+    members' module indices and the problems: a conflicting request, or a class whose
+    ``parallel_spec`` is no ``ParallelModuleSpec``."""
     if selection.offline:
-        return records, set(), []
-    tree = selection.tree
+        return set(), []
+    tree, planned = selection.tree, selection.planned
     classes = tree.classes()
     specs, problems = _family_specs(classes)
     if not specs:
-        return records, set(), problems
+        return set(), problems
     members = tree.modules_of_classes(list(specs))
     module_classes = tree.module_classes()
-    planned = {record.index: record for record in records}
-    joining = [member for member in members if member not in planned]
-    fqns, modules = tree.module_fqns(joining), tree.modules(joining)
-    for member, fqn, module in zip(joining, fqns, modules, strict=True):
+    rows = {row[0]: row for row in planned.rows()}
+    joining = [member for member in members if member not in rows]
+    for member, fqn, module in zip(joining, tree.module_fqns(joining), tree.modules(joining), strict=True):
         cls = classes[module_classes[member]]
-        source = f"family {cls.__qualname__}"
-        overrides = selection.override_only.get(member, ())
-        planned[member] = ModuleRecord(member, fqn, module, cls, None, specs[module_classes[member]], source, overrides=overrides)  # type: ignore[arg-type]
+        rows[member] = (member, fqn, module, cls, None, specs[module_classes[member]], f"family {cls.__qualname__}", None)
+        if member in selection.override_only:
+            planned.overrides[member] = selection.override_only[member]
+    conflicted: set[int] = set()
     for member in members:
-        record = planned[member]
+        index, fqn, _, cls, request, given, *_ = rows[member]
         spec = specs[module_classes[member]]
-        if record.request is not None and record.spec != spec:
-            cls = classes[module_classes[member]]
-            given = record.spec.describe()
-            message = f"requests[{record.request}] gives it {given}, but its class {cls.__qualname__} owns {spec.describe()}"
-            problems.append(
-                PlanProblem(ProblemCode.CONFLICT, record.fqn, f"requests[{record.request}], family {cls.__qualname__}", message)
-            )
-            del planned[member]
-    return [planned[index] for index in sorted(planned)], set(members), problems
+        if request is not None and given != spec:
+            message = f"requests[{request}] gives it {given.describe()}, but its class {cls.__qualname__} owns {spec.describe()}"
+            problems.append(PlanProblem(ProblemCode.CONFLICT, fqn, f"requests[{request}], family {cls.__qualname__}", message))
+            conflicted.add(index)
+    planned.set_rows([rows[index] for index in sorted(rows) if index not in conflicted])
+    return set(members), problems
 
 
 def _family_specs(classes: list[type]) -> tuple[dict[int, ParallelModuleSpec], list[PlanProblem]]:

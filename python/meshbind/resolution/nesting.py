@@ -7,39 +7,36 @@ kind's open ancestors form a stack.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from meshbind._core import ModuleTree
 from meshbind.errors import PlanProblem, ProblemCode
-from meshbind.resolution.selection import ModuleRecord
+from meshbind.resolution.selection import PlannedModules
 
 
-def nested_problems(records: Sequence[ModuleRecord], tree: ModuleTree) -> list[PlanProblem]:
-    bound = [record for record in records if record.spec.binding_kind != "none"]
+def nested_problems(planned: PlannedModules, tree: ModuleTree) -> list[PlanProblem]:
+    kinds = [spec.binding_kind for spec in planned.specs]
+    bound = [row for row, kind in enumerate(kinds) if kind != "none"]
     if not bound:
         return []
-    names: list[tuple[str, ModuleRecord]]
+    names: list[tuple[str, int]]
     if tree.complete and len(tree) > tree.module_count:  # the tree has aliases
-        of_module = {record.index: record for record in bound}
-        named = zip(tree.names(), map(of_module.get, tree.name_modules()), strict=True)
-        names = [(name, record) for name, record in named if record is not None]
+        row_of = {planned.indices[row]: row for row in bound}
+        named = zip(tree.names(), map(row_of.get, tree.name_modules()), strict=True)
+        names = [(name, row) for name, row in named if row is not None]
     else:
-        names = [(record.fqn, record) for record in bound]  # in tree order
-    outer_of: dict[int, ModuleRecord] = {}
-    inner: dict[int, ModuleRecord] = {}
-    open_by_kind: dict[str, list[tuple[str, ModuleRecord]]] = {}
-    for name, record in names:
-        stack = open_by_kind.setdefault(record.spec.binding_kind, [])
+        names = [(planned.fqns[row], row) for row in bound]  # in tree order
+    outer_of: dict[int, int] = {}
+    open_by_kind: dict[str, list[tuple[str, int]]] = {}
+    for name, row in names:
+        stack = open_by_kind.setdefault(kinds[row], [])
         while stack and not (stack[-1][0] == "" or name.startswith(stack[-1][0] + ".")):
             stack.pop()
-        if record.index not in outer_of:
-            outer = next((other for _, other in reversed(stack) if other is not record), None)
+        if row not in outer_of:
+            outer = next((other for _, other in reversed(stack) if other != row), None)
             if outer is not None:
-                outer_of[record.index], inner[record.index] = outer, record
-        stack.append((name, record))
+                outer_of[row] = outer
+        stack.append((name, row))
     problems = []
-    for index, outer in outer_of.items():
-        kind = inner[index].spec.binding_kind
-        message = f"a {kind!r} module inside the {kind!r} module {outer.fqn!r}"
-        problems.append(PlanProblem(ProblemCode.NESTED, inner[index].fqn, None, message))
+    for row, outer in outer_of.items():
+        message = f"a {kinds[row]!r} module inside the {kinds[row]!r} module {planned.fqns[outer]!r}"
+        problems.append(PlanProblem(ProblemCode.NESTED, planned.fqns[row], None, message))
     return problems

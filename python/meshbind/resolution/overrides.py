@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from meshbind.errors import PlanProblem, ProblemCode
-from meshbind.resolution.selection import ModuleRecord, Override
+from meshbind.resolution.selection import Override, PlannedModules
 from meshbind.specs import SHARDING_FIELDS, ModuleShardingSpec
 
 
@@ -29,12 +29,14 @@ def override_label(overrides: Sequence[Override], index: int) -> str:
     return f"overrides[{overrides[index][0]!r}]"
 
 
-def merge_overrides(records: Sequence[ModuleRecord], overrides: Sequence[Override]) -> list[PlanProblem]:
-    """Merges each record's overrides into its sharding; a failed merge leaves it ``None``."""
+def merge_overrides(planned: PlannedModules, overrides: Sequence[Override]) -> list[PlanProblem]:
+    """Merges each module's overrides into its sharding; a failed merge leaves it ``None``."""
     problems: list[PlanProblem] = []
-    for record in records:
-        if record.overrides and record.sharding is not None:
-            record.sharding = _merged(record.sharding, record.fqn, [overrides[i] for i in record.overrides], problems)
+    for index, selecting in planned.overrides.items():
+        row = planned.row(index)
+        sharding = planned.shardings[row]
+        if sharding is not None:
+            planned.shardings[row] = _merged(sharding, planned.fqns[row], [overrides[i] for i in selecting], problems)
     return problems
 
 
@@ -53,8 +55,9 @@ def _merged(
     return sharding
 
 
-def reported_source(record: ModuleRecord, overrides: Sequence[Override]) -> str:
+def reported_source(planned: PlannedModules, row: int, overrides: Sequence[Override]) -> str:
     """What a module's problems name: its source, and every override merged into its sharding."""
-    if not record.overrides:
-        return record.source
-    return ", ".join([record.source, *(override_label(overrides, index) for index in record.overrides)])
+    merged = planned.overrides.get(planned.indices[row])
+    if not merged:
+        return planned.sources[row]
+    return ", ".join([planned.sources[row], *(override_label(overrides, index) for index in merged)])

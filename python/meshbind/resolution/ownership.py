@@ -11,34 +11,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshbind.errors import PlanProblem, ProblemCode
-from meshbind.resolution.selection import ModuleRecord
+from meshbind.resolution.selection import PlannedModules
 from meshbind.specs import NativeParallelBindingRequest
 
 
-def own_modules(
-    records: list[ModuleRecord], requests: Sequence[NativeParallelBindingRequest]
-) -> tuple[list[ModuleRecord], list[PlanProblem]]:
-    """The records kept and the conflicts: a module that a second request with a different spec
-    selects leaves the plan; a kept record's ``other_requests`` all have its spec."""
+def own_modules(planned: PlannedModules, requests: Sequence[NativeParallelBindingRequest]) -> list[PlanProblem]:
+    """The conflicts: a module that a second request with a different spec selects leaves the
+    plan; a kept module's ``other_requests`` all have its spec."""
     problems: list[PlanProblem] = []
     conflicted: set[int] = set()
-    for record in records:
-        if not record.other_requests:
-            continue
-        spec = record.spec
-        differing = [
-            other for other in record.other_requests if requests[other].parallel is not spec and requests[other].parallel != spec
-        ]
+    for index, others in planned.other_requests.items():
+        row = planned.row(index)
+        spec, request = planned.specs[row], planned.requests[row]
+        differing = [other for other in others if requests[other].parallel is not spec and requests[other].parallel != spec]
         for other in differing:
             message = (
-                f"selected by requests[{record.request}] ({spec.describe()}) and requests[{other}] "
+                f"selected by requests[{request}] ({spec.describe()}) and requests[{other}] "
                 f"({requests[other].parallel.describe()}) with different specs"
             )
-            problems.append(
-                PlanProblem(ProblemCode.CONFLICT, record.fqn, f"requests[{record.request}], requests[{other}]", message)
-            )
+            source = f"requests[{request}], requests[{other}]"
+            problems.append(PlanProblem(ProblemCode.CONFLICT, planned.fqns[row], source, message))
         if differing:
-            conflicted.add(record.index)
-    if not conflicted:
-        return records, problems
-    return [record for record in records if record.index not in conflicted], problems
+            conflicted.add(index)
+    if conflicted:
+        planned.without(conflicted)
+    return problems

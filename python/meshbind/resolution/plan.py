@@ -1,16 +1,15 @@
-"""The resolved plan, built from the records: immutable, in tree order, with a table and a JSON form."""
+"""The resolved plan, built from the planned modules: immutable, in tree order, with a table and a JSON form."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 from types import MappingProxyType
 from typing import Any
 
 from meshbind.errors import PlanProblem
 from meshbind.resolution.fsdp import FSDPPlan
-from meshbind.resolution.selection import ModuleRecord
+from meshbind.resolution.selection import PlannedModules
 from meshbind.specs import LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 
 
@@ -80,24 +79,23 @@ class ParallelPlan:
 
 
 def build_plan(
-    records: Sequence[ModuleRecord],
+    laid_out: PlannedModules,
     context: LayoutContext,
     warnings: tuple[PlanProblem, ...],
     fsdp: FSDPPlan | None,
     offline: bool,
 ) -> ParallelPlan:
-    """The plan of records that all have their layout."""
-    fqns = list(map(attrgetter("fqn"), records))
+    """The plan of modules that all have their layout."""
 
-    def mapping(field: str) -> MappingProxyType[str, Any]:
-        return MappingProxyType(dict(zip(fqns, map(attrgetter(field), records), strict=True)))
+    def mapping(column: Sequence[Any]) -> MappingProxyType[str, Any]:
+        return MappingProxyType(dict(zip(laid_out.fqns, column, strict=True)))
 
     return ParallelPlan(
-        parallel_modules=mapping("spec"),
-        sharding=mapping("sharding"),
+        parallel_modules=mapping(laid_out.specs),
+        sharding=mapping(laid_out.shardings),
         context=context,
-        sources=mapping("source"),
+        sources=mapping(laid_out.sources),
         warnings=warnings,
         fsdp=fsdp,
-        classes=None if offline else tuple(map(attrgetter("cls"), records)),
+        classes=None if offline else tuple(laid_out.classes),  # type: ignore[arg-type]
     )

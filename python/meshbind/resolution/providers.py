@@ -15,7 +15,7 @@ from torch import nn
 
 from meshbind.errors import LayoutRefusal, PlanProblem, ProblemCode
 from meshbind.placements import placements_text
-from meshbind.resolution.selection import ModuleRecord
+from meshbind.resolution.selection import PlannedModules
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest
 
 Provider = Callable[[nn.Module | None, str, LayoutContext], ModuleShardingSpec]
@@ -33,51 +33,37 @@ def family_sharding(module: nn.Module | None, fqn: str, context: LayoutContext) 
 
 
 def provide_layouts(
-    records: Sequence[ModuleRecord],
+    planned: PlannedModules,
     requests: Sequence[NativeParallelBindingRequest],
     context: LayoutContext,
     progress: Progress | None,
 ) -> list[PlanProblem]:
-    """Sets every record's sharding from its provider (``None`` after a problem), then drops
+    """Sets every module's sharding from its provider (``None`` after a problem), then drops
     the sharding of a module whose sharing requests' providers disagree. The providers are user
     code, possibly slow: ``progress`` hears of each call."""
     providers: list[Provider] = [request.sharding for request in requests]
     problems: list[PlanProblem] = []
-    for done, record in enumerate(records, 1):
-        provider = family_sharding if record.request is None else providers[record.request]
+    shardings = planned.shardings
+    total = len(shardings)
+    for row, (request, module, fqn) in enumerate(zip(planned.requests, planned.modules, planned.fqns, strict=True)):
+        provider = family_sharding if request is None else providers[request]
         try:
-            sharding = provider(record.module, record.fqn, context)
+            sharding = provider(module, fqn, context)
         except Exception as error:
-            problems.append(_refusal(error, record, record.source))
+            problems.append(_refusal(error, fqn, planned.sources[row]))
         else:
             if isinstance(sharding, ModuleShardingSpec):
-                record.sharding = sharding
+                shardings[row] = sharding
             else:
-                problems.append(_refusal(sharding, record, record.source))
+                problems.append(_refusal(sharding, fqn, planned.sources[row]))
         if progress is not None:
-            progress("layout providers", done, len(records))
-    shared = [(c, other) for c in records if c.other_requests and c.sharding is not None for other in c.other_requests]
-    if shared:
-        problems += _check_shared_layouts(shared, providers, requests, context)
+            progress("layout providers", row + 1, total)
+    if planned.other_requests:
+        problems += _check_shared_layouts(planned, providers, requests, context)
     return problems
 
 
-def _provided(
-    provider: Provider, record: ModuleRecord, source: str, context: LayoutContext, problems: list[PlanProblem]
-) -> ModuleShardingSpec | None:
-    """The record's layout from ``provider``; ``None`` after a problem (named for ``source``)."""
-    try:
-        sharding = provider(record.module, record.fqn, context)
-    except Exception as error:
-        problems.append(_refusal(error, record, source))
-        return None
-    if not isinstance(sharding, ModuleShardingSpec):
-        problems.append(_refusal(sharding, record, source))
-        return None
-    return sharding
-
-
-def _refusal(result: object, record: ModuleRecord, source: str) -> PlanProblem:
+def _refusal(result: object, fqn: str, source: str) -> PlanProblem:
     """The ``layout`` problem of a provider that raised ``result`` or returned it (no sharding)."""
     if isinstance(result, LayoutRefusal):
         message = str(result)
@@ -85,11 +71,11 @@ def _refusal(result: object, record: ModuleRecord, source: str) -> PlanProblem:
         message = f"the layout provider raised {type(result).__name__}: {result}"
     else:
         message = f"the layout provider returned {type(result).__name__}, not a ModuleShardingSpec"
-    return PlanProblem(ProblemCode.LAYOUT, record.fqn, source, message)
+    return PlanProblem(ProblemCode.LAYOUT, fqn, source, message)
 
 
 def _check_shared_layouts(
-    shared: Sequence[tuple[ModuleRecord, int]],
+    planned: PlannedModules,
     providers: Sequence[Provider],
     requests: Sequence[NativeParallelBindingRequest],
     context: LayoutContext,
@@ -97,24 +83,44 @@ def _check_shared_layouts(
     """Every other sharing provider is called in one batch; a module whose layouts differ is a
     conflict and loses its sharding."""
     problems: list[PlanProblem] = []
-    theirs = [_provided(providers[other], record, f"requests[{other}]", context, problems) for record, other in shared]
-    for (record, other), layout in zip(shared, theirs, strict=True):
-        ours = record.sharding
+    shared: list[tuple[int, int]] = []
+    for index, others in planned.other_requests.items():
+        row = planned.row(index)
+        if planned.shardings[row] is not None:
+            shared += [(row, other) for other in others]
+    theirs = [_provided(providers[other], planned, row, f"requests[{other}]", context, problems) for row, other in shared]
+    for (row, other), layout in zip(shared, theirs, strict=True):
+        ours = planned.shardings[row]
         if ours is None or layout is ours or layout == ours:  # dropped by an earlier pair, or agreeing
             continue
+        planned.shardings[row] = None
         if layout is None:  # that provider failed: its layout problem is reported
-            record.sharding = None
             continue
         mine, differing = _field_texts(ours), _field_texts(layout)
         fields = "; ".join(f"{key} {mine[key]} against {differing[key]}" for key in mine if mine[key] != differing[key])
-        first = cast(int, record.request)  # a shared module is a request's
+        first = cast(int, planned.requests[row])  # a shared module is a request's
         message = (
             f"selected by requests[{first}] and requests[{other}] with equal specs "
             f"({requests[first].parallel.describe()}) but different layouts: {fields}"
         )
-        problems.append(PlanProblem(ProblemCode.CONFLICT, record.fqn, f"requests[{first}], requests[{other}]", message))
-        record.sharding = None
+        problems.append(PlanProblem(ProblemCode.CONFLICT, planned.fqns[row], f"requests[{first}], requests[{other}]", message))
     return problems
+
+
+def _provided(
+    provider: Provider, planned: PlannedModules, row: int, source: str, context: LayoutContext, problems: list[PlanProblem]
+) -> ModuleShardingSpec | None:
+    """A module's layout from ``provider``; ``None`` after a problem (named for ``source``)."""
+    fqn = planned.fqns[row]
+    try:
+        sharding = provider(planned.modules[row], fqn, context)
+    except Exception as error:
+        problems.append(_refusal(error, fqn, source))
+        return None
+    if not isinstance(sharding, ModuleShardingSpec):
+        problems.append(_refusal(sharding, fqn, source))
+        return None
+    return sharding
 
 
 def _field_texts(sharding: ModuleShardingSpec) -> dict[str, str]:

@@ -10,8 +10,11 @@ those modules, and the tree walked again.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
+from operator import is_
 from typing import Any, cast
 
 from torch import nn
@@ -23,29 +26,65 @@ from meshbind.specs import ModuleShardingSpec, NativeParallelBindingRequest, Par
 
 
 @dataclass(slots=True)
-class ModuleRecord:
-    """One planned module, filled in as resolution goes."""
+class PlannedModules:
+    """The planned modules, one row each in tree order: row ``r`` of every column is one module's
+    record. Each step of resolution reads and extends these columns; a plan of 188k modules is
+    ten lists, not 188k objects (making and freeing those costs more than all of validation).
+    The columns few modules fill are keyed by module index."""
 
-    index: int
-    """The module's index in the walk's tree."""
-    fqn: str
+    indices: list[int]
+    """Each module's index in the walk's tree, ascending."""
+    fqns: list[str]
     """Its first FQN in ``named_modules()`` order."""
-    module: nn.Module | None
+    modules: list[nn.Module | None]
     """``None`` offline (a plan over a list of FQNs)."""
-    cls: type | None
+    classes: list[type | None]
     """The module's class; ``None`` offline."""
-    request: int | None
+    requests: list[int | None]
     """The request that selects it first (``requests[i]``); ``None`` for a family member."""
-    spec: ParallelModuleSpec
-    source: str
+    specs: list[ParallelModuleSpec]
+    sources: list[str]
     """What put it in the plan: ``requests[i]`` or ``family Cls``."""
-    other_requests: tuple[int, ...] = ()
-    """The other requests selecting it, ascending; after ownership, those with an equal spec
-    (their layouts must agree)."""
-    overrides: tuple[int, ...] = ()
-    """The overrides that select it, in the mapping's order."""
-    sharding: ModuleShardingSpec | None = None
-    """Its layout: the provider's, overrides merged; ``None`` until provided, or after a problem."""
+    other_requests: dict[int, tuple[int, ...]]
+    """Module index → the other requests selecting it, ascending; after ownership, each has the
+    module's spec (their layouts must agree)."""
+    overrides: dict[int, tuple[int, ...]]
+    """Module index → the overrides that select it, in the mapping's order."""
+    shardings: list[ModuleShardingSpec | None]
+    """Each layout: the provider's, overrides merged; ``None`` until provided, or after a problem."""
+
+    def row(self, index: int) -> int:
+        """The row of the module with tree index ``index`` (which must be planned)."""
+        return bisect_left(self.indices, index)
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        """Every row as a tuple of the list columns, in their order."""
+        return list(zip(*(getattr(self, column) for column in _ROW_COLUMNS), strict=True))
+
+    def set_rows(self, rows: Sequence[tuple[Any, ...]]) -> None:
+        """Replaces the list columns by ``rows`` (tuples as ``rows()`` gives them), in tree order;
+        the keyed columns keep only the modules still planned."""
+        columns: Sequence[Sequence[Any]] = list(zip(*rows, strict=True)) or [()] * len(_ROW_COLUMNS)
+        for name, column in zip(_ROW_COLUMNS, columns, strict=True):
+            setattr(self, name, list(column))
+        kept = set(self.indices)
+        self.other_requests = {index: found for index, found in self.other_requests.items() if index in kept}
+        self.overrides = {index: found for index, found in self.overrides.items() if index in kept}
+
+    def without(self, indices: set[int]) -> None:
+        """Drops the modules of these tree indices."""
+        self.set_rows([row for row in self.rows() if row[0] not in indices])
+
+    def laid_out(self) -> PlannedModules:
+        """The modules with a layout (the others' problems are reported)."""
+        if not any(map(is_, self.shardings, repeat(None))):
+            return self
+        laid_out = replace(self)
+        laid_out.set_rows([row for row in self.rows() if row[-1] is not None])
+        return laid_out
+
+
+_ROW_COLUMNS = ("indices", "fqns", "modules", "classes", "requests", "specs", "sources", "shardings")
 
 
 Override = tuple[str, Mapping[str, Any]]
@@ -77,14 +116,14 @@ class PlanPatterns:
 
 @dataclass
 class Selection:
-    """What the walk found: the records of the modules requests select, in tree order."""
+    """What the walk found: the modules requests select, in tree order."""
 
     requests: list[NativeParallelBindingRequest]
     """The requests, parameter-selecting patterns rewritten to the modules holding them."""
     patterns: PlanPatterns
     tree: ModuleTree
     offline: bool
-    records: list[ModuleRecord]
+    planned: PlannedModules
     override_only: dict[int, tuple[int, ...]]
     """Module index → the overrides selecting a module no request selects (a family member may
     still join with them)."""
@@ -94,15 +133,15 @@ class Selection:
 def select_modules(
     model: nn.Module | Sequence[str], requests: Sequence[NativeParallelBindingRequest], overrides: Sequence[Override]
 ) -> Selection:
-    """The walk, parameter-selecting patterns resolved to their modules, and the records."""
+    """The walk, parameter-selecting patterns resolved to their modules, and the planned modules."""
     patterns = PlanPatterns.of(requests, overrides)
     tree, offline = _walk(patterns.pattern_set, model)
     if owners := _parameter_owners(model, patterns, tree):
         requests = _selecting_owners(requests, patterns, owners)
         patterns = PlanPatterns.of(requests, overrides)
         tree, offline = _walk(patterns.pattern_set, model)
-    records, override_only = _records(tree, patterns, requests)
-    return Selection(list(requests), patterns, tree, offline, records, override_only, _cycle_problems(tree))
+    planned, override_only = _planned(tree, patterns, requests)
+    return Selection(list(requests), patterns, tree, offline, planned, override_only, _cycle_problems(tree))
 
 
 def _walk(pattern_set: PatternSet, model: object) -> tuple[ModuleTree, bool]:
@@ -123,43 +162,39 @@ def _walk(pattern_set: PatternSet, model: object) -> tuple[ModuleTree, bool]:
     return pattern_set.index_names(names), True
 
 
-def _records(
+def _planned(
     tree: ModuleTree, patterns: PlanPatterns, requests: Sequence[NativeParallelBindingRequest]
-) -> tuple[list[ModuleRecord], dict[int, tuple[int, ...]]]:
-    """One record per module a request selects, from one Rust call; the override-only modules."""
+) -> tuple[PlannedModules, dict[int, tuple[int, ...]]]:
+    """The modules requests select, from one Rust call; the override-only modules."""
     indices, fqns, found_modules, found_classes, first, others, override_hits = tree.selected(
         patterns.request_of, list(range(len(patterns.overrides)))
     )
+    overrides = {indices[row]: tuple(found) for row, found in override_hits}
+    other_requests = {indices[row]: tuple(found) for row, found in others}
     modules: list[Any] = found_modules or [None] * len(indices)  # empty offline
     classes: list[Any] = found_classes or [None] * len(indices)
+    override_only: dict[int, tuple[int, ...]] = {}
+    if None in first:  # rows only overrides select are not planned
+        override_only = {indices[row]: overrides.pop(indices[row]) for row, request in enumerate(first) if request is None}
+        rows = [row for row, request in enumerate(first) if request is not None]
+        indices, fqns, first = [indices[row] for row in rows], [fqns[row] for row in rows], [first[row] for row in rows]
+        modules, classes = [modules[row] for row in rows], [classes[row] for row in rows]
+    owners = cast(list[int], first)
     specs = [request.parallel for request in requests]
     labels = [f"requests[{index}]" for index in range(len(requests))]
-    override_only: dict[int, tuple[int, ...]] = {}
-    if override_hits:  # rows only overrides select become no record
-        hits = {row: tuple(found) for row, found in override_hits}
-        override_only = {indices[row]: hits[row] for row, request in enumerate(first) if request is None}
-        rows = [row for row, request in enumerate(first) if request is not None]
-        indices, fqns, modules, classes, first = (
-            [indices[row] for row in rows],
-            [fqns[row] for row in rows],
-            [modules[row] for row in rows],
-            [classes[row] for row in rows],
-            [first[row] for row in rows],
-        )
-    owners = cast(list[int], first)
-    records = list(
-        map(
-            ModuleRecord, indices, fqns, modules, classes, owners, map(specs.__getitem__, owners), map(labels.__getitem__, owners)
-        )
+    planned = PlannedModules(
+        indices,
+        fqns,
+        modules,
+        classes,
+        cast(list[int | None], owners),
+        list(map(specs.__getitem__, owners)),
+        list(map(labels.__getitem__, owners)),
+        other_requests,
+        overrides,
+        [None] * len(indices),
     )
-    by_row: Mapping[int, ModuleRecord] | list[ModuleRecord] = records
-    if override_hits:
-        by_row = dict(zip(rows, records, strict=True))
-        for row, record in by_row.items():
-            record.overrides = hits.get(row, ())
-    for row, found in others:
-        by_row[row].other_requests = tuple(found)
-    return records, override_only
+    return planned, override_only
 
 
 def _parameter_owners(model: object, patterns: PlanPatterns, tree: ModuleTree) -> dict[int, list[str]]:

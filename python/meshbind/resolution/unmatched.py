@@ -14,15 +14,13 @@ from torch import nn
 
 from meshbind._core import ModuleTree, PatternSet
 from meshbind.errors import PlanProblem, ProblemCode
-from meshbind.resolution.selection import ModuleRecord, Selection
+from meshbind.resolution.selection import Selection
 
 
-def unmatched_problems(
-    selection: Selection, records: Sequence[ModuleRecord], model: nn.Module | Sequence[str]
-) -> tuple[list[PlanProblem], list[PlanProblem]]:
+def unmatched_problems(selection: Selection, model: nn.Module | Sequence[str]) -> tuple[list[PlanProblem], list[PlanProblem]]:
     """The unmatched problems, and the warnings of optional requests' patterns that select nothing."""
     counts = selection.tree.hit_counts()
-    overrides_used = {index for record in records for index in record.overrides}
+    overrides_used = {index for found in selection.planned.overrides.values() for index in found}
     every_name: ModelNames | None = None
     planned_names: ModuleTree | None = None
     problems: list[PlanProblem] = []
@@ -34,7 +32,7 @@ def unmatched_problems(
             nearest, source, what = every_name.nearest(pattern), f"requests[{request}]", "any module"
         elif override is not None and override not in overrides_used:
             if planned_names is None:
-                planned_names = PatternSet([]).index_names([record.fqn for record in records], prune=False)
+                planned_names = PatternSet([]).index_names(selection.planned.fqns, prune=False)
             nearest = [repr(name) for name in planned_names.nearest(pattern, 3)]
             source, what = f"overrides[{pattern!r}]", "any planned module"
         else:

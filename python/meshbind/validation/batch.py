@@ -101,60 +101,53 @@ class ValidationBatch:
         self._table = _core.PlacementTable(list(self.context.axis_sizes.items()), EXPERT_AXIS)
         # A placement may name an axis by its other name ('dp' for 'dp_replicate'): the context's spelling.
         self._spelled = other_spellings(self.context.axis_sizes)
-        count = len(fqns)
-        failures: list[Failure | None] = [None] * count
+        failures: dict[int, Failure] = {}
         layout: dict[int, list[str]] = {}
-        spec_ids = list(map(id, specs))
-        distinct_specs = dict(zip(spec_ids, specs, strict=True))
-        if modules and modules[0] is not None:
-            self._class_failures(list(map(type, modules)) if classes is None else classes, spec_ids, distinct_specs, failures)
-        num_experts = self._expert_counts(spec_ids, distinct_specs, failures)
+        online = bool(modules) and modules[0] is not None
+        row_classes = (list(map(type, modules)) if classes is None else classes) if online else []
+        keys: list[list[Any]] = [list(specs), list(shardings), list(row_classes)] if online else [list(specs), list(shardings)]
+        templates: dict[int, _ShardingTemplate] = {}
+        class_failures: dict[tuple[type, int], Failure | None] = {}
         units: list[_Unit] = []
-        for template, experts, rows in self._groups(shardings, spec_ids, num_experts):
-            if template.failure or template.problems:
+        validated: list[int] = []
+        for rows in _core.same_object_groups(keys):
+            first = rows[0]
+            spec, sharding = specs[first], shardings[first]
+            template = templates.get(id(sharding))
+            if template is None:
+                template = templates[id(sharding)] = self._flatten(sharding)
+            failure = None
+            if online:
+                key = (row_classes[first], id(spec))
+                if key not in class_failures:
+                    class_failures[key] = class_failure(row_classes[first], spec)
+                failure = class_failures[key]
+            experts = _expert_count(spec)
+            if isinstance(experts, tuple):
+                failure, experts = failure or experts, None
+            failure = failure or template.failure
+            if failure is not None:
+                failures.update(zip(rows, repeat(failure)))
+            if template.problems:
                 for row in rows:
-                    failures[row] = failures[row] or template.failure
                     layout.setdefault(row, []).extend(template.problems)
             units += self._units(template, experts, rows, modules, fqns, layout)
+            if spec.validate is not None and online:
+                validated += rows
         self._fill_table(units)
-        checked = self._table.check()
-        for unit, text, message in checked:
+        for unit, text, message in self._table.check():
             code = ProblemCode(text)  # the Rust checks name their codes as text
             for row in units[unit].rows:
                 if code is ProblemCode.LAYOUT:
                     layout.setdefault(row, []).append(message)
-                elif failures[row] is None:
-                    failures[row] = (code, message)
-        if any(spec.validate is not None for spec in distinct_specs.values()):
-            self._run_validators(modules, specs, shardings, failures, layout)
+                else:
+                    failures.setdefault(row, (code, message))
+        for row in sorted(validated):
+            if row not in failures and row not in layout:
+                self._run_validator(row, modules, specs, shardings, failures)
         problems = [(row, ProblemCode.LAYOUT, message) for row, messages in sorted(layout.items()) for message in messages]
-        problems += [(row, failure[0], failure[1]) for row, failure in enumerate(failures) if failure is not None]
+        problems += [(row, failure[0], failure[1]) for row, failure in sorted(failures.items())]
         return problems
-
-    def _groups(
-        self, shardings: Sequence[ModuleShardingSpec], spec_ids: list[int], num_experts: dict[int, int]
-    ) -> list[tuple[_ShardingTemplate, int | None, list[int]]]:
-        """The modules of each distinct sharding object (providers often return shared ones) and
-        ``num_experts``, ascending, each sharding flattened once."""
-        identities = list(map(id, shardings))
-        count = len(identities)
-        if not count:
-            return []
-        experts_of_row: list[int | None] = list(map(num_experts.get, spec_ids)) if num_experts else [None] * count
-        if identities.count(identities[0]) == count and experts_of_row.count(experts_of_row[0]) == count:
-            return [(self._flatten(shardings[0]), experts_of_row[0], list(range(count)))]
-        distinct = dict(zip(identities, shardings, strict=True))
-        rows_of: dict[tuple[int, int | None], list[int]] = {}
-        for row, key in enumerate(zip(identities, experts_of_row, strict=True)):
-            rows_of.setdefault(key, []).append(row)
-        templates: dict[int, _ShardingTemplate] = {}
-        groups = []
-        for (identity, experts), rows in rows_of.items():
-            template = templates.get(identity)
-            if template is None:
-                template = templates[identity] = self._flatten(distinct[identity])
-            groups.append((template, experts, rows))
-        return groups
 
     def _units(
         self,
@@ -198,46 +191,6 @@ class ValidationBatch:
                 dim_size = shape[sharded] if 0 <= sharded < len(shape) else None
                 table.row(unit_id, label, axis, kind, dim, len(shape), shape[0] if shape else None, dim_size)
 
-    @staticmethod
-    def _class_failures(
-        classes: Sequence[type],
-        spec_ids: list[int],
-        distinct_specs: dict[int, ParallelModuleSpec],
-        failures: list[Failure | None],
-    ) -> None:
-        """Rules 1 and 2 once per (class, spec): 50k instances of 5 classes inspect 5 signatures."""
-        pairs = set(zip(classes, spec_ids, strict=True))
-        failing = {key: failure for key in pairs if (failure := class_failure(key[0], distinct_specs[key[1]])) is not None}
-        if failing:
-            for row, key in enumerate(zip(classes, spec_ids, strict=True)):
-                failures[row] = failures[row] or failing.get(key)
-
-    @staticmethod
-    def _expert_counts(
-        spec_ids: list[int], distinct_specs: dict[int, ParallelModuleSpec], failures: list[Failure | None]
-    ) -> dict[int, int]:
-        """``num_experts`` of every ``ep`` spec for rule 5, by spec identity; a spec whose count is
-        not an int from 1 to 2**63 - 1 (what Rust's arithmetic takes) fails each of its modules here."""
-        counts: dict[int, int] = {}
-        failing: dict[int, Failure] = {}
-        for identity, spec in distinct_specs.items():
-            if spec.binding_kind != "ep":
-                continue
-            value = spec.options["num_experts"]
-            if not isinstance(value, int) or isinstance(value, bool):
-                failing[identity] = (
-                    ProblemCode.EXPERT,
-                    f"options['num_experts'] must be an int, got {type(value).__name__} {value!r}",
-                )
-            elif not 1 <= value <= INT64_MAX:
-                failing[identity] = (ProblemCode.EXPERT, f"num_experts must be at least 1 and at most 2**63 - 1, got {value}")
-            else:
-                counts[identity] = value
-        if failing:
-            for row, identity in enumerate(spec_ids):
-                failures[row] = failures[row] or failing.get(identity)
-        return counts
-
     def _parameter_shapes(
         self, rows: list[int], modules: Sequence[nn.Module | None], fqns: Sequence[str], path: str, *, need_shape: bool
     ) -> list[tuple[int, ...] | None]:
@@ -276,24 +229,23 @@ class ValidationBatch:
         hint = f"; did you mean {', '.join(map(repr, nearest))}?" if nearest else ""
         return f"params[{path!r}] names a parameter the module ({type(module).__qualname__}) lacks{hint}"
 
-    def _run_validators(
+    def _run_validator(
         self,
+        row: int,
         modules: Sequence[nn.Module | None],
         specs: Sequence[ParallelModuleSpec],
         shardings: Sequence[ModuleShardingSpec],
-        failures: list[Failure | None],
-        layout: dict[int, list[str]],
+        failures: dict[int, Failure],
     ) -> None:
-        for row, spec in enumerate(specs):
-            if spec.validate is None or failures[row] is not None or row in layout or modules[row] is None:
-                continue
-            try:
-                returned = spec.validate(module=modules[row], sharding=shardings[row], context=self.context)
-            except Exception as error:
-                failures[row] = (ProblemCode.VALIDATOR, f"{spec.protocol} validate failed: {type(error).__name__}: {error}")
-            else:
-                if returned is not None:
-                    failures[row] = (ProblemCode.VALIDATOR, f"{spec.protocol} validate returned {returned!r}: {RAISE_TO_REJECT}")
+        """The spec's own ``validate`` of one module with no other problem."""
+        spec = specs[row]
+        try:
+            returned = spec.validate(module=modules[row], sharding=shardings[row], context=self.context)  # type: ignore[misc]
+        except Exception as error:
+            failures[row] = (ProblemCode.VALIDATOR, f"{spec.protocol} validate failed: {type(error).__name__}: {error}")
+        else:
+            if returned is not None:
+                failures[row] = (ProblemCode.VALIDATOR, f"{spec.protocol} validate returned {returned!r}: {RAISE_TO_REJECT}")
 
     def _flatten(self, sharding: ModuleShardingSpec) -> _ShardingTemplate:
         rows: list[tuple[int, int, Kind, int, str | None]] = []
@@ -317,6 +269,19 @@ class ValidationBatch:
             if path is not None:
                 parameters[path] = parameters.get(path, False) or placement_kind == _SHARD
         return _ShardingTemplate(sharding_failure(sharding), tuple(rows), tuple(parameters.items()), tuple(problems))
+
+
+def _expert_count(spec: ParallelModuleSpec) -> int | Failure | None:
+    """``num_experts`` of an ``ep`` spec for rule 5 (``None`` for another kind); a count that is
+    not an int from 1 to 2**63 - 1 (what Rust's arithmetic takes) is the spec's failure."""
+    if spec.binding_kind != "ep":
+        return None
+    value = spec.options["num_experts"]
+    if not isinstance(value, int) or isinstance(value, bool):
+        return (ProblemCode.EXPERT, f"options['num_experts'] must be an int, got {type(value).__name__} {value!r}")
+    if not 1 <= value <= INT64_MAX:
+        return (ProblemCode.EXPERT, f"num_experts must be at least 1 and at most 2**63 - 1, got {value}")
+    return value
 
 
 def _tuple(shape: Sequence[int] | None) -> tuple[int, ...] | None:
