@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from meshbind import LayoutContext, ModuleShardingSpec, ParallelModuleSpec, _core, validate_parallel_module
-from meshbind.validation import ValidationBatch
+from meshbind.validation import ValidationBatch, rules
 
 CONTEXT = LayoutContext({"dp_shard": 2, "ep": 2, "tp": 1})
 
@@ -379,3 +380,55 @@ def test_a_batch_finds_for_each_module_what_it_finds_for_that_module_alone(
     for row in range(len(rows)):
         alone = ValidationBatch(context).check([modules[row]], [fqns[row]], [specs[row]], [shardings[row]])
         assert sorted(together.get(row, [])) == sorted((code, message) for _, code, message in alone), rows[row]
+
+
+def _stage_forms() -> list[type]:
+    """Classes whose ``forward`` and ``bind_parallel`` take every form a signature may take."""
+    forms: dict[str, Any] = {
+        "plain": "def f(self, x, tokens=None): pass",
+        "keyword_only": "def f(self, *, tokens): pass",
+        "var_keyword": "def f(self, **kwargs): pass",
+        "positional_only": "def f(self, tokens, /): pass",
+        "self_positional_only": "def f(self, /, tokens): pass",
+        "no_self": "def f(): pass",
+        "var_positional": "def f(self, *args): pass",
+        "two_required": "def f(self, a, b): pass",
+        "defaults": "def f(self, a, b=1, *, c=2): pass",
+        "required_keyword": "def f(self, a, *, c): pass",
+        "self_only": "def f(self): pass",
+        "named_self_keyword": "def f(self, x): pass",
+    }
+    classes = []
+    for name, source in forms.items():
+        namespace: dict[str, Any] = {}
+        exec(source, namespace)
+        function = namespace["f"]
+        classes.append(type(name, (nn.Module,), {"forward": function, "bind_parallel": function}))
+    wrapped = classes[0].forward
+
+    @functools.wraps(wrapped)
+    def decorated(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    classes.append(type("decorated", (nn.Module,), {"forward": decorated, "bind_parallel": decorated}))
+    classes.append(
+        type(
+            "static", (nn.Module,), {"forward": staticmethod(lambda tokens: None), "bind_parallel": staticmethod(lambda b: None)}
+        )
+    )
+    return classes
+
+
+@pytest.mark.parametrize("cls", _stage_forms(), ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("keywords", [(), ("tokens",), ("x",), ("self",), ("tokens", "c")])
+@pytest.mark.parametrize("binding_kind", ["none", "cp"])
+def test_the_fast_class_rules_pass_only_what_inspect_passes(
+    cls: type, keywords: tuple[str, ...], binding_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = ParallelModuleSpec("p", binding_kind, stages={"forward": keywords}, validate=lambda **kwargs: None)
+    fast = rules.surely_passes(cls, spec)
+    monkeypatch.setattr(rules, "surely_passes", lambda cls, spec: False)
+    verdict = rules.class_failure(cls, spec)
+    assert not fast or verdict is None, f"read from the code as passing, but inspect says {verdict}"
+    if cls.__name__ in ("plain", "var_keyword", "defaults") and verdict is None:
+        assert fast, "a plain function that passes is read from its code"
