@@ -30,7 +30,7 @@ def nested_problems(planned: PlannedModules, tree: ModuleTree) -> list[PlanProbl
         stack = open_by_kind.setdefault(kinds[row], [])
         while stack and not (stack[-1][0] == "" or name.startswith(stack[-1][0] + ".")):
             stack.pop()
-        if row not in outer_of:
+        if stack and row not in outer_of:  # an open module of its kind is above it
             outer = next((other for _, other in reversed(stack) if other != row), None)
             if outer is not None:
                 outer_of[row] = outer
