@@ -29,8 +29,8 @@ from meshbind.specs import ModuleShardingSpec, NativeParallelBindingRequest, Par
 class PlannedModules:
     """The planned modules, one row each in tree order: row ``r`` of every column is one module's
     record. Each step of resolution reads and extends these columns; a plan of 188k modules is
-    ten lists, not 188k objects (making and freeing those costs more than all of validation).
-    The columns few modules fill are keyed by module index."""
+    ten columns, not 188k objects (making and freeing those costs more than all of validation).
+    The two columns few modules fill are dicts keyed by module index."""
 
     indices: list[int]
     """Each module's index in the walk's tree, ascending."""

@@ -1,7 +1,8 @@
 """The bulk pass of the ``layout`` checks and the per-module rules: many planned modules checked together.
 
-``ValidationBatch`` runs the class-level rules once per (class, spec) and the sharding rules
-once per sharding object, hands the placement arithmetic of every module to Rust in one
+``ValidationBatch`` groups the modules by their (spec, sharding, class) objects in one Rust call,
+runs the class-level rules once per (class, spec) and the sharding rules once per sharding
+object, hands the placement arithmetic of every module to Rust in one
 ``PlacementTable``, and runs each spec's own ``validate`` last. Modules whose placement checks
 must give the same answer (one sharding object, one ``num_experts``, the same rank and
 ``shape[0]`` of every ``Shard`` parameter) are one unit of that table, and its problems are each
@@ -116,7 +117,7 @@ class ValidationBatch:
             template = templates.get(id(sharding))
             if template is None:
                 template = templates[id(sharding)] = self._flatten(sharding)
-            failure = None
+            failure = None  # the group's first failure: rules 1-2, then the expert count, then 3-4
             if online:
                 key = (row_classes[first], id(spec))
                 if key not in class_failures:
