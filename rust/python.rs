@@ -620,10 +620,16 @@ fn same_object_groups(columns: Vec<Bound<'_, PyList>>) -> PyResult<Vec<Vec<u32>>
     crate::same_keys::same_key_groups(&keys, rows).map_err(PyValueError::new_err)
 }
 
-/// The indices of the modules in a list whose `_parameters` has no key `path`.
+/// The positions in `rows` (every index when `None`) of the modules of a list whose
+/// `_parameters` has no key `path`.
 #[pyfunction]
-fn modules_lacking(modules: &Bound<'_, PyList>, path: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
-    crate::layout_reads::modules_lacking(modules, path)
+#[pyo3(signature = (modules, path, rows=None))]
+fn modules_lacking(
+    modules: &Bound<'_, PyList>,
+    path: &Bound<'_, PyString>,
+    rows: Option<Vec<u32>>,
+) -> PyResult<Vec<u32>> {
+    crate::layout_reads::modules_lacking(modules, path, rows.as_deref())
 }
 
 /// Whether meshbind reads CPython's object layout in place: `"on"`, or `"off: <why>"`

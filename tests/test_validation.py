@@ -275,6 +275,10 @@ def test_the_modules_lacking_a_parameter_are_found_across_a_long_list() -> None:
     expected = [i for i, module in enumerate(modules) if "weight" not in module._parameters]
     assert 101 in expected and 151 in expected and 150 not in expected
     assert _core.modules_lacking(modules, "weight") == expected
+    rows = list(range(0, 300, 3))[::-1]
+    assert _core.modules_lacking(modules, "weight", rows) == [k for k, row in enumerate(rows) if row in expected]
+    with pytest.raises(IndexError, match="row 300 is beyond the 300 modules"):
+        _core.modules_lacking(modules, "weight", [0, 300])
     modules[200]._parameters = ["weight"]  # type: ignore[assignment]
     with pytest.raises(TypeError, match=r"modules\[200\]._parameters is a list, not a dict"):
         _core.modules_lacking(modules, "weight")

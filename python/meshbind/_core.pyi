@@ -163,8 +163,9 @@ def same_object_groups(columns: Sequence[list[Any]]) -> list[list[int]]:
     """The rows grouped by the identity of their item in every list of ``columns`` (the lists of one
     length), each group ascending, the groups in the order of their first row."""
 
-def modules_lacking(modules: list[Any], path: str) -> list[int]:
-    """The indices of the modules in the list whose ``_parameters`` has no key ``path``."""
+def modules_lacking(modules: list[Any], path: str, rows: Sequence[int] | None = None) -> list[int]:
+    """The positions in ``rows`` (every index when ``None``) of the modules of the list whose
+    ``_parameters`` has no key ``path``."""
 
 def layout_reads() -> str:
     """``"on"`` when meshbind reads CPython's object layout in place, else ``"off: <why>"``

@@ -9,7 +9,7 @@
 //! run where `Lookahead` knows CPython's layout): every answer comes from `getattr` and
 //! `PyDict_Contains`.
 
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyIndexError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 use pyo3::{ffi, intern};
@@ -26,11 +26,13 @@ const LINKS: [(DictChain, usize); 5] = [
     (DictChain::Entries, 4),
 ];
 
-/// The indices of the modules in `modules` whose `_parameters` dict has no key `path`.
-/// A `_parameters` that is not a dict is a `TypeError` naming the module's index.
+/// The positions in `rows` (every index of `modules` when `None`) of the modules whose
+/// `_parameters` dict has no key `path`. A `_parameters` that is not a dict is a `TypeError`, and a
+/// row beyond the list an `IndexError`, each naming the module's index.
 pub fn modules_lacking(
     modules: &Bound<'_, PyList>,
     path: &Bound<'_, PyString>,
+    rows: Option<&[u32]>,
 ) -> PyResult<Vec<u32>> {
     let py = modules.py();
     let name = intern!(py, "_parameters");
@@ -38,24 +40,32 @@ pub fn modules_lacking(
         layout: Lookahead::new(py),
         slots: SlotTable::default(),
     };
+    let row_at = |position: usize| rows.map_or(position, |rows| rows[position] as usize);
     let mut lacking = Vec::new();
-    let mut index = 0;
+    let mut position = 0;
     // `getattr` may run Python code that changes the list: its length is read at every step.
-    while index < modules.len() {
+    while position < rows.map_or(modules.len(), <[u32]>::len) {
         for (link, distance) in LINKS {
-            let ahead = index + distance;
-            if ahead < modules.len() {
-                // SAFETY: `ahead` is in bounds, so the item is a live, borrowed reference that
+            let ahead = position + distance;
+            if ahead < rows.map_or(modules.len(), <[u32]>::len) && row_at(ahead) < modules.len() {
+                // SAFETY: the row is in bounds, so the item is a live, borrowed reference that
                 // no Python code can release before `follow` returns.
                 unsafe {
-                    let item = ffi::PyList_GetItem(modules.as_ptr(), ahead as ffi::Py_ssize_t);
+                    let item =
+                        ffi::PyList_GetItem(modules.as_ptr(), row_at(ahead) as ffi::Py_ssize_t);
                     if !item.is_null() {
                         chains.follow(link, item);
                     }
                 }
             }
         }
-        let module = modules.get_item(index)?;
+        let index = row_at(position);
+        let module = modules.get_item(index).map_err(|_| {
+            PyIndexError::new_err(format!(
+                "row {index} is beyond the {} modules",
+                modules.len()
+            ))
+        })?;
         let parameters = module.getattr(name)?;
         let parameters = parameters.cast::<PyDict>().map_err(|_| {
             PyTypeError::new_err(format!(
@@ -69,9 +79,9 @@ pub fn modules_lacking(
         })?;
         chains.learn(&module, parameters);
         if !parameters.contains(path)? {
-            lacking.push(index as u32);
+            lacking.push(position as u32);
         }
-        index += 1;
+        position += 1;
     }
     Ok(lacking)
 }

@@ -204,16 +204,16 @@ class ValidationBatch:
                 return [None] * len(rows)
             given = self.param_shapes
             return [_tuple(given.get(f"{fqns[row]}.{path}" if fqns[row] else path)) for row in rows]
-        selected: list[Any] = (
-            modules if isinstance(modules, list) and len(rows) == len(modules) else [modules[row] for row in rows]
-        )
+        if not need_shape and "." not in path:
+            # Rust reads the rows in place: a list of 188k modules would touch each one for nothing.
+            every = modules if isinstance(modules, list) else list(modules)
+            present: list[tuple[int, ...] | None] = [()] * len(rows)
+            for position in _core.modules_lacking(every, path, None if len(rows) == len(every) else rows):
+                present[position] = None
+            return present
+        selected = modules if isinstance(modules, list) and len(rows) == len(modules) else [modules[row] for row in rows]
         if "." in path:
             parameters = [_get_parameter(module, path) for module in selected]
-        elif not need_shape:
-            present: list[tuple[int, ...] | None] = [()] * len(rows)
-            for index in _core.modules_lacking(selected, path):
-                present[index] = None
-            return present
         else:
             parameters = list(map(dict.get, map(_PARAMETERS, selected), repeat(path)))
         missing = any(map(is_, parameters, repeat(None)))  # not `None in`: that calls Tensor.__eq__
