@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
+import statistics
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import cast
 
@@ -25,7 +28,6 @@ from resolution_methods import (
     Size,
     meshbind_resolution,
     meshbind_validate,
-    time_method,
     validation_requests,
 )
 from torch import nn
@@ -78,11 +80,37 @@ def _match_and_required_calls(
     return noticed, fqns, request_of, shardings
 
 
+def _timed_in_turn(
+    runs: dict[str, Callable[[], resolution_methods.Outcome]], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, resolution_methods.Outcome]]:
+    """Each method's time in each round, every method once a round, each run after a
+    ``gc.collect()`` with the collector paused: a burst of load on a shared machine falls on
+    every method alike rather than on whichever ran then."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    outcomes = {}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            gc.collect()
+            gc.disable()
+            try:
+                start = time.perf_counter()
+                outcomes[name] = run()
+                times[name].append(time.perf_counter() - start)
+            finally:
+                gc.enable()
+    return times, outcomes
+
+
+def _paired_ratio(times: list[float], baseline: list[float]) -> float:
+    """The median of the ratios of one round's times."""
+    return statistics.median(t / b for t, b in zip(times, baseline, strict=True))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="61x1024", type=Size.parse)
     parser.add_argument("--plan", default="moe", choices=sorted(PLANS))
-    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--repeat", type=int, default=50, help="rounds, each running every method once")
     args = parser.parse_args(argv)
     tree = build_moe_tree(args.size.layers, args.size.experts, fused_experts=args.plan in FUSED_EXPERT_PLANS)
     plan = PLANS[args.plan](args.size.layers)
@@ -93,13 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "validation_floor": functools.partial(validation_floor, tree, plan),
         "meshbind_validate": functools.partial(meshbind_validate, tree, plan),
     }
-    times = {}
-    for name, run in runs.items():
-        median, _, outcome = time_method(run, args.repeat)
-        times[name] = median
-        print(f"{args.size.label} {args.plan}  {name:<20} {median * 1e3:9.3f} ms  {outcome.matches} planned modules")
+    times, outcomes = _timed_in_turn(runs, args.repeat)
+    for name, median in {name: statistics.median(column) for name, column in times.items()}.items():
+        print(f"{args.size.label} {args.plan}  {name:<20} {median * 1e3:9.3f} ms  {outcomes[name].matches} planned modules")
     for name in list(runs)[1:]:
-        print(f"{name} / meshbind = {times[name] / times['meshbind']:.2f}x")
+        print(f"{name} / meshbind = {_paired_ratio(times[name], times['meshbind']):.2f}x")
+    print(f"meshbind_validate / validation_floor = {_paired_ratio(times['meshbind_validate'], times['validation_floor']):.2f}x")
     return 0
 
 
