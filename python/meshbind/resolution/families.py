@@ -4,9 +4,13 @@ is planned with that spec without a request; a request giving it another spec is
 
 from __future__ import annotations
 
+from typing import cast
+
+from torch import nn
+
 from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.family import family_spec
-from meshbind.resolution.selection import Selection
+from meshbind.resolution.selection import PlannedRow, Selection
 from meshbind.specs import ParallelModuleSpec
 
 
@@ -23,21 +27,21 @@ def join_families(selection: Selection) -> tuple[set[int], list[PlanProblem]]:
         return set(), problems
     members = tree.modules_of_classes(list(specs))
     module_classes = tree.module_classes()
-    rows = {row[0]: row for row in planned.rows()}
+    rows = {row.tree_index: row for row in planned.rows()}
     joining = [member for member in members if member not in rows]
     for member, fqn, module in zip(joining, tree.module_fqns(joining), tree.modules(joining), strict=True):
-        cls = classes[module_classes[member]]
-        rows[member] = (member, fqn, module, cls, None, specs[module_classes[member]], f"family {cls.__qualname__}", None)
+        cls, spec = classes[module_classes[member]], specs[module_classes[member]]
+        rows[member] = PlannedRow(member, fqn, cast(nn.Module, module), cls, None, spec, f"family {cls.__qualname__}", None)
         if member in selection.override_only:
             planned.overrides[member] = selection.override_only[member]
     conflicted: set[int] = set()
     for member in members:
-        index, fqn, _, cls, request, given, *_ = rows[member]
-        spec = specs[module_classes[member]]
-        if request is not None and given != spec:
-            message = f"requests[{request}] gives it {given.describe()}, but its class {cls.__qualname__} owns {spec.describe()}"
-            problems.append(PlanProblem(ProblemCode.CONFLICT, fqn, f"requests[{request}], family {cls.__qualname__}", message))
-            conflicted.add(index)
+        row, spec = rows[member], specs[module_classes[member]]
+        if row.request is not None and row.spec != spec:
+            owner = cast(type, row.cls).__qualname__
+            message = f"requests[{row.request}] gives it {row.spec.describe()}, but its class {owner} owns {spec.describe()}"
+            problems.append(PlanProblem(ProblemCode.CONFLICT, row.fqn, f"requests[{row.request}], family {owner}", message))
+            conflicted.add(member)
     planned.set_rows([rows[index] for index in sorted(rows) if index not in conflicted])
     return set(members), problems
 

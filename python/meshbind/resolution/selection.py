@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import repeat
 from operator import is_
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from torch import nn
 
@@ -57,13 +57,13 @@ class PlannedModules:
         """The row of the module with tree index ``index`` (which must be planned)."""
         return bisect_left(self.indices, index)
 
-    def rows(self) -> list[tuple[Any, ...]]:
-        """Every row as a tuple of the list columns, in their order."""
-        return list(zip(*(getattr(self, column) for column in _ROW_COLUMNS), strict=True))
+    def rows(self) -> list[PlannedRow]:
+        """Every row, read from the list columns (for the steps that add or drop modules)."""
+        return list(map(PlannedRow, *(getattr(self, column) for column in _ROW_COLUMNS)))
 
-    def set_rows(self, rows: Sequence[tuple[Any, ...]]) -> None:
-        """Replaces the list columns by ``rows`` (tuples as ``rows()`` gives them), in tree order;
-        the keyed columns keep only the modules still planned."""
+    def set_rows(self, rows: Sequence[PlannedRow]) -> None:
+        """Replaces the list columns by ``rows``, in tree order; the keyed columns keep only the
+        modules still planned."""
         columns: Sequence[Sequence[Any]] = list(zip(*rows, strict=True)) or [()] * len(_ROW_COLUMNS)
         for name, column in zip(_ROW_COLUMNS, columns, strict=True):
             setattr(self, name, list(column))
@@ -73,18 +73,32 @@ class PlannedModules:
 
     def without(self, indices: set[int]) -> None:
         """Drops the modules of these tree indices."""
-        self.set_rows([row for row in self.rows() if row[0] not in indices])
+        self.set_rows([row for row in self.rows() if row.tree_index not in indices])
 
     def laid_out(self) -> PlannedModules:
         """The modules with a layout (the others' problems are reported)."""
         if not any(map(is_, self.shardings, repeat(None))):
             return self
         laid_out = replace(self)
-        laid_out.set_rows([row for row in self.rows() if row[-1] is not None])
+        laid_out.set_rows([row for row in self.rows() if row.sharding is not None])
         return laid_out
 
 
+class PlannedRow(NamedTuple):
+    """One row of ``PlannedModules``' list columns."""
+
+    tree_index: int
+    fqn: str
+    module: nn.Module | None
+    cls: type | None
+    request: int | None
+    spec: ParallelModuleSpec
+    source: str
+    sharding: ModuleShardingSpec | None
+
+
 _ROW_COLUMNS = ("indices", "fqns", "modules", "classes", "requests", "specs", "sources", "shardings")
+"""``PlannedModules``' list columns, in ``PlannedRow``'s order."""
 
 
 Override = tuple[str, Mapping[str, Any]]
