@@ -436,3 +436,15 @@ def test_the_fast_class_rules_pass_only_what_inspect_passes(
     assert not fast or verdict is None, f"read from the code as passing, but inspect says {verdict}"
     if cls.__name__ in ("plain", "var_keyword", "defaults") and verdict is None:
         assert fast, "a plain function that passes is read from its code"
+
+
+def test_rows_group_by_the_identity_of_their_objects_in_every_column() -> None:
+    first, equal_twin = ModuleShardingSpec(), ModuleShardingSpec()
+    assert first == equal_twin
+    spec = ep_spec()
+    specs = [spec, spec, spec, spec]
+    shardings = [first, equal_twin, first, first]
+    classes = [nn.Linear, nn.Linear, nn.Linear, nn.ReLU]
+    assert _core.same_object_groups([specs, shardings, classes]) == [[0, 2], [1], [3]]
+    with pytest.raises(ValueError, match="column 1 has 3 rows, not 4"):
+        _core.same_object_groups([specs, shardings[:3]])
