@@ -2,10 +2,11 @@
 
 ``resolve_plan`` reads as its steps, each in a file of its name that reads and extends the planned
 modules (``selection.PlannedModules``: one row per module, in columns) and returns its problems:
-the walk and the planned modules (``selection``), who owns each module (``ownership``), family members joining
-(``families``), patterns that select nothing (``unmatched``), a bound module inside another
-(``nesting``), the layout providers (``providers``), overrides merged over them (``overrides``),
-the per-module rules (``validate``), the FSDP units (``fsdp``), and the plan (``plan``).
+the walk and the planned modules (``selection``), who owns each module (``ownership``), family
+members joining (``families``), patterns that select nothing (``unmatched``), a bound module
+inside another (``nesting``), the layout providers (``providers``), overrides merged over them
+(``overrides``), the per-module rules (``validate``), the FSDP units (``fsdp``), and the plan
+(``plan``).
 """
 
 from __future__ import annotations
