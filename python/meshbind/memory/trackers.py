@@ -61,7 +61,9 @@ class _PeakPlace:
         running = [name for name in self._mod_tracker.parents if name != "Global"]
         if not running:
             return ""
-        innermost = max(running, key=lambda name: name.count("."))
+        # `parents` is a set: among equally deep modules (a checkpointed block's recomputation runs
+        # inside another's backward), the name decides, not the set's hash order.
+        innermost = max(running, key=lambda name: (name.count("."), name))
         fqn = innermost.partition(".")[2] if "." in innermost else ""
         return fqn.replace("._checkpoint_wrapped_module", "") or "<root>"
 
