@@ -18,7 +18,7 @@ use regex_syntax::hir::Hir;
 use rustc_hash::FxHashMap;
 
 use crate::pattern::ast::{is_special, Node};
-use crate::pattern::{glob_hir, Pattern, REGEX_PREFIX};
+use crate::pattern::{glob_hir, Pattern, MAX_PATTERN_CHARS, REGEX_PREFIX};
 
 /// Fewer members than this stay separate patterns: telling members apart costs a lookup per
 /// match, which a few members do not repay in DFA states saved.
@@ -115,6 +115,11 @@ pub fn draft_families<'t>(texts: &[&'t str]) -> Vec<FamilyDraft<'t>> {
     let mut candidates: Vec<(usize, u32, &'t str)> = Vec::with_capacity(texts.len() * 4);
     let mut found = Vec::new();
     for (index, &text) in (0u32..).zip(texts) {
+        // Hashing the text around each segment costs the text's length per segment: a text past
+        // the limit is refused by its own compile, so it never drafts.
+        if text.len() > MAX_PATTERN_CHARS && text.chars().count() > MAX_PATTERN_CHARS {
+            continue;
+        }
         plain_segments(text, &mut found);
         for (segment, range) in found.drain(..) {
             let around = (&text[..range.start], &text[range.end..]);
@@ -290,6 +295,17 @@ mod tests {
         assert!(!accepts(gate, "layers.7.mlp.experts.0.gate_proj"));
         assert_eq!(members_of(gate, "layers.7.mlp.gate"), &[15]);
         assert_eq!(members_of(gate, "layers.70.mlp.gate"), &[] as &[u32]);
+    }
+
+    #[test]
+    fn a_text_past_the_length_limit_drafts_no_family() {
+        let long = "a.".repeat(MAX_PATTERN_CHARS);
+        let texts: Vec<String> = (0..MIN_MEMBERS).map(|i| format!("{long}x{i}")).collect();
+        let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+        assert!(draft_families(&texts).is_empty());
+        let short: Vec<String> = (0..MIN_MEMBERS).map(|i| format!("a.a.x{i}")).collect();
+        let short: Vec<&str> = short.iter().map(String::as_str).collect();
+        assert_eq!(draft_families(&short).len(), 1);
     }
 
     /// `template` with `#` replaced by each of `literals`.

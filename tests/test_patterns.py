@@ -277,6 +277,18 @@ def test_a_pattern_over_the_limit_is_refused_before_it_is_compiled() -> None:
         PatternSet(["a*" * 500_000])  # once: a match of it ran for minutes
 
 
+@pytest.mark.parametrize("pattern", ["a." * 500_000, "?" * 1_000_000, "a*" * 500_000], ids=["segments", "wildcards", "stars"])
+def test_a_megabyte_pattern_is_refused_in_time_linear_in_its_length(pattern: str) -> None:
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(PatternError, match=f"a pattern of {len(pattern)} characters exceeds the limit of {LIMIT}"):
+        PatternSet(["layers.*", pattern])
+    # Linear is about a millisecond here; drafting families once hashed the text around each of
+    # the half million segments (80 s).
+    assert time.perf_counter() - started < 1.0
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(piece=st.sampled_from(["a*", "*a", "?", "a.", "[a-z]*", "<0-99>.", "{a,b.c}*", "**.a"]), name_length=st.integers(1, 4000))
 def test_patterns_up_to_the_limit_compile_and_match_in_bounded_time_and_memory(piece: str, name_length: int) -> None:
