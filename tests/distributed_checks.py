@@ -403,14 +403,13 @@ def check_binding(context: MeshContext) -> None:
     validate_materialized_modules(model)
     # A plan checked against another layout binds nothing.
     sizes = context.axis_sizes()
-    other_layout = LayoutContext({**sizes, "dp_shard": 2 * sizes["dp_shard"], "ep": 2 * sizes["ep"]})  # a world twice as large
+    other_layout = LayoutContext({**sizes, "cp": 2 * sizes["cp"], "ep": 2 * sizes["ep"]})  # a world twice as large
     fresh = nn.Module()
     fresh.blocks = nn.ModuleList(Block(2 * num_experts) for _ in range(2))
     elsewhere = resolve_plan(fresh, [_experts_plan(2 * num_experts)], other_layout)
     _expect(
         ValueError,
-        f"resolved for dp_shard={2 * sizes['dp_shard']}, ep={2 * sizes['ep']}, "
-        f"but the meshes have dp_shard={sizes['dp_shard']}, ep={sizes['ep']}",
+        f"resolved for cp={2 * sizes['cp']}, ep={2 * sizes['ep']}, but the meshes have cp={sizes['cp']}, ep={sizes['ep']}",
         lambda: bind_parallel_modules(fresh, elsewhere, context),
         code="mesh",
     )

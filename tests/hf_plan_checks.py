@@ -17,7 +17,9 @@ from rank_checks import Results, attempt_each
 
 
 def check_forward_equals_one_process(name: str, tp: int, ep: int) -> None:
-    context = MeshContext.build(dp_shard=2 // tp, tp=tp, ep=ep)
+    # The second rank of a tp=1 world runs another sequence chunk (cp): experts borrow it for ep, and
+    # no FSDP shards what the plan leaves whole, as dp_shard would.
+    context = MeshContext.build(cp=2 // tp, tp=tp, ep=ep)
     model = hf_model(name)
     reference = copy.deepcopy(model)
     plan = resolve_plan(model, from_hf_plan(model), context.layout_context())

@@ -300,3 +300,42 @@ def test_fsdp_units_are_checked_and_counted_offline(capsys: pytest.CaptureFixtur
     assert "fsdp      2 modules 'blocks.<0-1>': holds parameters of the expert mesh" in capsys.readouterr().err
     assert main(["check", model, plan, "--axis", "pp=2"]) == 2
     assert "--axis: LayoutContext: 'pp' is not an axis of the world" in capsys.readouterr().err
+
+
+@pytest.fixture
+def small_llama_config(tmp_path: Path) -> Path:
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 128,
+                                "max_position_embeddings": 32}))  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (["--batch", "1", "--seq-len", "1000000000000"], "--seq-len 1000000000000 is over the limit of 2,147,483,647"),
+        (["--batch", str(10**19), "--seq-len", "8"], f"--batch {10**19} is over the limit of 2,147,483,647 (2**31 - 1)"),
+        (["--batch", "65536", "--seq-len", "65536"], "--batch 65536 x --seq-len 65536 is 4,294,967,296 tokens per rank"),
+    ],
+    ids=["seq-len 1e12", "batch 1e19", "tokens 2**32"],
+)
+def test_impossible_step_sizes_are_refused_up_front_in_one_line(
+    small_llama_config: Path, capsys: pytest.CaptureFixture[str], sizes: list[str], message: str
+) -> None:
+    assert main(["check", "--hf-config", str(small_llama_config), "--memory", "--device", "cpu", *sizes]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_sequence_beyond_the_models_positions_is_a_warning_or_under_strict_refused(
+    small_llama_config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["check", "--hf-config", str(small_llama_config), "--memory", "--device", "cpu", "--batch", "1", "--seq-len", "64"]
+    assert main(argv) == 0
+    warning = "--seq-len 64 is longer than the model's max_position_embeddings 32"
+    assert f"warning: {warning}: traced as given" in capsys.readouterr().err
+    assert main([*argv, "--strict"]) == 2
+    assert f"{warning} (--strict)" in capsys.readouterr().err
+    assert main([*argv[:-1], "32"]) == 0
+    assert "max_position_embeddings" not in capsys.readouterr().err

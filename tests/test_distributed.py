@@ -11,7 +11,7 @@ from rank_checks import failures_of, world_results_fixture
 
 WORLDS = {
     "2 ranks dp1 cp2 tp1 ep2": (2, {"dp": 1, "cp": 2, "tp": 1, "ep": 2}),
-    "4 ranks dp_shard2 cp2 tp1 ep4": (4, {"dp_shard": 2, "cp": 2, "tp": 1, "ep": 4}),
+    "4 ranks cp4 tp1 ep4": (4, {"dp": 1, "cp": 4, "tp": 1, "ep": 4}),
 }
 CHECKS = (
     "mesh_sizes",

@@ -24,7 +24,9 @@ def test_check_passes_on_every_rank(world_results: list[dict[str, str | None]], 
 
 # Resolution: the units, their meshes, and every unit fully_shard would refuse, before anything changes.
 
+import json  # noqa: E402
 import math  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import fsdp_checks  # noqa: E402
 import torch  # noqa: E402
@@ -173,3 +175,54 @@ def test_hsdp_replicas_hold_the_same_chunk() -> None:
     )
     assert plan_report(model, hybrid).ranks[3].total_bytes == plan_report(model, sharded).ranks[1].total_bytes
     assert len(plan_report(model, hybrid).ranks) == 4
+
+
+def test_dp_shard_alone_shards_over_torchtitans_default_units() -> None:
+    """dp_shard means FSDP, as in torchtitan: with no units named, each block, each expert module
+    on ep, then the root; the plan and the report say they were chosen by default."""
+    axes = {"dp_shard": 4, "cp": 2, "tp": 2, "ep": 2}
+    defaulted = resolve_plan(demo_model(), [loss_head_request()], LayoutContext(axes))
+    units = FullyShard(("blocks.*.moe", "blocks.*"))
+    named = resolve_plan(demo_model(), [loss_head_request()], LayoutContext(axes), fully_shard=units)
+    assert defaulted.fsdp is not None and named.fsdp is not None
+    assert defaulted.fsdp.by_default and not named.fsdp.by_default
+    assert defaulted.fsdp.units == named.fsdp.units
+    dense = LayoutContext({"cp": 2, "tp": 2, "ep": 2})
+    replicated = plan_report(demo_model(), resolve_plan(demo_model(), [loss_head_request()], dense))
+    report = plan_report(demo_model(), defaulted)
+    assert report.totals() == plan_report(demo_model(), named).totals()
+    assert report.totals()["total_bytes_per_rank"] < replicated.totals()["total_bytes_per_rank"] / 3
+    line = "FSDP units (none named: torchtitan's default units for dp_shard above 1), in the order fully_shard takes them: "
+    assert line + "blocks.<0-1>.moe (expert), blocks.<0-1> (device), <root> (device)" in defaulted.explain()
+    assert line in report.text() and report.to_dict()["fsdp_units"].startswith(line)
+    assert defaulted.to_dict()["fsdp"]["by_default"] is True
+
+
+def test_default_units_of_a_model_without_a_layer_list_are_the_root_and_their_problems_say_so() -> None:
+    flat = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    plan = resolve_plan(flat, [], LayoutContext({"dp_shard": 2}))
+    assert plan.fsdp is not None and [unit.fqn for unit in plan.fsdp.units] == [""]
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float64))
+    with pytest.raises(PlanError) as refused:
+        resolve_plan(mixed, [], LayoutContext({"dp_shard": 2}))
+    assert "holds parameters of 2 dtypes" in str(refused.value) and "[fully_shard (default units)]" in str(refused.value)
+
+
+def test_default_units_offline_are_the_blocks_of_the_most_numbered_list() -> None:
+    layers = [f"layers.{i}{tail}" for i in range(3) for tail in ("", ".mlp")]
+    names = ["", "embed", "layers", *layers, "heads", "heads.0"]
+    plan = resolve_plan(names, [], LayoutContext({"dp_shard": 2}))
+    assert plan.fsdp is not None and [unit.fqn for unit in plan.fsdp.units] == ["layers.0", "layers.1", "layers.2", ""]
+
+
+def test_meshbind_check_report_at_dp_shard_alone_shards_a_transformers_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshbind.cli import main
+
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 128}))  # fmt: skip
+    assert main(["check", "--hf-config", str(config), "--axis", "dp_shard=4", "--report"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp/4" in out and "torchtitan's default units" in out and "model.layers.<0-1> (device)" in out

@@ -9,7 +9,7 @@ from rank_checks import failures_of, world_results_fixture
 
 WORLDS = {
     "2 ranks tp2 ep2": (2, {"dp": 1, "cp": 1, "tp": 2, "ep": 2}),
-    "4 ranks dp_shard2 tp2 ep4": (4, {"dp_shard": 2, "cp": 1, "tp": 2, "ep": 4}),
+    "4 ranks cp2 tp2 ep4": (4, {"dp": 1, "cp": 2, "tp": 2, "ep": 4}),
 }
 CHECKS = ("meta", "values", "all_or_nothing", "family")
 

@@ -445,7 +445,7 @@ def test_a_partial_parameter_and_an_uneven_shard_are_layout_problems() -> None:
     assert messages[0].startswith("params['router'] is Partial on axis 'tp'")
     assert messages[1].startswith("params['w2'] dimension 2 of size 5 is not divisible by 2, the product of the sizes")
     assert "('tp'=2)" in messages[1]
-    assert problems_of(model, [request], context=LayoutContext({"dp_shard": 2, "ep": 2, "tp": 1}))[0].message.startswith(
+    assert problems_of(model, [request], context=LayoutContext({"cp": 2, "ep": 2, "tp": 1}))[0].message.startswith(
         "params['router'] is Partial"
     )
 
@@ -460,7 +460,7 @@ def test_every_problem_of_the_model_comes_back_at_once_sorted_by_fqn() -> None:
         NativeParallelBindingRequest(("embed_tokens",), LINEAR_SPEC, linear_sharding),
     ]
     with pytest.raises(PlanError) as caught:
-        resolve_plan(Model(), requests, LayoutContext({"dp_shard": 3, "cp": 2, "ep": 3}))
+        resolve_plan(Model(), requests, LayoutContext({"cp": 6, "ep": 3}))
     codes = [(p.code, p.fqn) for p in caught.value.problems]
     # ep=3 splits neither the 4 experts (rule 5) nor dimension 0 of w1 (balanced layouts, SPEC §8).
     assert codes == [
@@ -841,11 +841,11 @@ def test_an_optional_request_that_selects_nothing_is_a_warning_not_a_problem() -
 
 def test_problems_sort_numbers_numerically_and_the_text_groups_them_by_layer_index() -> None:
     model = Model(12)
-    problems = problems_of(model, [EXPERTS_REQUEST], context=LayoutContext({"dp_shard": 3, "cp": 2, "ep": 3}))
+    problems = problems_of(model, [EXPERTS_REQUEST], context=LayoutContext({"cp": 6, "ep": 3}))
     expert = [p for p in problems if p.code == "expert"]
     assert [p.fqn for p in expert] == [f"layers.{i}.mlp" for i in range(12)]  # layers.2 before layers.10
     with pytest.raises(PlanError) as caught:
-        resolve_plan(model, [EXPERTS_REQUEST], LayoutContext({"dp_shard": 3, "cp": 2, "ep": 3}))
+        resolve_plan(model, [EXPERTS_REQUEST], LayoutContext({"cp": 6, "ep": 3}))
     lines = str(caught.value).splitlines()
     assert lines[0] == "the plan has 24 problems:"
     grouped = "  expert    12 modules 'layers.<0-11>.mlp': num_experts 4 is not divisible by the 'ep' axis size 3 [requests[0]]"

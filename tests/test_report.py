@@ -28,7 +28,7 @@ DEMO_AXES = ["--axis", "dp=1", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep
 F32 = 4
 
 # At tp=8 Qwen3-235B-A22B's 4 key/value heads would be split: the check refuses it (transformers #48307).
-REAL_SIZES = {"deepseek_v3": {"tp": 8, "ep": 8}, "qwen3_moe_235b": {"dp_shard": 2, "tp": 4, "ep": 8}, "llama_405b": {"tp": 8}}
+REAL_SIZES = {"deepseek_v3": {"tp": 8, "ep": 8}, "qwen3_moe_235b": {"cp": 2, "tp": 4, "ep": 8}, "llama_405b": {"tp": 8}}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_the_report_counts_every_parameter_and_its_bytes_per_rank_by_hand(real_m
     assert rank.parameter_bytes == sum(p.bytes_per_rank for p in report.params)
     assert rank.gradient_bytes == rank.parameter_bytes and rank.optimizer_bytes == 2 * rank.parameter_bytes
     first_two = [{"dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": tp_rank, "ep": tp_rank % ep} for tp_rank in (0, 1)]
-    assert len(report.ranks) == axes.get("dp_shard", 1) * tp and [r.coordinates for r in report.ranks[:2]] == first_two
+    assert len(report.ranks) == LayoutContext(axes).world.size and [r.coordinates for r in report.ranks[:2]] == first_two
 
 
 def test_experts_left_unsharded_lead_the_whole_on_every_rank_list(real_models: dict[str, Any]) -> None:
@@ -267,9 +267,13 @@ def test_fsdp_divides_the_replicated_state_by_the_data_parallel_ranks(real_model
     # DeepSeek-V3 at dp=8, tp=8, ep=8: replicas of the TP/EP shard on every data-parallel rank,
     # until FSDP shards them over those 8 ranks (padding keeps it a little above an eighth).
     model = real_models["deepseek_v3"]
-    replicated = plan_report(model, resolve_plan(model, from_hf_plan(model), LayoutContext({"dp_shard": 8, "tp": 8, "ep": 8})))
+    replicas = LayoutContext({"dp_replicate": 8, "tp": 8, "ep": 8})
+    replicated = plan_report(model, resolve_plan(model, from_hf_plan(model), replicas))
     sharded = plan_report(
         model, resolve_plan(model, from_hf_plan(model), LayoutContext({"dp_shard": 8, "tp": 8, "ep": 8}), fully_shard=FSDP_UNITS)
     )
     whole, part = replicated.ranks[0].total_bytes, sharded.ranks[0].total_bytes
     assert whole / 8 <= part <= whole / 8 * 1.001
+    # dp_shard alone shards too, over torchtitan's default units (each layer, the experts, the root).
+    defaulted = plan_report(model, resolve_plan(model, from_hf_plan(model), LayoutContext({"dp_shard": 8, "tp": 8, "ep": 8})))
+    assert whole / 8 <= defaulted.ranks[0].total_bytes <= whole / 8 * 1.001

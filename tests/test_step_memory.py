@@ -14,6 +14,7 @@ import torch
 from browser_pages import opened_page
 from step_memory_checks import DEMO_UNITS, hf_transformer
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from meshbind import LayoutContext, Routing, StepMemory, StepMemoryError, step_memory
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
@@ -126,6 +127,8 @@ def test_bad_settings_are_refused_before_any_trace() -> None:
     build = lambda: MoETransformer(TransformerConfig(layers=1, experts=EXPERTS))  # noqa: E731
     for settings, words in [
         ({"batch": 0}, "batch must be a positive int"),
+        ({"seq_len": 10**12}, r"seq_len 1000000000000 is over the limit of 2,147,483,647 \(2\*\*31 - 1\)"),
+        ({"batch": 2**16, "seq_len": 2**16}, r"batch \* seq_len = 65536 \* 65536 = 4,294,967,296 tokens per rank"),
         ({"optimizer": "adam-fp32-master"}, "traced optimizer must be one of"),
         ({"activation_checkpointing": "selective"}, "activation_checkpointing must be one of"),
         ({"device": "tpu"}, "device must be one of"),
@@ -412,3 +415,75 @@ def test_a_torch_plan_is_applied_by_torch_and_tp_halves_the_projections_state() 
     sharded = 2 * 4 * (64 * 1024 + 1024 + 1024 * 64)
     assert whole["parameters"] - halved["parameters"] == sharded // 2
     assert whole["optimizer_state"] - halved["optimizer_state"] >= sharded
+
+
+class AttentionCalls(TorchFunctionMode):
+    """Every ``scaled_dot_product_attention`` call: its query, key and value shapes, its mask's
+    shape (``None``: no mask), ``is_causal`` and ``enable_gqa``, which decide the kernel torch runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, ...]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is nn.functional.scaled_dot_product_attention:
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            self.calls.append(
+                (
+                    *(tuple(tensor.shape) for tensor in args[:3]),
+                    None if mask is None else tuple(mask.shape),
+                    kwargs.get("is_causal", False),
+                    kwargs.get("enable_gqa", False),
+                )
+            )
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "gemma3_text"])
+def test_the_trace_calls_sdpa_as_a_real_step_does(name: str) -> None:
+    """transformers takes a fake tensor for tracing and would build a [B, 1, S, S] mask (and repeat
+    the key/value heads) where a real step passes none; the trace takes the real step's path.
+    Gemma 3's sliding layers keep their mask in both."""
+    from meshbind.memory.step import default_inputs, training_step
+
+    def sdpa_model() -> nn.Module:
+        model = hf_transformer(name)
+        model.config._attn_implementation = "sdpa"
+        return model.train()
+
+    real = sdpa_model()
+    args, kwargs = default_inputs(real)(2, 16)
+    with AttentionCalls() as real_calls:
+        training_step(real, None, args, kwargs)
+    with AttentionCalls() as traced_calls:
+        step_memory(sdpa_model, [], LayoutContext({}), batch=2, seq_len=16, optimizer="none", device="cpu", alike_layers=False)
+    assert real_calls.calls and traced_calls.calls == real_calls.calls, (real_calls.calls, traced_calls.calls)
+    if name != "gemma3_text":
+        assert all(call[3] is None and call[4] for call in real_calls.calls)
+
+
+class TinyLM(nn.Module):
+    """Embedding and head; with ``meta_bytes``, a forward that also makes and keeps a meta tensor
+    of that size, as transformers' TP code makes meta tensors to read strides."""
+
+    def __init__(self, meta_bytes: int = 0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.head = nn.Linear(32, 64)
+        self.meta_bytes = meta_bytes
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.meta_bytes:
+            self.strides_probe = torch.empty(self.meta_bytes, dtype=torch.uint8, device="meta")
+        logits = self.head(self.embed(ids))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_meta_tensors_hold_no_memory_in_the_estimate() -> None:
+    def peak(meta_bytes: int) -> StepMemory:
+        return step_memory(lambda: TinyLM(meta_bytes), [], LayoutContext({}), batch=2, seq_len=8, device="cpu")
+
+    without, with_meta = peak(0), peak(2**30)
+    assert with_meta.peak_bytes == without.peak_bytes
+    assert with_meta.classes[0].live_at_peak == without.classes[0].live_at_peak

@@ -52,6 +52,8 @@ def _check(args: argparse.Namespace) -> int:
     """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
     context = _layout_context(args.axis)
     fully_shard = FullyShard(tuple(args.fully_shard)) if args.fully_shard is not None else None
+    if args.memory:
+        _check_step_sizes(args)
     if args.html is not None:
         _check_writable(args.html, "--html")
     model, requests = _model_and_plan(args)
@@ -160,8 +162,7 @@ def _step_memory(args: argparse.Namespace, requests: Any, context: LayoutContext
     from meshbind.errors import StepMemoryError
     from meshbind.memory.trace import step_memory
 
-    if args.batch is None or args.seq_len is None:
-        raise _UsageError("--memory needs --batch (sequences per data-parallel rank) and --seq-len")
+    _check_positions(args)
     print(f"tracing one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
     try:
         return step_memory(
@@ -179,6 +180,34 @@ def _step_memory(args: argparse.Namespace, requests: Any, context: LayoutContext
         )
     except StepMemoryError as error:
         raise _UsageError(f"--memory: {error}") from None
+
+
+def _check_step_sizes(args: argparse.Namespace) -> None:
+    """--memory's sizes, before any work: both given, and a batch a step can hold."""
+    from meshbind.memory.trace import MAX_TOKENS
+
+    if args.batch is None or args.seq_len is None:
+        raise _UsageError("--memory needs --batch (sequences per data-parallel rank) and --seq-len")
+    for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)):
+        if value > MAX_TOKENS:
+            raise _UsageError(f"{flag} {value} is over the limit of {MAX_TOKENS:,} (2**31 - 1)")
+    if args.batch * args.seq_len > MAX_TOKENS:
+        raise _UsageError(
+            f"--batch {args.batch} x --seq-len {args.seq_len} is {args.batch * args.seq_len:,} tokens per rank, "
+            f"over the limit of {MAX_TOKENS:,} (2**31 - 1)"
+        )
+
+
+def _check_positions(args: argparse.Namespace) -> None:
+    """A sequence longer than the model's positions (``max_position_embeddings``) is traced with a
+    warning, or refused under --strict: the model was not made for it."""
+    positions = getattr(args, "max_positions", None)
+    if positions is None or args.seq_len <= positions:
+        return
+    message = f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings {positions}"
+    if args.strict:
+        raise _UsageError(f"{message} (--strict)")
+    print(f"warning: {message}: traced as given", file=sys.stderr)
 
 
 def _misfit_text(misfits: Sequence[Misfit], directory: str) -> str:
@@ -249,6 +278,7 @@ def _hf_model_and_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
 
     model = _user_code(f"--hf-config {path}: building the model", build)
     args.build = lambda: _user_code(f"--hf-config {path}: building the model", build)
+    args.max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     return model, from_hf_plan(model, strict=strict)
 
 
@@ -376,7 +406,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead of MODEL_FACTORY and PLAN: a transformers config file; the model is built from it on meta"
         " and its own tp/ep plans are checked",
     )
-    parser.add_argument("--strict", action="store_true", help="with --hf-config: a key that selects nothing is an error")
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="with --hf-config: a key that selects nothing is an error, and so is a --seq-len beyond the model's positions",
+    )
     parser.add_argument("--axis", type=_axis, action="append", default=[], metavar="NAME=SIZE", help="a mesh axis (repeatable)")
 
 

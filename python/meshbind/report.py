@@ -147,6 +147,8 @@ class PlanReport:
     """Each parameter's FQN and its row's other fields, shared by parameters alike."""
     model_totals: Mapping[str, int] = field(repr=False, default_factory=dict)
     """The model's parameter count and bytes in full (``parameters``, ``parameter_bytes_full``)."""
+    fsdp_units: str | None = None
+    """The plan's FSDP units and who chose them (``FSDPPlan.describe``), ``None`` without FSDP."""
 
     def _row(self, index: int) -> ParameterRow:
         fqn, fields = self.entries[index]
@@ -186,6 +188,7 @@ class PlanReport:
         return {
             "optimizer": self.optimizer,
             "axes": dict(self.axes),
+            "fsdp_units": self.fsdp_units,
             "totals": self.totals(),
             "rank_groups": [
                 {
@@ -254,6 +257,8 @@ class PlanReport:
             f"{totals['parameters']:,} parameters, {size_text(totals['parameter_bytes_full'])} in full; "
             f"layout {', '.join(f'{a}={s}' for a, s in self.axes.items()) or '(no axes)'}"
         )
+        if self.fsdp_units is not None:
+            lines.append(self.fsdp_units)
         return "\n".join(lines)
 
 
@@ -309,6 +314,7 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
         groups,
         entries,
         MappingProxyType(model_totals),
+        None if fsdp is None else fsdp.describe(),
     )
 
 

@@ -1,7 +1,11 @@
-"""Attention on a CUDA target, traced on the CPU."""
+"""Attention as a real step runs it, traced: on a CUDA target, and with the masks transformers
+builds for a real batch."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -44,3 +48,35 @@ def efficient_attention(
         query, key, value, bias, query.requires_grad, dropout_p, is_causal, scale=scale
     )[0]
     return output
+
+
+@contextmanager
+def real_step_masks() -> Iterator[None]:
+    """transformers' SDPA masks as a real step builds them, while a step is traced.
+
+    transformers reads a fake tensor as tracing (``is_tracing``), so under ``FakeTensorMode`` it
+    takes the derived positions for packed sequences, materialises a ``[B, 1, S, S]`` causal mask
+    and turns off SDPA's native GQA, where a real step on an unpacked, unpadded batch (the default
+    inputs) passes no mask (``is_causal``). This installs, through transformers' own mask registry
+    (``AttentionMaskInterface``, a local override of its ``"sdpa"`` entry, removed after), its own
+    ``sdpa_mask`` with the causal skip a real step takes; masks that custom mask functions add
+    (``use_vmap``) are built as before. A no-op when transformers is not loaded."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None:
+        yield
+        return
+    registry = masking.ALL_MASK_ATTENTION_FUNCTIONS
+    sdpa_mask = registry["sdpa"]
+
+    def real_batch_sdpa_mask(*args: Any, allow_is_causal_skip: bool = True, use_vmap: bool = False, **kwargs: Any) -> Any:
+        return sdpa_mask(*args, allow_is_causal_skip=allow_is_causal_skip or not use_vmap, use_vmap=use_vmap, **kwargs)
+
+    overridden = registry._local_mapping.get("sdpa")
+    registry["sdpa"] = real_batch_sdpa_mask
+    try:
+        yield
+    finally:
+        if overridden is None:
+            del registry["sdpa"]
+        else:
+            registry["sdpa"] = overridden

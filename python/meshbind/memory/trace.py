@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from meshbind.errors import StepMemoryError
-from meshbind.memory.attention import CudaAttention
+from meshbind.memory.attention import CudaAttention, real_step_masks
 from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, truncated
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.routing import Routing, assuming
@@ -178,11 +178,23 @@ def _trace_class(
     )
 
 
+MAX_TOKENS = 2**31 - 1
+"""The most tokens one rank's batch may hold (``batch * seq_len``): torch indexes a tensor's
+elements in 32 bits in many CPU and CUDA kernels, and a step past it is no real step."""
+
+
 def _check_settings(settings: StepSettings) -> None:
     for name in ("batch", "seq_len"):
         value = getattr(settings, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if value > MAX_TOKENS:
+            raise ValueError(f"{name} {value} is over the limit of {MAX_TOKENS:,} (2**31 - 1)")
+    if settings.batch * settings.seq_len > MAX_TOKENS:
+        raise ValueError(
+            f"batch * seq_len = {settings.batch} * {settings.seq_len} = {settings.batch * settings.seq_len:,} tokens per rank "
+            f"is over the limit of {MAX_TOKENS:,} (2**31 - 1)"
+        )
     if settings.optimizer not in TRACED_OPTIMIZERS:
         raise ValueError(f"the traced optimizer must be one of {', '.join(TRACED_OPTIMIZERS)}, got {settings.optimizer!r}")
     if settings.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
@@ -226,7 +238,7 @@ def _trace_rank(model: nn.Module, plan: ParallelPlan, rank: int, settings: StepS
         on_device = CudaAttention if settings.device == "cuda" else contextlib.nullcontext
         apply_plan(model, plan, mesh_context, settings.activation_checkpointing, on_device)
         step_inputs = inputs or default_inputs(model)
-        with FakeTensorMode(allow_non_fake_inputs=True), assuming(settings.routing), on_device():
+        with FakeTensorMode(allow_non_fake_inputs=True), assuming(settings.routing), on_device(), real_step_masks():
             model.to_empty(device="cpu")
             optimizer = make_optimizer(model, settings.optimizer, settings.device)
             make_optimizer_state(optimizer)

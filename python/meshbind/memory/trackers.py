@@ -14,6 +14,9 @@ from torch.utils._pytree import tree_leaves
 
 from meshbind.memory.result import KINDS
 
+TRACED_DEVICE = torch.device("cpu")
+"""Where a trace puts the model: on the CPU under ``FakeTensorMode``, for either target device."""
+
 
 class Peak(NamedTuple):
     total: int
@@ -52,9 +55,9 @@ class _PeakPlace:
     _root_name: str
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        before = sum(self._peak_mem.values())
+        before = self._peak_mem.get(TRACED_DEVICE, 0)
         super()._update_peak_stats(peak_state)  # type: ignore[misc]
-        if sum(self._peak_mem.values()) > before:
+        if self._peak_mem.get(TRACED_DEVICE, 0) > before:
             self._peak_place = (self.current_module(), self.current_phase())
 
     def current_module(self) -> str:
@@ -75,12 +78,13 @@ class _PeakPlace:
     def peak(self) -> Peak:
         snapshot: dict[str, int] = dict.fromkeys(KINDS, 0)
         total = 0
-        for device_snapshot in self._peak_mem_snap.values():
-            for kind, size in device_snapshot.items():
-                if kind == "Total":
-                    total += size
-                else:
-                    snapshot[_KIND_OF[str(kind.value)]] += size
+        # The traced device's snapshot alone, taken at its own peak: meta tensors (which transformers
+        # makes to read strides) hold no memory, and another device's peak falls at another moment.
+        for kind, size in self._peak_mem_snap.get(TRACED_DEVICE, {}).items():
+            if kind == "Total":
+                total = size
+            else:
+                snapshot[_KIND_OF[str(kind.value)]] += size
         module, phase = getattr(self, "_peak_place", ("<root>", "forward"))
         return Peak(total, snapshot, module, phase)
 

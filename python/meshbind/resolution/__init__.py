@@ -19,7 +19,7 @@ from torch import nn
 from meshbind.errors import PlanError, PlanProblem
 from meshbind.family import record_family_layout
 from meshbind.resolution.families import join_families
-from meshbind.resolution.fsdp import FSDPPlan, fsdp_units
+from meshbind.resolution.fsdp import FSDPPlan, default_fully_shard, fsdp_units
 from meshbind.resolution.nesting import nested_problems
 from meshbind.resolution.overrides import checked_overrides, merge_overrides
 from meshbind.resolution.ownership import own_modules
@@ -56,7 +56,9 @@ def resolve_plan(
     (user code, possibly slow) have come (``"layout providers"``) and when validation starts and
     ends (``"validation"``, 0 then 1 of 1); a library call is silent otherwise (``meshbind check``
     shows a bar after two seconds, ``meshbind bench`` tells the phases apart).
-    ``fully_shard`` names the FSDP units (``plan.fsdp``), checked with the rest.
+    ``fully_shard`` names the FSDP units (``plan.fsdp``), checked with the rest. With none named and
+    ``dp_shard`` above 1, the units are torchtitan's defaults (each block of the model's layer list,
+    each module holding parameters placed on ``ep``, then the root; ``plan.fsdp.by_default``).
     Raises ``PlanError`` listing every problem.
     """
     if not isinstance(context, LayoutContext):
@@ -97,8 +99,13 @@ def _resolve(
     problems += validation_problems(laid_out, context, shapes, overrides, selection.offline)
     phase_done("validation", 1, 1)
     fsdp: FSDPPlan | None = None
+    layouts = dict(zip(laid_out.fqns, laid_out.shardings, strict=True))
     if fully_shard is not None:
-        fsdp, found = fsdp_units(model, fully_shard, dict(zip(laid_out.fqns, laid_out.shardings, strict=True)))  # type: ignore[arg-type]
+        fsdp, found = fsdp_units(model, fully_shard, layouts)  # type: ignore[arg-type]
+        problems += found
+    elif context.world.dp_shard > 1:  # dp_shard shards, as in torchtitan; replication is dp_replicate
+        defaults = default_fully_shard(model, layouts)  # type: ignore[arg-type]
+        fsdp, found = fsdp_units(model, defaults, layouts, by_default=True)  # type: ignore[arg-type]
         problems += found
     if problems:
         raise PlanError(problems)

@@ -12,6 +12,7 @@ buffer per unit).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,9 +21,9 @@ from torch import nn
 from torch.distributed.tensor import Placement
 
 from meshbind._core import PatternSet
-from meshbind.errors import PlanProblem, ProblemCode
+from meshbind.errors import PlanProblem, ProblemCode, index_groups
 from meshbind.resolution.unmatched import ModelNames
-from meshbind.specs import FullyShard, ModuleShardingSpec
+from meshbind.specs import FullyShard, ModuleShardingSpec, literal_pattern
 from meshbind.world import EXPERT_AXES, MODEL_PARALLEL_AXIS, canonical_axis
 
 
@@ -41,6 +42,9 @@ class FSDPPlan:
 
     units: tuple[FSDPUnit, ...]
     reshard_after_forward: bool | None
+    by_default: bool = False
+    """Whether the units are torchtitan's defaults, chosen because ``dp_shard`` is above 1 and the
+    plan named none."""
 
     def unit_of(self, parameter_fqn: str) -> FSDPUnit:
         """The innermost unit holding a parameter (the root holds what no other does)."""
@@ -55,19 +59,63 @@ class FSDPPlan:
         return {
             "units": [{"fqn": unit.fqn, "mesh": unit.mesh} for unit in self.units],
             "reshard_after_forward": self.reshard_after_forward,
+            "by_default": self.by_default,
         }
+
+    def describe(self) -> str:
+        """One line: the units in the order ``fully_shard`` takes them, and who chose them."""
+        grouped = index_groups([(unit.fqn or "<root>", unit.mesh) for unit in self.units])
+        units = ", ".join(f"{fqn} ({self.units[members[0]].mesh})" for fqn, members in grouped)
+        chosen = " (none named: torchtitan's default units for dp_shard above 1)" if self.by_default else ""
+        return f"FSDP units{chosen}, in the order fully_shard takes them: {units}"
+
+
+DEFAULT_UNITS_SOURCE = "fully_shard (default units)"
+"""The request a problem of default units names."""
+
+
+def default_fully_shard(model: nn.Module | Sequence[str], sharding: Mapping[str, ModuleShardingSpec]) -> FullyShard:
+    """torchtitan's units: each block of the model's layer list (its longest ``ModuleList``, or
+    offline the FQN with the most numbered children), each planned module that places a parameter
+    on ``ep`` (its experts), then the root. A model with neither is one unit, the root."""
+    layer_list = _layer_list(model)
+    units = [] if layer_list is None else [f"{literal_pattern(layer_list)}.*" if layer_list else "*"]
+    expert_axis = MODEL_PARALLEL_AXIS["expert"]
+    for module_fqn, spec in sharding.items():
+        if any(canonical_axis(axis) == expert_axis for named in spec.params.values() for axis in named):
+            units.append(literal_pattern(module_fqn))
+    return FullyShard(tuple(dict.fromkeys(unit for unit in units if unit)))
+
+
+def _layer_list(model: nn.Module | Sequence[str]) -> str | None:
+    """The FQN of the model's blocks' list, ``None`` when it has none."""
+    if isinstance(model, nn.Module):
+        lists = [(len(module), fqn) for fqn, module in model.named_modules() if isinstance(module, nn.ModuleList) and len(module)]
+        return max(lists, key=lambda item: item[0])[1] if lists else None
+    numbered: dict[str, int] = {}
+    for fqn in model:
+        parent, _, name = fqn.rpartition(".")
+        if name.isdigit():
+            numbered[parent] = numbered.get(parent, 0) + 1
+    return max(numbered, key=lambda parent: numbered[parent]) if numbered else None
 
 
 def fsdp_units(
-    model: nn.Module | Sequence[str], request: FullyShard, sharding: Mapping[str, ModuleShardingSpec]
+    model: nn.Module | Sequence[str],
+    request: FullyShard,
+    sharding: Mapping[str, ModuleShardingSpec],
+    *,
+    by_default: bool = False,
 ) -> tuple[FSDPPlan | None, list[PlanProblem]]:
     """The units ``request`` names on ``model`` and every problem of them. Offline (a sequence of
-    FQNs) only the patterns are matched: the parameters are not known."""
+    FQNs) only the patterns are matched: the parameters are not known. ``by_default``: the units
+    are ``default_fully_shard``'s, and their problems say so."""
     fqns, problems = _selected(model, request)
     ordered = sorted(dict.fromkeys(fqns), key=lambda fqn: -fqn.count(".") - 1 if fqn else 0)
     ordered = [fqn for fqn in ordered if fqn] + [""]
     if not isinstance(model, nn.Module):
-        return (FSDPPlan(tuple(FSDPUnit(fqn, "device") for fqn in ordered), request.reshard_after_forward), problems)
+        units_offline = tuple(FSDPUnit(fqn, "device") for fqn in ordered)
+        return FSDPPlan(units_offline, request.reshard_after_forward, by_default), problems
     units = set(ordered)
     placed = _placements(sharding)
     members: dict[str, list[tuple[str, nn.Parameter]]] = {fqn: [] for fqn in ordered}
@@ -90,7 +138,9 @@ def fsdp_units(
         module = model.get_submodule(fqn) if fqn else model
         sides[fqn], unit_problems = _unit_side(fqn, module, members[fqn], placed)
         problems += unit_problems
-    plan = FSDPPlan(tuple(FSDPUnit(fqn, sides[fqn]) for fqn in ordered), request.reshard_after_forward)
+    plan = FSDPPlan(tuple(FSDPUnit(fqn, sides[fqn]) for fqn in ordered), request.reshard_after_forward, by_default)
+    if by_default:
+        problems = [dataclasses.replace(problem, request=DEFAULT_UNITS_SOURCE) for problem in problems]
     return plan, problems
 
 

@@ -53,8 +53,7 @@ class ParallelPlan:
         axes = ", ".join(f"{axis}={size}" for axis, size in self.context.axis_sizes.items())
         lines.append(f"{len(rows)} planned module{'s' if len(rows) != 1 else ''}; layout {axes or '(no axes)'}")
         if self.fsdp is not None:
-            units = ", ".join(f"{unit.fqn or '<root>'} ({unit.mesh})" for unit in self.fsdp.units)
-            lines.append(f"FSDP units, in the order fully_shard takes them: {units}")
+            lines.append(self.fsdp.describe())
         lines += [f"warning: {warning.line()}" for warning in self.warnings]
         return "\n".join(lines)
 
