@@ -187,3 +187,16 @@ def one_rank_changes_between_steps() -> None:
         model.extra = nn.Linear(2, 2, device="meta")
     bind_parallel_modules(model, plan, context)
     time.sleep(4)  # the others enter no collective while the last rank waits for them
+
+
+def timeout_refused(value: str) -> str | None:
+    """What ``apply_layouts`` raises on this rank with ``MESHBIND_RANK_CHECK_TIMEOUT=value``."""
+    os.environ["MESHBIND_RANK_CHECK_TIMEOUT"] = value
+    context = MeshContext.build(tp=dist.get_world_size())
+    model = blocks(2, True)
+    plan = resolve_plan(model, [request("layers.*")], context.layout_context())
+    try:
+        apply_layouts(model, plan, context)
+    except ValueError as error:
+        return str(error)
+    return None

@@ -80,3 +80,9 @@ def test_a_rank_that_changed_between_steps_is_told_who_did_not_come() -> None:
     text = str(failed.value)
     assert "rank 1:" in text and "the ranks do not agree before bind_parallel_modules" in text, text
     assert "not every rank arrived within 2 s" in text, text
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "nan"])
+def test_a_bad_timeout_is_refused_naming_the_variable_on_every_rank(value: str) -> None:
+    results = run_local_world(2, "rank_agreement_checks:timeout_refused", value, timeout=60)
+    assert results == [f"MESHBIND_RANK_CHECK_TIMEOUT={value!r} must be a positive number of seconds"] * 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 import os
 import weakref
 from collections import Counter
@@ -90,6 +91,7 @@ def check_ranks_agree(what: str, entries: Callable[[], Sequence[Entry]], *, mode
     and are told within ``MESHBIND_RANK_CHECK_TIMEOUT`` which ranks did not come."""
     if os.environ.get(SWITCH) == "1" or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    check_timeout()
     mine = list(entries())
     digest = hashlib.sha256("\n".join(f"{key}\t{value}" for key, value in mine).encode("utf-8", "surrogatepass")).digest()
     if model is not None and _AGREED.get(model) == digest:
@@ -115,12 +117,27 @@ def _compare(what: str, mine: list[Entry], digest: bytes) -> None:
     raise RankMismatchError(what, _differences(mine, words))
 
 
+def check_timeout() -> float:
+    """``MESHBIND_RANK_CHECK_TIMEOUT`` in seconds (300 when unset); anything but a positive,
+    finite number is a ``ValueError`` naming the variable, before any collective."""
+    raw = os.environ.get(TIMEOUT)
+    if raw is None:
+        return _DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{TIMEOUT}={raw!r} must be a positive number of seconds")
+    return seconds
+
+
 def _everyone_arrives(what: str) -> None:
     """Gloo's monitored barrier names the ranks that do not arrive in time (other backends wait
     for their process group's own timeout)."""
     if dist.get_backend() != "gloo":
         return
-    seconds = float(os.environ.get(TIMEOUT, _DEFAULT_TIMEOUT))
+    seconds = check_timeout()
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True)
     except RuntimeError as error:

@@ -198,6 +198,8 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
             for module in model.modules():
                 if isinstance(module, FSDPModule):  # the loss is already the global mean: sum, not average
                     module.set_gradient_divide_factor(1.0)
+                    # Sum alone, as gloo reduces (float32 would otherwise ask for NCCL's PREMUL_SUM).
+                    module.set_force_sum_reduction_for_comms(True)
     new_groups = process_group_count() - groups_before
     with phases("materialise"):
         model.to_empty(device=device)
