@@ -148,3 +148,39 @@ def test_the_demo_refuses_to_save_a_nan_state(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"holds a non-finite value \(NaN or infinity\) on rank"):
         demo.run_local(DemoConfig(world_size=2, cp=2, tp=1, ep=2, lr=float("nan"), save=str(tmp_path / "state")))
     assert not (tmp_path / "state").exists()
+
+
+def tree_of(folder: Path) -> dict[str, str]:
+    return {str(path.relative_to(folder)): path.read_text() if path.is_file() else "/" for path in sorted(folder.rglob("*"))}
+
+
+def test_a_save_into_a_folder_of_other_files_is_refused_before_any_work_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    (run / "sub").mkdir(parents=True)
+    (run / "notes.txt").write_text("precious")
+    before = tree_of(tmp_path)
+    assert main(["demo", "--world-size", "2", "--cp", "1", "--tp", "2", "--ep", "2", "--save", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"--save {run}: is not a meshbind checkpoint (notes.txt, sub)" in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(CheckpointError, match=r"the save is refused before anything is written \(1 reason\)"):
+        save_checkpoint(model_of(1, sharded=False), run)
+    assert tree_of(tmp_path) == before
+    monkeypatch.chdir(run)
+    assert main(["demo", "--world-size", "2", "--cp", "1", "--tp", "2", "--ep", "2", "--save", "."]) == 2
+    assert "--save .: is the working directory or holds it" in capsys.readouterr().err
+    (tmp_path / ".new.saving").write_text("a file in the staging folder's place")
+    assert main(["demo", "--world-size", "2", "--cp", "1", "--tp", "2", "--ep", "2", "--save", str(tmp_path / "new")]) == 2
+    assert f"{tmp_path / '.new.saving'} is a file, and a save needs that name" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_checkpoint_folder_with_a_file_of_the_users_is_refused_and_a_bare_checkpoint_replaced(saved: Path) -> None:
+    (saved / "notes.txt").write_text("precious")
+    with pytest.raises(CheckpointError, match=r"is a meshbind checkpoint with other files in it \(notes.txt\)"):
+        save_checkpoint(model_of(2, sharded=False), saved)
+    assert (saved / "notes.txt").read_text() == "precious"
+    (saved / "notes.txt").unlink()
+    save_checkpoint(model_of(2, sharded=False), saved)
+    assert verify_checkpoint(saved, no_dist=True) and loaded_loss(saved) == loss_of(model_of(2, sharded=False))

@@ -67,16 +67,69 @@ def _gathered(value: Any) -> list[Any]:
     return values
 
 
+def save_target_problem(directory: str | os.PathLike[str]) -> str | None:
+    """Why a save may not write ``directory``, or ``None``. A save replaces its folder whole, so it
+    writes only a missing folder (under one it can create), an empty one, or a meshbind checkpoint
+    holding nothing but its manifest's files: never the working directory, a folder with other
+    files in it, or beside a file that takes its staging name."""
+    target = Path(directory)
+    here = Path.cwd().resolve()
+    resolved = target.resolve()
+    if resolved == here or resolved in here.parents:
+        return f"{os.fspath(directory)}: is the working directory or holds it: save into a folder of its own"
+    for side in (_staging(target), _aside(target)):
+        if side.exists() and not side.is_dir():
+            return f"{os.fspath(side)} is a file, and a save needs that name for its own folder: move the file away"
+    if not target.exists():
+        ancestor = resolved.parent
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+            return f"{os.fspath(directory)}: cannot be made ({os.fspath(ancestor)} is not a folder this process can write)"
+        return None
+    if not target.is_dir():
+        return f"{os.fspath(directory)}: is a file, not a folder"
+    present = sorted(entry.name for entry in target.iterdir())
+    manifest = target / MANIFEST
+    files: Any = {}
+    if manifest.is_file():
+        try:
+            files = json.loads(manifest.read_text(encoding="utf-8")).get("files", {})
+        except (OSError, ValueError, AttributeError):
+            files = {}
+    foreign = [name for name in present if name != MANIFEST and (not isinstance(files, dict) or name not in files)]
+    if not foreign:
+        return None
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    kind = "a meshbind checkpoint with other files in it" if manifest.is_file() else "not a meshbind checkpoint"
+    return (
+        f"{os.fspath(directory)}: is {kind} ({shown}), and a save replaces the whole folder: save into an empty "
+        "or a new folder, or move those away"
+    )
+
+
+def _staging(target: Path) -> Path:
+    return target.parent / f".{target.name}.saving"
+
+
+def _aside(target: Path) -> Path:
+    return target.parent / f".{target.name}.replaced"
+
+
 def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str]) -> None:
     """Write the model's state (DTensors as their shards) to ``directory``, replacing what was
     there only once the new state is complete; every rank calls it (in a process with no world,
-    that process alone writes it). A non-finite value on any rank refuses the save on every rank."""
+    that process alone writes it). A non-finite value on any rank refuses the save on every rank,
+    and so does a folder ``save_target_problem`` refuses, before anything is written."""
     target = Path(directory)
+    refused = save_target_problem(target)
+    if refused is not None:
+        raise CheckpointError([refused], "the save is refused before anything is written", "reason")
     check_ranks_agree("save_checkpoint", lambda: [*model_entries(model), ("checkpoint", os.fspath(target))])
     state = model.state_dict()
     _refuse_non_finite(state)
     rank = dist.get_rank() if _in_world() else 0
-    staging = target.parent / f".{target.name}.saving"
+    staging = _staging(target)
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
         staging.mkdir(parents=True)
@@ -131,7 +184,7 @@ def _write_durably(path: Path, text: str) -> None:
 def _publish(staging: Path, target: Path) -> None:
     """Put the complete ``staging`` folder in ``target``'s place. Between the two renames the target
     is absent, never a mix: the old folder is whole beside it until the new one is in place."""
-    aside = target.parent / f".{target.name}.replaced"
+    aside = _aside(target)
     shutil.rmtree(aside, ignore_errors=True)
     if target.exists():
         os.rename(target, aside)

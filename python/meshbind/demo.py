@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from meshbind.binding import bind_parallel_modules, validate_materialized_modules
-from meshbind.checkpoints import load_checkpoint, save_checkpoint
+from meshbind.checkpoints import load_checkpoint, save_checkpoint, save_target_problem
 from meshbind.examples.moe_transformer import (
     MoELayer,
     MoETransformer,
@@ -135,11 +135,8 @@ def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
         )
     if config.load is not None and not os.path.isfile(os.path.join(config.load, ".metadata")):
         raise FlagError(f"--load {config.load} is not a checkpoint written by --save (no .metadata in it)")
-    if config.save is not None:
-        try:
-            os.makedirs(config.save, exist_ok=True)
-        except OSError as error:
-            raise FlagError(f"--save {config.save}: cannot make the directory: {error.strerror}") from None
+    if config.save is not None and (refused := save_target_problem(config.save)) is not None:
+        raise FlagError(f"--save {refused}")
 
 
 @dataclass

@@ -201,12 +201,14 @@ class LayoutError(_ListedProblems):
 
 class CheckpointError(_ListedProblems):
     """A checkpoint that does not fit the model; ``problems`` names every key (missing, or at
-    another shape). Nothing was loaded."""
+    another shape). Nothing was loaded. A refused save says so in its ``headline``."""
 
     code = "checkpoint"
 
-    def __init__(self, problems: Sequence[str]) -> None:
-        super().__init__("the checkpoint does not fit the model", "key", problems)
+    def __init__(
+        self, problems: Sequence[str], headline: str = "the checkpoint does not fit the model", noun: str = "key"
+    ) -> None:
+        super().__init__(headline, noun, problems)
 
 
 class BindingError(MeshbindError, RuntimeError):
