@@ -19,7 +19,7 @@ from meshbind.examples.moe_transformer import (
     local,
     loss_head_request,
 )
-from meshbind.memory.measure import measured_step_peak
+from meshbind.memory.measure import count_every_thread, measured_step_peak
 from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state
 from meshbind.world import DENSE_AXES, EXPERT_AXES
 
@@ -41,8 +41,18 @@ def balanced_route(layer: MoELayer) -> Any:
     return route
 
 
-def demo_step_peak(axes: dict[str, int], layers: int, experts: int, batch_per_rank: int, seq_len: int, checkpointing: str) -> int:
-    """This rank's measured peak of one demo training step (Adam, state made by a first step)."""
+def demo_step_peak(
+    axes: dict[str, int],
+    layers: int,
+    experts: int,
+    batch_per_rank: int,
+    seq_len: int,
+    checkpointing: str,
+    optimizer_name: str = "adam",
+    dtype: str = "float32",
+) -> int:
+    """This rank's measured peak of one demo training step (the optimizer's state made by a first step)."""
+    count_every_thread()  # before anything the step may free exists
     context = LayoutContext(axes)
     world = context.world
     mesh_context = MeshContext(
@@ -51,7 +61,7 @@ def demo_step_peak(axes: dict[str, int], layers: int, experts: int, batch_per_ra
     )
     config = TransformerConfig(layers=layers, experts=experts)
     with torch.device("meta"):
-        model = MoETransformer(config)
+        model = MoETransformer(config).to(getattr(torch, dtype))
     plan = resolve_plan(model, [loss_head_request()], context, fully_shard=DEMO_UNITS if world.dp_shard > 1 else None)
     apply_plan(model, plan, mesh_context, checkpointing)
     model.to_empty(device="cpu")
@@ -59,7 +69,7 @@ def demo_step_peak(axes: dict[str, int], layers: int, experts: int, batch_per_ra
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.route = balanced_route(module)  # type: ignore[method-assign]
-    optimizer = make_optimizer(model, "adam", "cpu")
+    optimizer = make_optimizer(model, optimizer_name, "cpu")
     make_optimizer_state(optimizer)
     dp_rank = mesh_context.world.coordinates(torch.distributed.get_rank())["dp_shard"]
     tokens, targets = batch(config, batch_per_rank * world.dp_shard, seq_len, seed=0)
@@ -71,6 +81,7 @@ def hf_step_peak(
     name: str, axes: dict[str, int], units: tuple[str, ...], batch_per_rank: int, seq_len: int, checkpointing: str
 ) -> int:
     """This rank's measured peak of one step of a small transformers model under its own plans."""
+    count_every_thread()
     from meshbind.interop.hf_plans import from_hf_plan
 
     context = LayoutContext(axes)

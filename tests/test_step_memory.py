@@ -1,5 +1,5 @@
 """Step memory (``step_memory``): one training step traced with fake tensors over torch's fake
-process group, held to within 10% of the peak the CPU allocator records in a real step on every
+process group, held to within 1% of the peak the CPU allocator records in a real step on every
 rank of a gloo world (``step_memory_checks.py``)."""
 
 from __future__ import annotations
@@ -23,20 +23,24 @@ from meshbind.memory.result import parse_bytes
 
 LAYERS, EXPERTS, SEQ_LEN = 2, 8, 32
 DEMO_WORLDS = {
-    "4 ranks cp2 tp2 ep2 (the demo's default)": ({"cp": 2, "tp": 2, "ep": 2}, 4),
-    "8 ranks dp_shard2 cp2 tp2 ep4 (FSDP)": ({"dp_shard": 2, "cp": 2, "tp": 2, "ep": 4}, 2),
+    "4 ranks cp2 tp2 ep2 (the demo's default)": ({"cp": 2, "tp": 2, "ep": 2}, 4, "adam", "float32"),
+    "8 ranks dp_shard2 cp2 tp2 ep4 (FSDP)": ({"dp_shard": 2, "cp": 2, "tp": 2, "ep": 4}, 2, "adam", "float32"),
+    "4 ranks HSDP": ({"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 2}, 2, "adam", "float32"),
+    "4 ranks cp2 tp2 ep2, sgd with momentum": ({"cp": 2, "tp": 2, "ep": 2}, 4, "sgd-momentum", "float32"),
+    "4 ranks dp_shard2 tp2 ep2, bfloat16": ({"dp_shard": 2, "cp": 1, "tp": 2, "ep": 2}, 2, "adam", "bfloat16"),
 }
 
 
-def demo_estimate(axes: dict[str, int], batch: int, checkpointing: str) -> int:
+def demo_estimate(axes: dict[str, int], batch: int, checkpointing: str, optimizer: str = "adam", dtype: str = "float32") -> int:
     estimate = step_memory(
-        lambda: MoETransformer(TransformerConfig(layers=LAYERS, experts=EXPERTS)),
+        lambda: MoETransformer(TransformerConfig(layers=LAYERS, experts=EXPERTS)).to(getattr(torch, dtype)),
         [loss_head_request()],
         LayoutContext(axes),
         batch=batch,
         seq_len=SEQ_LEN,
         fully_shard=DEMO_UNITS if axes.get("dp_shard", 1) > 1 else None,
         activation_checkpointing=checkpointing,
+        optimizer=optimizer,
         device="cpu",
     )
     (only,) = estimate.classes
@@ -45,15 +49,16 @@ def demo_estimate(axes: dict[str, int], batch: int, checkpointing: str) -> int:
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 @pytest.mark.parametrize("world", list(DEMO_WORLDS))
-def test_demo_estimate_is_within_a_tenth_of_every_rank_measured(world: str, checkpointing: str) -> None:
-    axes, batch = DEMO_WORLDS[world]
-    estimate = demo_estimate(axes, batch, checkpointing)
+def test_demo_estimate_is_within_a_hundredth_of_every_rank_measured(world: str, checkpointing: str) -> None:
+    axes, batch, optimizer, dtype = DEMO_WORLDS[world]
+    estimate = demo_estimate(axes, batch, checkpointing, optimizer, dtype)
     size = LayoutContext(axes).world.size
     measured = run_local_world(
-        size, "step_memory_checks:demo_step_peak", axes, LAYERS, EXPERTS, batch, SEQ_LEN, checkpointing, timeout=240
+        size, "step_memory_checks:demo_step_peak", axes, LAYERS, EXPERTS, batch, SEQ_LEN, checkpointing, optimizer, dtype,
+        timeout=240,
     )
     errors = {rank: estimate / peak - 1 for rank, peak in enumerate(measured)}
-    assert all(abs(error) <= 0.10 for error in errors.values()), (estimate, measured, errors)
+    assert all(abs(error) <= 0.01 for error in errors.values()), (estimate, measured, errors)
 
 
 def small_estimate(axes: dict[str, int], **settings: object) -> StepMemory:
@@ -155,7 +160,7 @@ HF_WORLDS = {
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 @pytest.mark.parametrize("world", list(HF_WORLDS))
-def test_hf_estimate_is_within_a_tenth_of_every_rank_measured(world: str, checkpointing: str) -> None:
+def test_hf_estimate_is_within_a_hundredth_of_every_rank_measured(world: str, checkpointing: str) -> None:
     from meshbind import FullyShard
     from meshbind.interop.hf_plans import from_hf_plan
 
@@ -175,7 +180,7 @@ def test_hf_estimate_is_within_a_tenth_of_every_rank_measured(world: str, checkp
     size = LayoutContext(axes).world.size
     measured = run_local_world(size, "step_memory_checks:hf_step_peak", name, axes, units, 2, 64, checkpointing, timeout=240)
     errors = {rank: estimate / peak - 1 for rank, peak in enumerate(measured)}
-    assert all(abs(error) <= 0.10 for error in errors.values()), (estimate, measured, errors)
+    assert all(abs(error) <= 0.01 for error in errors.values()), (estimate, measured, errors)
 
 
 DEMO_CHECK = [
@@ -487,3 +492,34 @@ def test_meta_tensors_hold_no_memory_in_the_estimate() -> None:
     without, with_meta = peak(0), peak(2**30)
     assert with_meta.peak_bytes == without.peak_bytes
     assert with_meta.classes[0].live_at_peak == without.classes[0].live_at_peak
+
+
+def test_the_truth_counts_a_free_on_another_thread_and_returns_to_its_start_after_a_step() -> None:
+    """The measured truth reads the allocator's process-wide total: a free gloo makes on a worker
+    thread lowers it as one on the profiling thread does, and one real step ends where it began."""
+    import threading
+
+    from meshbind.memory.measure import _step_totals, count_every_thread
+    from meshbind.memory.step import make_optimizer, make_optimizer_state, training_step
+
+    count_every_thread()
+    held = [torch.empty(2**20)]  # 4 MiB, freed by another thread during the step
+
+    def step() -> None:
+        first = torch.empty(1024)
+        elsewhere = threading.Thread(target=held.clear)
+        elsewhere.start()
+        elsewhere.join()
+        second = torch.empty(1024)
+        del first, second
+
+    totals = _step_totals(step)
+    assert totals[1] - totals[0] == 4096 and totals[2] - totals[0] == 2 * 4096 - 2**22
+    assert totals[-1] - totals[0] == -(2**22)
+
+    model = TinyLM()
+    optimizer = make_optimizer(model, "adam", "cpu")
+    make_optimizer_state(optimizer)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    totals = _step_totals(lambda: training_step(model, optimizer, (ids, ids.clone()), {}))
+    assert len(totals) > 10 and totals[-1] == totals[0] and max(totals) > totals[0]

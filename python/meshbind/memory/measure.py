@@ -1,14 +1,20 @@
 """The truth a step-memory estimate is checked against: one real training step on this rank,
-measured by the CPU allocator's own record of every allocation and free (``torch.profiler`` with
-``profile_memory=True``). It shares no counting with the trace: no fake tensor, no memory tracker.
+measured by the CPU allocator's own running total of live bytes. It shares no counting with the
+trace: no fake tensor, no memory tracker.
 
-The profiler's allocation events are read in time order (its op tree) rather than through its
-categorised memory timeline, whose data-flow graph fails now and then on steps with collectives
-("duplicate outputs"); what existed before the step is added from the tensors themselves.
+c10's CPU allocator keeps that total across every thread once its
+``FLAGS_caffe2_report_cpu_memory_usage`` is set (``count_every_thread``): a free that gloo makes on
+one of its worker threads lowers it as a free on this thread does. ``torch.profiler`` records the
+total at each allocation and free this thread makes (``total_allocated``), so the step's peak is
+the highest total seen, less the total before the step; what existed before the step is added from
+the tensors themselves. Set the flag before the model is built: a free of a tensor allocated
+before it is not taken off the total.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,22 +27,41 @@ from torch.utils._pytree import tree_leaves
 
 from meshbind.memory.step import training_step
 
+_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
+
+
+def count_every_thread() -> None:
+    """Turn on c10's process-wide count of CPU bytes (idempotent): from now on every allocation is
+    sized on every thread, and every free of one of them, on any thread, lowers the total."""
+    library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(library, _FLAG).value = True
+
 
 def measured_step_peak(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> int:
     """The most bytes live on the CPU at once during one ``training_step``: what existed before it
-    (parameters, buffers, optimizer state, the inputs) and what the step allocated and not yet freed."""
+    (parameters, buffers, optimizer state, the inputs) and the most the step added to the allocator's
+    total, frees on other threads included."""
+    count_every_thread()
     before = _storage_bytes(_existing_tensors(model, optimizer, (args, kwargs)))
+    totals = _step_totals(lambda: training_step(model, optimizer, args, kwargs))
+    return before + max(totals) - totals[0]
+
+
+def _step_totals(step: Any) -> list[int]:
+    """The allocator's total before ``step`` and after each allocation and free this thread made."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
-        training_step(model, optimizer, args, kwargs)
+        step()
     assert profiled.profiler is not None and profiled.profiler.kineto_results is not None
-    live = peak = 0
-    for node in OpTree(profiled.profiler.kineto_results).sorted_nodes:
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-            live += node.typed[1].alloc_size
-            peak = max(peak, live)
-    return before + peak
+    events = [
+        node.typed[1]
+        for node in OpTree(profiled.profiler.kineto_results).sorted_nodes
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu"
+    ]
+    if not events:
+        return [0]
+    return [events[0].total_allocated - events[0].alloc_size, *(event.total_allocated for event in events)]
 
 
 def _existing_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Any) -> Iterable[torch.Tensor]:
