@@ -184,3 +184,38 @@ def test_a_checkpoint_folder_with_a_file_of_the_users_is_refused_and_a_bare_chec
     (saved / "notes.txt").unlink()
     save_checkpoint(model_of(2, sharded=False), saved)
     assert verify_checkpoint(saved, no_dist=True) and loaded_loss(saved) == loss_of(model_of(2, sharded=False))
+
+
+class Payload:
+    """What a crafted ``.metadata`` carries: code that ``pickle.load`` would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["the whole file", "inside real metadata"])
+def test_check_and_load_never_run_code_from_metadata(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, inside: bool
+) -> None:
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    marker = tmp_path / "payload-ran"
+    (saved / MANIFEST).unlink()  # a checkpoint written elsewhere: nothing to verify its files against
+    crafted: object = Payload(marker)
+    if inside:
+        crafted = Metadata(state_dict_metadata={"weight": Payload(marker)})  # type: ignore[dict-item]
+    (saved / ".metadata").write_bytes(pickle.dumps(crafted))
+    module = types.ModuleType("fault_models")
+    module.linear = lambda: nn.Linear(8, 8)  # type: ignore[attr-defined]
+    module.plan = []  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fault_models", module)
+    assert main(["check", "fault_models:linear", "fault_models:plan", "--axis", "tp=1", "--checkpoint", str(saved)]) == 1
+    assert "it names builtins.exec, which no checkpoint metadata holds; refused unread" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="refused unread"):
+        load_checkpoint(model_of(1, sharded=False), saved, no_dist=True)
+    assert not marker.exists()

@@ -54,7 +54,16 @@ def test_demo_estimate_is_within_a_hundredth_of_every_rank_measured(world: str, 
     estimate = demo_estimate(axes, batch, checkpointing, optimizer, dtype)
     size = LayoutContext(axes).world.size
     measured = run_local_world(
-        size, "step_memory_checks:demo_step_peak", axes, LAYERS, EXPERTS, batch, SEQ_LEN, checkpointing, optimizer, dtype,
+        size,
+        "step_memory_checks:demo_step_peak",
+        axes,
+        LAYERS,
+        EXPERTS,
+        batch,
+        SEQ_LEN,
+        checkpointing,
+        optimizer,
+        dtype,
         timeout=240,
     )
     errors = {rank: estimate / peak - 1 for rank, peak in enumerate(measured)}

@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
@@ -267,12 +268,48 @@ def checkpoint_fit(model: nn.Module, directory: str | os.PathLike[str]) -> list[
     return misfits
 
 
+class ForbiddenGlobal(pickle.UnpicklingError):
+    """A ``.metadata`` pickle that names something no checkpoint metadata holds."""
+
+
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": None,  # every class that module defines
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles ``torch.distributed.checkpoint``'s ``.metadata`` and nothing else: only the classes
+    its metadata is made of (DCP's metadata classes, torch sizes, dtypes and layouts, paths) may be
+    named, so a crafted file cannot run code the way ``pickle.load`` would let it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        names = _METADATA_GLOBALS.get(module, set())
+        if names is None:  # a class defined there, not a name it imports
+            found = getattr(sys.modules.get(module), name, None)
+            allowed = isinstance(found, type) and found.__module__ == module
+        else:
+            allowed = name in names or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise ForbiddenGlobal(f"it names {module}.{name}, which no checkpoint metadata holds")
+        return super().find_class(module, name)
+
+
 def stored_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...] | None]:
     """Each key a checkpoint directory holds, with its global shape (``None``: not a tensor)."""
     path = Path(directory)
     if (path / ".metadata").is_file():
         try:
-            metadata = FileSystemReader(path).read_metadata()
+            with open(path / ".metadata", "rb") as file:
+                metadata = _MetadataUnpickler(file).load()
+        except ForbiddenGlobal as error:
+            raise CheckpointError(
+                [f"{os.fspath(path / '.metadata')!r} is not torch.distributed.checkpoint metadata: {error}; refused unread"]
+            ) from None
         except Exception as error:  # a truncated or empty pickle raises EOFError, UnpicklingError, ...
             raise CheckpointError(
                 [
