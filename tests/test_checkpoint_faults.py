@@ -112,10 +112,40 @@ def test_a_non_finite_value_refuses_the_save_and_keeps_the_previous_checkpoint(s
     assert loaded_loss(saved) == loss_of(model_of(1, sharded=False))
 
 
-def test_a_checkpoint_without_a_manifest_loads_said_to_be_unverified(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_meshbind_checkpoint_whose_manifest_is_gone_is_refused_unless_allowed(
+    saved: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     (saved / MANIFEST).unlink()
+    shard = shard_of(saved)
+    data = bytearray(shard.read_bytes())
+    data[-40:-24] = bytes(255 - byte for byte in data[-40:-24])  # 16 flipped bytes, unseen without the manifest
+    shard.write_bytes(bytes(data))
+    model = model_of(99, sharded=False)
+    before = model.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=r"by meshbind \(its \.metadata says so\), but its meshbind-manifest.json is gone"):
+        load_checkpoint(model, saved, no_dist=True)
+    assert torch.equal(model.weight, before)
+    module = types.ModuleType("fault_models")
+    module.linear = lambda: nn.Linear(8, 8)  # type: ignore[attr-defined]
+    module.plan = []  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fault_models", module)
+    arguments = ["check", "fault_models:linear", "fault_models:plan", "--axis", "tp=1", "--checkpoint", str(saved)]
+    assert main(arguments) == 1
+    assert "--allow-unverified" in capsys.readouterr().err
+    assert main([*arguments, "--allow-unverified"]) == 0
+    assert "fits the model (unverified" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="loaded without verifying its files"):
-        assert loaded_loss(saved) == loss_of(model_of(1, sharded=False))
+        load_checkpoint(model, saved, no_dist=True, allow_unverified=True)
+
+
+def test_a_checkpoint_another_tool_wrote_loads_said_to_be_unverified(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import save
+
+    written = model_of(1, sharded=False)
+    with pytest.warns(UserWarning):  # torch's own: a save without a process group
+        save(written.state_dict(), checkpoint_id=tmp_path / "plain-dcp", no_dist=True)
+    with pytest.warns(UserWarning, match="has no meshbind-manifest.json: loaded without verifying its files"):
+        assert loaded_loss(tmp_path / "plain-dcp") == loss_of(written)
 
 
 def test_check_checkpoint_names_a_damaged_file_and_says_what_it_verified(

@@ -83,3 +83,21 @@ def test_a_directory_that_is_no_checkpoint_is_refused(tmp_path: Path) -> None:
         CheckpointError, match=r"is neither a torch\.distributed\.checkpoint directory \(no \.metadata\) nor a safetensors one"
     ):
         load_checkpoint(Small(3), tmp_path, no_dist=True)
+
+
+def test_the_demo_refuses_its_own_checkpoint_once_the_manifest_is_gone_unless_allowed(
+    saved: tuple[Path, dict[str, float]], tmp_path: Path
+) -> None:
+    import shutil
+
+    from meshbind.checkpoints import MANIFEST
+
+    directory, report = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    (copy / MANIFEST).unlink()
+    layout = {"world_size": 2, "cp": 1, "tp": 1, "ep": 2, "dp_shard": 2, "dtype": "float64"}
+    with pytest.raises(RuntimeError, match="the checkpoint is refused unverified"):
+        demo.run_local(DemoConfig(load=str(copy), **layout))  # type: ignore[arg-type]
+    loaded = demo.run_local(DemoConfig(load=str(copy), allow_unverified=True, **layout))  # type: ignore[arg-type]
+    assert abs(loaded["loss"] - report["loss_after_step"]) <= 1e-12

@@ -51,6 +51,9 @@ __all__ = [
 _SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 """torch's warning when a checkpoint is read or written by one process, which here is meant."""
 MANIFEST = "meshbind-manifest.json"
+MARK = "meshbind-checkpoint"
+"""The key a meshbind save adds to the state it writes: its ``.metadata`` then says who wrote it,
+so a checkpoint whose manifest is gone is known for what it is."""
 """Each file of a checkpoint with its size and sha256, written last, by rank 0."""
 _CHUNK = 1 << 22
 
@@ -129,6 +132,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str]) -> None
     check_ranks_agree("save_checkpoint", lambda: [*model_entries(model), ("checkpoint", os.fspath(target))])
     state = model.state_dict()
     _refuse_non_finite(state)
+    state[MARK] = "format 1"
     rank = dist.get_rank() if _in_world() else 0
     staging = _staging(target)
     if rank == 0:
@@ -198,6 +202,23 @@ def _publish(staging: Path, target: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def verified_or_refused(directory: str | os.PathLike[str], *, allow_unverified: bool = False, no_dist: bool = False) -> bool:
+    """``verify_checkpoint``, and a refusal of a checkpoint meshbind wrote whose manifest is gone:
+    its files could be damaged or mixed with another save's, and nothing can tell. Loading it
+    anyway is the caller's choice (``allow_unverified``)."""
+    verified = verify_checkpoint(directory, no_dist=no_dist)
+    if not verified and not allow_unverified and MARK in stored_shapes(directory):
+        raise CheckpointError(
+            [
+                f"{os.fspath(directory)!r} was written by meshbind (its .metadata says so), but its {MANIFEST} is gone: "
+                "its files cannot be verified; allow_unverified=True (--allow-unverified) loads it anyway"
+            ],
+            "the checkpoint is refused unverified",
+            "reason",
+        )
+    return verified
+
+
 def verify_checkpoint(directory: str | os.PathLike[str], *, no_dist: bool = False) -> bool:
     """Whether the manifest in ``directory`` holds: every file it lists there at its size and
         sha256, no other file beside them. ``False`` for a checkpoint without one (written by torchtitan
@@ -255,6 +276,7 @@ def checkpoint_fit(model: nn.Module, directory: str | os.PathLike[str]) -> list[
     Hugging Face safetensors directory (``model.safetensors.index.json`` or ``*.safetensors``; each
     file's header only, no tensor data). Shapes are global, so any layout can be checked."""
     stored = stored_shapes(directory)
+    stored.pop(MARK, None)
     expected = {key: tuple(value.shape) for key, value in model.state_dict().items() if isinstance(value, torch.Tensor)}
     misfits = []
     for key, shape in expected.items():
@@ -380,14 +402,17 @@ def checkpoint_misfits(model: nn.Module, directory: str | os.PathLike[str]) -> l
     return [misfit.line() for misfit in checkpoint_fit(model, directory) if misfit.kind != "unexpected"]
 
 
-def load_checkpoint(model: nn.Module, directory: str | os.PathLike[str], *, no_dist: bool = False) -> None:
+def load_checkpoint(
+    model: nn.Module, directory: str | os.PathLike[str], *, no_dist: bool = False, allow_unverified: bool = False
+) -> None:
     """Load the checkpoint into the model's own tensors, whatever layout saved it; every rank of
     the world calls it (``no_dist``: one process reads it alone). Raises ``CheckpointError``
-    naming every damaged file or misfit before any tensor changes; a checkpoint without a manifest
-    loads with a warning that it could not be verified."""
+    naming every damaged file or misfit before any tensor changes. A checkpoint another tool wrote
+    (no manifest, no meshbind mark) loads with a warning that it could not be verified; one
+    meshbind wrote whose manifest is gone is refused unless ``allow_unverified``."""
     if not no_dist:
         check_ranks_agree("load_checkpoint", lambda: [*model_entries(model), ("checkpoint", os.fspath(directory))])
-    verified = verify_checkpoint(directory, no_dist=no_dist)
+    verified = verified_or_refused(directory, allow_unverified=allow_unverified, no_dist=no_dist)
     misfits = checkpoint_misfits(model, directory)
     if misfits:
         raise CheckpointError(misfits)
@@ -395,5 +420,5 @@ def load_checkpoint(model: nn.Module, directory: str | os.PathLike[str], *, no_d
         warnings.filterwarnings("ignore", _SINGLE_PROCESS)
         load(model.state_dict(), checkpoint_id=directory, no_dist=no_dist)
     if not verified:
-        message = f"{os.fspath(directory)!r} has no {MANIFEST} (not written by meshbind): loaded without verifying its files"
+        message = f"{os.fspath(directory)!r} has no {MANIFEST}: loaded without verifying its files"
         warnings.warn(message, stacklevel=2)

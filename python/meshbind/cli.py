@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from meshbind import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanError, from_torch_plan, resolve_plan
-from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verify_checkpoint
+from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verified_or_refused
 from meshbind.errors import index_groups
 from meshbind.memory.result import StepMemory, parse_bytes
 from meshbind.memory.routing import Routing
@@ -72,7 +72,7 @@ def _check(args: argparse.Namespace) -> int:
     misfits, verified = None, False
     if args.checkpoint is not None:
         try:  # a damaged checkpoint is a finding (exit 1), like a misfit
-            verified = verify_checkpoint(args.checkpoint)
+            verified = verified_or_refused(args.checkpoint, allow_unverified=args.allow_unverified)
             misfits = checkpoint_fit(model, args.checkpoint)
         except CheckpointError as error:
             print(str(error), file=sys.stderr)
@@ -452,6 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         metavar="DIR",
         help="check a torch.distributed.checkpoint or safetensors directory against the model (metadata only)",
+    )
+    check.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="with --checkpoint: check a meshbind checkpoint whose manifest is gone (its files cannot be verified)",
     )
     memory = check.add_argument_group("step memory (--memory)")
     memory.add_argument(

@@ -71,6 +71,8 @@ class DemoConfig:
     """A directory: after the backward, one SGD step, then the model's state saved there."""
     load: str | None = None
     """A directory saved by ``--save`` (at any layout): the model's state, in place of the seeded init."""
+    allow_unverified: bool = False
+    """Load ``load`` even when its manifest is gone (its files cannot be verified)."""
     lr: float = 0.1
 
     @property
@@ -203,7 +205,7 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         if config.load is None:
             initialize(model, config.seed)
         else:
-            load_checkpoint(model, config.load)
+            load_checkpoint(model, config.load, allow_unverified=config.allow_unverified)
     with phases("validate"):
         validate_materialized_modules(model)
     tokens, targets = batch(config.transformer, config.batch, config.seq_len, config.seed)
@@ -338,7 +340,7 @@ def _reference(
     if config.load is None:
         initialize(model, config.seed)
     else:
-        load_checkpoint(model, config.load, no_dist=True)
+        load_checkpoint(model, config.load, no_dist=True, allow_unverified=config.allow_unverified)
     loss = model(tokens, targets)
     loss.backward()
     gradients = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -420,6 +422,9 @@ def add_flags(parser: argparse.ArgumentParser, *, world_size: bool) -> None:
     parser.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     parser.add_argument("--save", metavar="DIR", help="after the backward, one SGD step, then save the state to DIR")
     parser.add_argument("--load", metavar="DIR", help="load the state saved by --save (at any layout) instead of the seeded init")
+    parser.add_argument(
+        "--allow-unverified", action="store_true", help="--load a checkpoint whose manifest is gone (unverifiable)"
+    )
     parser.add_argument("--lr", type=float, default=defaults.lr, help="the learning rate of --save's step")
 
 
