@@ -1,6 +1,6 @@
 //! A model's parameters as `named_parameters()` gives them — each once, under the first FQN of
 //! the first module holding it — from the parameters a full walk met, with each one's kind: the
-//! parameters of a kind share shape, dtype and `requires_grad`, so a caller that sizes them
+//! parameters of a kind share shape, dtype, device type and `requires_grad`, so a caller that sizes them
 //! (the plan report) computes once per kind rather than once per parameter.
 //!
 //! Every read goes through `getattr`; nothing here depends on CPython's object layout.
@@ -14,11 +14,13 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use crate::names::NameTable;
 
 /// What makes two parameters alike: their shape, their dtype (the address of the `torch.dtype`
-/// object, one per dtype) and whether they require grad.
+/// object, one per dtype), their device's type (`meta`, `cpu`, `cuda`) and whether they require
+/// grad.
 #[derive(PartialEq, Eq, Hash)]
 struct Kind {
     shape: Vec<i64>,
     dtype: usize,
+    device: String,
     requires_grad: bool,
 }
 
@@ -87,9 +89,14 @@ fn kind_of<'py>(
     let requires_grad = parameter
         .getattr(intern!(py, "requires_grad"))?
         .is_truthy()?;
+    let device = parameter
+        .getattr(intern!(py, "device"))?
+        .getattr(intern!(py, "type"))?
+        .extract::<String>()?;
     Ok(Kind {
         shape,
         dtype: address,
+        device,
         requires_grad,
     })
 }

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from meshbind import (
+    FullyShard,
     LayoutContext,
     MeshContext,
     ModuleShardingSpec,
@@ -43,34 +44,54 @@ def request(pattern: str, shard_two_by: int = 0) -> NativeParallelBindingRequest
     return NativeParallelBindingRequest((pattern,), SPEC, layout)
 
 
-def scenarios(last: bool) -> dict[str, Callable[[bool], tuple[nn.Module, NativeParallelBindingRequest]]]:
-    """Each scenario's model and request on this rank (``last``: the rank that differs)."""
+Scenario = tuple[nn.Module, NativeParallelBindingRequest, "FullyShard | None"]
+
+
+def frozen(model: nn.Module, fqn: str) -> nn.Module:
+    model.get_parameter(fqn).requires_grad_(False)
+    return model
+
+
+def scenarios(last: bool) -> dict[str, Callable[[bool], Scenario]]:
+    """Each scenario's model, request and FSDP units on this rank (``last``: the rank that differs)."""
+    units = FullyShard(("layers.*",), reshard_after_forward=not last)
     return {
-        "one more layer": lambda meta: (blocks(5 if last else 4, meta), request("layers.*")),
-        "another pattern": lambda meta: (blocks(4, meta), request("layers.<0-2>" if last else "layers.*")),
-        "another placement": lambda meta: (blocks(4, meta), request("layers.*", shard_two_by=1 if last else 0)),
-        "another shape": lambda meta: (blocks(4, meta, wide=1 if last else None), request("layers.*")),
-        "the same": lambda meta: (blocks(4, meta), request("layers.*")),
+        "one more layer": lambda meta: (blocks(5 if last else 4, meta), request("layers.*"), None),
+        "another pattern": lambda meta: (blocks(4, meta), request("layers.<0-2>" if last else "layers.*"), None),
+        "another placement": lambda meta: (blocks(4, meta), request("layers.*", shard_two_by=1 if last else 0), None),
+        "another shape": lambda meta: (blocks(4, meta, wide=1 if last else None), request("layers.*"), None),
+        "a frozen weight": lambda meta: (
+            frozen(blocks(4, meta), "layers.1.weight") if last else blocks(4, meta),
+            request("layers.*"),
+            None,
+        ),
+        "another device": lambda meta: (blocks(4, meta != last), request("layers.*"), None),
+        "another reshard_after_forward": lambda meta: (blocks(4, meta), request("layers.*"), units),
+        "the same": lambda meta: (blocks(4, meta), request("layers.*"), None),
     }
 
 
-def run_scenarios(meta: bool) -> dict[str, str | None]:
+def run_scenarios(meta: bool, only: str | None = None) -> dict[str, str | None]:
     """Each scenario's error text on this rank (``None``: it applied), and whether anything changed."""
     world = dist.get_world_size()
     context = MeshContext.build(dp=world // 2, tp=2)
     last = dist.get_rank() == world - 1
     found: dict[str, str | None] = {}
     for name, build in scenarios(last).items():
-        model, planned = build(meta)
+        if only is not None and name != only:
+            continue
+        model, planned, units = build(meta)
         before = {fqn: (type(p), p.clone()) for fqn, p in model.named_parameters()}
-        plan = resolve_plan(model, [planned], context.layout_context())
+        plan = resolve_plan(model, [planned], context.layout_context(), fully_shard=units)
         try:
             apply_layouts(model, plan, context)
             found[name] = None
         except RankMismatchError as error:
             changed = [fqn for fqn, p in model.named_parameters() if type(p) is not before[fqn][0] or isinstance(p, DTensor)]
             if not meta:
-                changed += [fqn for fqn, p in model.named_parameters() if not torch.equal(p, before[fqn][1])]
+                changed += [
+                    fqn for fqn, p in model.named_parameters() if not p.is_meta and not torch.equal(p, before[fqn][1])
+                ]
             found[name] = str(error) + (f"\nCHANGED {changed}" if changed else "")
     return found
 
@@ -100,7 +121,7 @@ def switched_off() -> str | None:
     """With MESHBIND_NO_RANK_CHECK=1 the check is skipped: another placement on meta then applies."""
     os.environ["MESHBIND_NO_RANK_CHECK"] = "1"
     try:
-        return run_scenarios(True)["another placement"]
+        return run_scenarios(True, only="another placement")["another placement"]
     finally:
         del os.environ["MESHBIND_NO_RANK_CHECK"]
 

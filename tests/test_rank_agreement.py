@@ -12,24 +12,28 @@ from rank_agreement_checks import scenarios
 from meshbind.launch import run_local_world
 
 EXPECTED = {
-    "one more layer": "parameter layers.4.weight: (16, 16) float32 here, absent on rank 0",
-    "another pattern": "plan layers.3: absent here, plain v1 weight={tp: S(0)} on rank 0",
-    "another placement": "plan layers.2: plain v1 weight={tp: S(1)} here, plain v1 weight={tp: S(0)} on rank 0",
-    "another shape": "parameter layers.1.weight: (32, 16) float32 here, (16, 16) float32 on rank 0",
+    "one more layer": "parameter layers.4.weight: (16, 16) float32 on {device} here, absent on rank 0",
+    "another pattern": "plan layers.3: absent here, plain v1 weight={{tp: S(0)}} on rank 0",
+    "another placement": "plan layers.2: plain v1 weight={{tp: S(1)}} here, plain v1 weight={{tp: S(0)}} on rank 0",
+    "another shape": "parameter layers.1.weight: (32, 16) float32 on {device} here, (16, 16) float32 on {device} on rank 0",
+    "a frozen weight": "parameter layers.1.weight: (16, 16) float32 on {device}, frozen here, (16, 16) float32 on {device} on",
+    "another device": "parameter layers.0.weight: (16, 16) float32 on {other} here, (16, 16) float32 on {device} on rank 0",
+    "another reshard_after_forward": "fsdp reshard_after_forward: False here, True on rank 0",
 }
 
 
 @pytest.fixture(scope="module", params=[(2, False), (2, True), (4, True)], ids=["2 ranks", "2 ranks on meta", "4 ranks on meta"])
-def world(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, str | None]]]:
+def world(request: pytest.FixtureRequest) -> tuple[int, bool, list[dict[str, str | None]]]:
     size, meta = request.param
-    return size, run_local_world(size, "rank_agreement_checks:run_scenarios", meta, timeout=60)
+    return size, meta, run_local_world(size, "rank_agreement_checks:run_scenarios", meta, timeout=60)
 
 
 @pytest.mark.parametrize("scenario", list(scenarios(False)))
 def test_every_rank_refuses_a_divergence_naming_the_rank_and_entry(
-    world: tuple[int, list[dict[str, str | None]]], scenario: str
+    world: tuple[int, bool, list[dict[str, str | None]]], scenario: str
 ) -> None:
-    size, results = world
+    size, meta, results = world
+    devices = {"device": "meta" if meta else "cpu", "other": "cpu" if meta else "meta"}
     texts = [result[scenario] for result in results]
     if scenario == "the same":
         assert texts == [None] * size
@@ -37,7 +41,7 @@ def test_every_rank_refuses_a_divergence_naming_the_rank_and_entry(
     for text in texts:
         assert text is not None and "CHANGED" not in text, text
         assert text.startswith("the ranks do not agree before apply_layouts; nothing was changed:")
-        assert f"rank {size - 1} differs from rank 0 first at {EXPECTED[scenario]}" in text, text
+        assert f"rank {size - 1} differs from rank 0 first at {EXPECTED[scenario].format(**devices)}" in text, text
     assert len(set(texts)) == 1  # every rank says the same
 
 
@@ -58,10 +62,10 @@ def test_the_switch_turns_the_check_off() -> None:
 def test_every_entry_point_that_leads_to_collectives_checks_first() -> None:
     results = run_local_world(2, "rank_agreement_checks:other_entry_points", timeout=120)
     for what, first in {
-        "parallelize_checked": "parameter layers.4.weight: (16, 16) float32 here, absent on rank 0",
-        "apply_hf_plan": "parameter model.layers.2.self_attn.q_proj.weight: (64, 64) float32 here, absent on rank 0",
-        "save_checkpoint": "parameter layers.4.weight: (16, 16) float32 here, absent on rank 0",
-        "load_checkpoint": "parameter layers.4.weight: (16, 16) float32 here, absent on rank 0",
+        "parallelize_checked": "parameter layers.4.weight: (16, 16) float32 on meta here, absent on rank 0",
+        "apply_hf_plan": "parameter model.layers.2.self_attn.q_proj.weight: (64, 64) float32 on cpu here, absent on rank 0",
+        "save_checkpoint": "parameter layers.4.weight: (16, 16) float32 on cpu here, absent on rank 0",
+        "load_checkpoint": "parameter layers.4.weight: (16, 16) float32 on cpu here, absent on rank 0",
     }.items():
         for result in results:
             assert result[what] == (

@@ -45,20 +45,26 @@ Entry = tuple[str, str]
 
 
 def model_entries(model: nn.Module) -> list[Entry]:
-    """Each parameter once, as ``named_parameters()`` gives it: FQN, global shape, dtype."""
+    """Each parameter once, as ``named_parameters()`` gives it: FQN, global shape, dtype, device
+    type and whether it is frozen (a frozen weight has no gradient to reduce)."""
     fqns, kinds, samples = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
-    described = [f"{tuple(sample.shape)} {str(sample.dtype).removeprefix('torch.')}" for sample in samples]
+    described = [
+        f"{tuple(sample.shape)} {str(sample.dtype).removeprefix('torch.')} on {sample.device.type}"
+        + ("" if sample.requires_grad else ", frozen")
+        for sample in samples
+    ]
     return [(f"parameter {fqn}", described[kind]) for fqn, kind in zip(fqns, kinds, strict=True)]
 
 
 def plan_entries(plan: ParallelPlan) -> list[Entry]:
-    """The plan's axes, each planned module (protocol and version, its parameters' placements) and
-    each FSDP unit."""
+    """The plan's axes, each planned module (protocol and version, its parameters' placements), and
+    FSDP's options and each of its units."""
     entries = [("plan axes", str(dict(plan.context.axis_sizes)))]
     for fqn, spec in plan.parallel_modules.items():
         placed = ", ".join(f"{path}={placements_text(named)}" for path, named in plan.sharding[fqn].params.items())
         entries.append((f"plan {fqn or '<root>'}", f"{spec.protocol} v{spec.version} {placed}"))
     if plan.fsdp is not None:
+        entries.append(("fsdp reshard_after_forward", str(plan.fsdp.reshard_after_forward)))
         entries += [(f"fsdp unit {unit.fqn or '<root>'}", unit.mesh) for unit in plan.fsdp.units]
     return entries
 
