@@ -2,16 +2,18 @@
 at the 256-rank FSDP worlds of ``tests/test_report.py``, one 4096-token sequence per rank, bfloat16
 parameters and Adam state, with and without full activation checkpointing.
 
-    python benches/step_memory_sizes.py [--seq-len 4096] [--models deepseek_v3 ...]
+    python benches/step_memory_sizes.py [--seq-len 4096] [--models deepseek_v3 ...] [--repeat 3]
 
-Each line gives the seconds to build the model on ``meta`` beside the seconds ``step_memory``
-takes (its own builds included), the peak per rank and how it was traced (alike decoder layers at
-three depths, extrapolated where exact). Experts run transformers' ``grouped_mm``.
+Each line gives the median seconds (of ``--repeat`` runs) to build the model on ``meta`` beside the
+median seconds ``step_memory`` takes (its own builds included), the peak per rank and how it was
+traced (alike decoder layers at three depths, extrapolated where exact). Experts run
+transformers' ``grouped_mm``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,29 +47,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--models", nargs="+", choices=list(FSDP_WORLDS), default=list(FSDP_WORLDS))
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each figure; the median is shown")
     args = parser.parse_args()
     print("| model | world | checkpointing | meta build | step_memory | peak per rank | traced |")
     print("|---|---|---|---|---|---|---|")
     for name in args.models:
         axes = FSDP_WORLDS[name]
         units: FullyShard = UNITS.get(name, FSDP_UNITS if "ep" in axes else DENSE_UNITS)
-        started = time.perf_counter()
-        with torch.device("meta"):
-            model = build(name)
-        built = time.perf_counter() - started
+        builds = []
+        for _ in range(args.repeat):
+            started = time.perf_counter()
+            with torch.device("meta"):
+                model = build(name)
+            builds.append(time.perf_counter() - started)
+        built = statistics.median(builds)
         plan_source = from_hf_plan(model)
         for checkpointing in ("none", "full"):
-            started = time.perf_counter()
-            answer = step_memory(
-                lambda name=name: build(name),
-                plan_source,
-                LayoutContext(axes),
-                batch=1,
-                seq_len=args.seq_len,
-                fully_shard=units,
-                activation_checkpointing=checkpointing,
-            )
-            seconds = time.perf_counter() - started
+            runs = []
+            for _ in range(args.repeat):
+                started = time.perf_counter()
+                answer = step_memory(
+                    lambda name=name: build(name),
+                    plan_source,
+                    LayoutContext(axes),
+                    batch=1,
+                    seq_len=args.seq_len,
+                    fully_shard=units,
+                    activation_checkpointing=checkpointing,
+                )
+                runs.append(time.perf_counter() - started)
+            seconds = statistics.median(runs)
             (only,) = answer.classes
             world = ", ".join(f"{axis}={size}" for axis, size in axes.items())
             print(

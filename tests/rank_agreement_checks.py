@@ -89,9 +89,7 @@ def run_scenarios(meta: bool, only: str | None = None) -> dict[str, str | None]:
         except RankMismatchError as error:
             changed = [fqn for fqn, p in model.named_parameters() if type(p) is not before[fqn][0] or isinstance(p, DTensor)]
             if not meta:
-                changed += [
-                    fqn for fqn, p in model.named_parameters() if not p.is_meta and not torch.equal(p, before[fqn][1])
-                ]
+                changed += [fqn for fqn, p in model.named_parameters() if not p.is_meta and not torch.equal(p, before[fqn][1])]
             found[name] = str(error) + (f"\nCHANGED {changed}" if changed else "")
     return found
 
@@ -221,3 +219,11 @@ def timeout_refused(value: str) -> str | None:
     except ValueError as error:
         return str(error)
     return None
+
+
+def refused_on(ranks: list[int]) -> None:
+    """The given ranks refuse, as a damaged checkpoint makes every rank refuse."""
+    from meshbind.checkpoints import CheckpointError
+
+    if dist.get_rank() in ranks:
+        raise CheckpointError(["'ckpt/__0_0.distcp': 16 bytes differ"], "the checkpoint is damaged", "problem")

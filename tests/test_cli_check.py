@@ -339,3 +339,52 @@ def test_a_sequence_beyond_the_models_positions_is_a_warning_or_under_strict_ref
     assert f"{warning} (--strict)" in capsys.readouterr().err
     assert main([*argv[:-1], "32"]) == 0
     assert "max_position_embeddings" not in capsys.readouterr().err
+
+
+def test_absurd_inputs_end_in_one_line_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    factory = ["meshbind.examples.moe_transformer:MoETransformer", "meshbind.examples.moe_transformer:loss_head_request"]
+    for argv, message in [
+        (["--hf-config", "/dev/zero"], "--hf-config /dev/zero: longer than 16,777,216 characters"),
+        (["--hf-config", str(deep)], "its JSON is nested too deep to be a config"),
+        ([*factory, "--html", ""], "--html '': an empty path names no file"),
+    ]:
+        assert main(["check", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_factory_that_exits_is_no_silent_success(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+    import types
+
+    module = types.ModuleType("exiting_models")
+    module.build = lambda: sys.exit(0)  # type: ignore[attr-defined]
+    module.plan = []  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "exiting_models", module)
+    assert main(["check", "exiting_models:build", "exiting_models:plan"]) == 2
+    assert "MODEL_FACTORY exiting_models:build called exit(0)" in capsys.readouterr().err
+
+
+def test_malformed_safetensors_and_index_files_are_said_to_be_damaged(tmp_path: Path) -> None:
+    import struct
+
+    from meshbind.checkpoints import CheckpointError, stored_shapes
+
+    cases = {
+        "header a list": b"[1, 2]",
+        "entry without a shape": b'{"w": {"dtype": "F32"}}',
+        "nested too deep": b"[" * 100_000 + b"]" * 100_000,
+    }
+    for name, header in cases.items():
+        folder = tmp_path / name.replace(" ", "-")
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+        with pytest.raises(CheckpointError, match=r"the checkpoint is damaged \(1 problem\)"):
+            stored_shapes(folder)
+    index = tmp_path / "index"
+    index.mkdir()
+    (index / "model.safetensors.index.json").write_text('{"weight_map": ["model.safetensors"]}')
+    with pytest.raises(CheckpointError, match="its weight_map is not an object of file names"):
+        stored_shapes(index)

@@ -133,6 +133,13 @@ def test_torchrun_runs_the_distributed_half() -> None:
         (["--layers", "0"], "--layers must be at least 1"),
         (["--load", "/nonexistent/checkpoint"], "--load /nonexistent/checkpoint is not a checkpoint written by --save"),
         (["--experts", "1", "--ep", "1"], "fewer than the 2 experts each token is routed to"),
+        (["--layers", "100000"], "--layers 100000 is over the demo's limit of 64"),
+        (["--experts", "1000000"], "--experts 1000000 is over the demo's limit of 1024"),
+        (["--seq-len", "1000000000"], "--seq-len 1000000000 is over the demo's limit of 65536"),
+        (["--batch", "4096", "--seq-len", "4096"], "--batch 4096 x --seq-len 4096 is 16,777,216 tokens, over the demo's limit"),
+        (["--seed", str(10**23)], f"--seed {10**23} must be from 0 to 2**63 - 1"),
+        (["--lr", "nan"], "--lr nan must be a positive, finite learning rate"),
+        (["--lr", "inf"], "--lr inf must be a positive, finite learning rate"),
     ],
 )
 def test_bad_flags_fail_before_any_process_starts(
@@ -202,3 +209,27 @@ def test_two_torchrun_agents_run_hsdp_as_two_nodes() -> None:
     nodes = report["node_of_rank"]
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3]  # each replica of the shards on its own node
     assert report["max_rel_grad_diff"] <= 1e-10 and report["new_process_groups"] == 0 and report["report_matches_every_rank"]
+
+
+def test_ctrl_c_stops_the_world_in_one_line_and_leaves_no_process() -> None:
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, once the ranks run."""
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "meshbind", "demo"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if "] mesh ..." in line:  # every rank has started
+            break
+    os.killpg(process.pid, signal.SIGINT)
+    rest = process.stderr.read()
+    assert process.wait(timeout=60) == 130
+    err = "".join(seen) + rest
+    assert "meshbind demo: interrupted" in err and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    deadline = time.monotonic() + 30
+    while subprocess.run(["pgrep", "-g", str(process.pid)], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "a process of the demo outlived it"
+        time.sleep(0.5)

@@ -90,3 +90,17 @@ def test_a_rank_that_changed_between_steps_is_told_who_did_not_come() -> None:
 def test_a_bad_timeout_is_refused_naming_the_variable_on_every_rank(value: str) -> None:
     results = run_local_world(2, "rank_agreement_checks:timeout_refused", value, timeout=60)
     assert results == [f"MESHBIND_RANK_CHECK_TIMEOUT={value!r} must be a positive number of seconds"] * 2
+
+
+def test_a_refusal_on_ranks_is_one_message_naming_them_without_tracebacks() -> None:
+    with pytest.raises(RuntimeError) as everywhere:
+        run_local_world(2, "rank_agreement_checks:refused_on", [0, 1], timeout=60)
+    assert str(everywhere.value) == (
+        "every rank: CheckpointError: the checkpoint is damaged (1 problem):\n  'ckpt/__0_0.distcp': 16 bytes differ"
+    )
+    with pytest.raises(RuntimeError) as one:
+        run_local_world(2, "rank_agreement_checks:refused_on", [1], timeout=60)
+    assert str(one.value) == (
+        "rank 1: CheckpointError: the checkpoint is damaged (1 problem):\n  'ckpt/__0_0.distcp': 16 bytes differ\n"
+        "(1 other rank failed in turn, waiting on them)"
+    )

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 from torch.distributed.tensor import DTensor
@@ -167,7 +167,9 @@ def _refuse_non_finite(state: dict[str, Any]) -> None:
     if found:
         raise CheckpointError(
             [f"{key!r} holds a non-finite value (NaN or infinity) on rank {rank}" for rank, key in found]
-            + ["the save is refused: the previous checkpoint, if any, is left as it was"]
+            + ["the previous checkpoint, if any, is left as it was"],
+            "the save is refused",
+            "reason",
         )
 
 
@@ -231,7 +233,7 @@ def verify_checkpoint(directory: str | os.PathLike[str], *, no_dist: bool = Fals
         return False
     files = _json(manifest).get("files")
     if not isinstance(files, dict):
-        raise CheckpointError([f"{os.fspath(manifest)!r} lists no files: the manifest is damaged"])
+        raise _damaged([f"{os.fspath(manifest)!r} lists no files: the manifest is damaged"])
     present = sorted(file.name for file in path.iterdir() if file.is_file() and file.name != MANIFEST)
     problems = [f"{name!r}: not in the manifest (left by another save?)" for name in present if name not in files]
     together = _in_world() and not no_dist
@@ -240,7 +242,7 @@ def verify_checkpoint(directory: str | os.PathLike[str], *, no_dist: bool = Fals
     found = [problem for name in mine if (problem := _file_problem(path / name, files[name]))]
     problems += [problem for share in (_gathered(found) if together else [found]) for problem in share]
     if problems:
-        raise CheckpointError([f"{os.fspath(directory)!r} is damaged:", *problems])
+        raise _damaged([f"{os.fspath(directory)!r} is damaged:", *problems])
     return True
 
 
@@ -329,20 +331,23 @@ def stored_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...
             with open(path / ".metadata", "rb") as file:
                 metadata = _MetadataUnpickler(file).load()
         except ForbiddenGlobal as error:
-            raise CheckpointError(
+            raise _damaged(
                 [f"{os.fspath(path / '.metadata')!r} is not torch.distributed.checkpoint metadata: {error}; refused unread"]
             ) from None
         except Exception as error:  # a truncated or empty pickle raises EOFError, UnpicklingError, ...
-            raise CheckpointError(
+            raise _damaged(
                 [
                     f"{os.fspath(path / '.metadata')!r} is unreadable torch.distributed.checkpoint metadata: "
                     f"{type(error).__name__}: {error}"
                 ]
-            ) from error
-        referenced = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+            ) from None
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+            raise _damaged([f"{os.fspath(path / '.metadata')!r} holds a {type(metadata).__name__}, not checkpoint metadata"])
+        storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+        referenced = sorted({str(getattr(info, "relative_path", "")) for info in storage.values()})
         missing = [name for name in referenced if not (path / name).is_file()]
         if missing:
-            raise CheckpointError(
+            raise _damaged(
                 [f"{os.fspath(path / name)!r}: the metadata stores tensors there, but it is missing" for name in missing]
             )
         return {
@@ -351,19 +356,26 @@ def stored_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...
         }
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(_json(index).get("weight_map", {}).values()))
+        weight_map = _json(index).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise _damaged([f"{os.fspath(index)!r}: its weight_map is not an object of file names"])
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(file.name for file in path.glob("*.safetensors"))
     aside = path.parent / f".{path.name}.replaced"
     if not files and not path.exists() and aside.is_dir():
         raise CheckpointError(
             [f"{os.fspath(directory)!r} is missing: a save was stopped while replacing it, and the previous "
-             f"checkpoint is whole in {os.fspath(aside)!r} (move it back)"]
+             f"checkpoint is whole in {os.fspath(aside)!r} (move it back)"],
+            "no checkpoint to read",
+            "reason",
         )  # fmt: skip
     if not files:
         raise CheckpointError(
             [f"{os.fspath(directory)!r} is neither a torch.distributed.checkpoint directory (no .metadata) "
-             "nor a safetensors one (no model.safetensors.index.json, no *.safetensors)"]
+             "nor a safetensors one (no model.safetensors.index.json, no *.safetensors)"],
+            "no checkpoint to read",
+            "reason",
         )  # fmt: skip
     shapes: dict[str, tuple[int, ...] | None] = {}
     for name in files:
@@ -380,19 +392,40 @@ def _safetensors_header_shapes(file: Path) -> dict[str, tuple[int, ...] | None]:
             if length <= 0 or length > 100_000_000:
                 raise ValueError(f"a header length of {length} bytes")
             header = json.loads(handle.read(length))
-    except (OSError, ValueError) as error:
-        raise CheckpointError([f"{os.fspath(file)!r} is not a readable safetensors file: {error}"]) from error
-    return {key: tuple(entry["shape"]) for key, entry in header.items() if key != "__metadata__"}
+    except (OSError, ValueError, RecursionError) as error:
+        reason = "nested too deep" if isinstance(error, RecursionError) else str(error)
+        raise _damaged([f"{os.fspath(file)!r} is not a readable safetensors file: {reason}"]) from None
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    for key, entry in header.items() if isinstance(header, dict) else [("<header>", header)]:
+        if key == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(size, int) and size >= 0 for size in shape):
+            raise _damaged([f"{os.fspath(file)!r} is not a readable safetensors file: {key!r} has no shape in its header"])
+        shapes[key] = tuple(shape)
+    return shapes
 
 
 def _json(path: Path) -> dict[str, Any]:
     try:
+        if path.stat().st_size > _MAX_JSON_BYTES:
+            raise ValueError(f"over {_MAX_JSON_BYTES:,} bytes")
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise CheckpointError([f"{os.fspath(path)!r} is not readable JSON: {error}"]) from error
+    except (OSError, ValueError, RecursionError) as error:
+        reason = "nested too deep" if isinstance(error, RecursionError) else str(error)
+        raise _damaged([f"{os.fspath(path)!r} is not readable JSON: {reason}"]) from None
     if not isinstance(value, dict):
-        raise CheckpointError([f"{os.fspath(path)!r}: a safetensors index is a JSON object"])
+        raise _damaged([f"{os.fspath(path)!r}: is JSON, but not an object"])
     return value
+
+
+_MAX_JSON_BYTES = 64 * 2**20
+"""The largest manifest or safetensors index read: real ones are kilobytes to a few megabytes."""
+
+
+def _damaged(problems: list[str]) -> CheckpointError:
+    """A file of the checkpoint that cannot be read as what it should be."""
+    return CheckpointError(problems, "the checkpoint is damaged", "problem")
 
 
 def checkpoint_misfits(model: nn.Module, directory: str | os.PathLike[str]) -> list[str]:

@@ -42,7 +42,7 @@ def _demo(arguments: list[str]) -> int:
     except (ValueError, TypeError) as error:
         print(f"meshbind demo: {error}", file=sys.stderr)
         return 2
-    except RuntimeError as error:  # a rank failed: the error holds every failing rank's traceback
+    except RuntimeError as error:  # a rank failed: the error says which, and what it raised
         print(f"meshbind demo: {error}", file=sys.stderr)
         return 1
     return 0
@@ -245,15 +245,26 @@ def _factory_model_and_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, 
     return model, requests
 
 
+MAX_CONFIG_CHARS = 16 * 2**20
+"""The longest --hf-config read (a config.json is kilobytes; the limit keeps /dev/zero from being read forever)."""
+
+
 def _hf_model_and_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
     """--hf-config: a transformers config file (its ``model_type`` names the class), the model built
     from it on meta (no weights, no network), and its own plans."""
     path, strict = args.hf_config, args.strict
     try:
         with open(path, encoding="utf-8") as file:
-            values = json.load(file)
-    except (OSError, json.JSONDecodeError) as error:
+            text = file.read(MAX_CONFIG_CHARS + 1)
+        if len(text) > MAX_CONFIG_CHARS:
+            raise _UsageError(
+                f"--hf-config {path}: longer than {MAX_CONFIG_CHARS:,} characters; a config.json is a few kilobytes"
+            )
+        values = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise _UsageError(f"--hf-config {path}: {error}") from None
+    except RecursionError:
+        raise _UsageError(f"--hf-config {path}: its JSON is nested too deep to be a config") from None
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise _UsageError(f"--hf-config {path}: a transformers config.json is an object with a 'model_type'")
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -338,6 +349,8 @@ class _UsageError(Exception):
 def _check_writable(path: str, flag: str) -> None:
     """An output path is checked before any work: its folder must exist and be writable."""
     folder = os.path.dirname(os.path.abspath(path))
+    if not path:
+        raise _UsageError(f"{flag} '': an empty path names no file")
     if os.path.isdir(path):
         raise _UsageError(f"{flag} {path}: is a directory, not a file to write")
     if not os.path.isdir(folder):
@@ -363,6 +376,8 @@ def _user_code(what: str, call: Callable[[], Any]) -> Any:
     one-line error naming what ran and where it failed."""
     try:
         return call()
+    except SystemExit as error:  # exit() in a factory is no model: never a silent success
+        raise _UsageError(f"{what} called exit({error.code!r})") from None
     except Exception as error:
         frames = traceback.extract_tb(error.__traceback__)
         where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
@@ -485,8 +500,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C, as a shell gives one stopped by SIGINT."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _command(arguments)
+    except KeyboardInterrupt:
+        print(f"meshbind {arguments[0] if arguments else ''}: interrupted".replace("  ", " "), file=sys.stderr)
+        return INTERRUPTED
+
+
+def _command(arguments: list[str]) -> int:
     if arguments[:1] == ["demo"]:
         return _demo(arguments[1:])
     parser = build_parser()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -103,12 +104,31 @@ class FlagError(ValueError):
     """A demo flag that cannot work; raised before any process starts."""
 
 
+LIMITS = {"layers": 64, "experts": 1024, "seq_len": 65536, "batch": 4096}
+"""The demo's largest model and batch: a small model run on this machine's CPU, every rank and a
+one-process reference holding it whole (beyond, it runs out of memory or time)."""
+MAX_TOKENS = 2**20
+"""The most tokens one demo batch may hold (``batch * seq_len``)."""
+
+
 def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
     """Every flag rule, each failure one line."""
     cores = cpu_count or os.cpu_count() or 1
     for name in ("world_size", "dp_replicate", "dp_shard", "cp", "tp", "ep", "layers", "experts", "seq_len", "batch"):
         if getattr(config, name) < 1:
             raise FlagError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
+    for name, limit in LIMITS.items():
+        if getattr(config, name) > limit:
+            raise FlagError(f"--{name.replace('_', '-')} {getattr(config, name)} is over the demo's limit of {limit}")
+    if config.batch * config.seq_len > MAX_TOKENS:
+        raise FlagError(
+            f"--batch {config.batch} x --seq-len {config.seq_len} is {config.batch * config.seq_len:,} tokens, "
+            f"over the demo's limit of {MAX_TOKENS:,}"
+        )
+    if not 0 <= config.seed < 2**63:
+        raise FlagError(f"--seed {config.seed} must be from 0 to 2**63 - 1")
+    if not math.isfinite(config.lr) or config.lr <= 0:
+        raise FlagError(f"--lr {config.lr} must be a positive, finite learning rate")
     if config.world_size > 4 * cores:
         raise FlagError(
             f"a world of {config.world_size} ranks is more than this machine can sensibly run "

@@ -1,7 +1,8 @@
 """Run a function on every rank of a local gloo world and collect what each rank returns.
 
 Ranks start from a forkserver that imported torch once, so a world starts in seconds rather than
-paying torch's import per rank. A rank that raises fails the run with its traceback, one that
+paying torch's import per rank. A rank that raises fails the run with its traceback (a meshbind
+refusal with its message alone, once for every rank that made it), one that
 dies fails it at once with its exit code (the other ranks are killed), and collectives time out
 after ``timeout`` seconds instead of hanging. ``meshbind demo`` and the multi-process tests both
 start their worlds here.
@@ -9,15 +10,21 @@ start their worlds here.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
+
+from meshbind.errors import MeshbindError
 
 
 def free_port() -> int:
@@ -28,6 +35,7 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, target: str, args: tuple[Any, ...], results: Any, timeout: float) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops the whole world
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -37,11 +45,27 @@ def _rank_main(rank: int, world_size: int, port: int, target: str, args: tuple[A
         result = getattr(importlib.import_module(module_name), function)(*args)
         dist.barrier()
         results.put((rank, "ok", result))
+    except MeshbindError as error:  # a refusal says all it has to say: no traceback
+        results.put((rank, "refused", f"{type(error).__name__}: {error}"))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ctrl-C ignored while the ranks start (a signal disposition their processes inherit), so
+    only this process hears it and stops them all; from the main thread only, as Python allows."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _drain(results: Any, collected: dict[int, tuple[str, Any]]) -> bool:
@@ -56,9 +80,33 @@ def _drain(results: Any, collected: dict[int, tuple[str, Any]]) -> bool:
         found = True
 
 
+def _failure_text(target: str, failed: dict[int, tuple[str, str]], world_size: int) -> str:
+    """What failed ranks raised. Refusals (``MeshbindError``) say it all: each message once, naming
+    the ranks that made it, and the ranks that then failed waiting on them are only counted. With
+    no refusal, every failing rank's traceback."""
+    refusals: dict[str, list[int]] = {}
+    for rank, (status, value) in failed.items():
+        if status == "refused":
+            refusals.setdefault(value, []).append(rank)
+    if not refusals:
+        return f"{target} failed:\n" + "\n".join(f"rank {rank}:\n{value}" for rank, (_, value) in failed.items())
+    lines = [f"{_ranks_text(ranks, world_size)}: {text}" for text, ranks in refusals.items()]
+    waiting = [rank for rank, (status, _) in failed.items() if status != "refused"]
+    if waiting:
+        lines.append(f"({len(waiting)} other rank{'s' * (len(waiting) > 1)} failed in turn, waiting on them)")
+    return "\n".join(lines)
+
+
+def _ranks_text(ranks: list[int], world_size: int) -> str:
+    if len(ranks) == world_size:
+        return "every rank"
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))
+
+
 def run_local_world(world_size: int, target: str, *args: Any, timeout: float = 120.0) -> list[Any]:
     """``target`` (``module:function``) called with ``args`` on each of ``world_size`` ranks; the
-    results, by rank. Raises ``RuntimeError`` with every failing rank's traceback."""
+    results, by rank. Raises ``RuntimeError`` with what every failing rank raised: a meshbind
+    refusal (``MeshbindError``) as its message, anything else with its traceback."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch.distributed", "meshbind"])
     results = context.Queue()
@@ -67,8 +115,9 @@ def run_local_world(world_size: int, target: str, *args: Any, timeout: float = 1
         context.Process(target=_rank_main, args=(rank, world_size, port, target, args, results, timeout), daemon=True)
         for rank in range(world_size)
     ]
-    for process in processes:
-        process.start()
+    with _sigint_ignored():  # the forkserver, started here, and its preload imports too
+        for process in processes:
+            process.start()
     collected: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout + 60
     try:
@@ -95,7 +144,7 @@ def run_local_world(world_size: int, target: str, *args: Any, timeout: float = 1
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
-    errors = [f"rank {rank}:\n{value}" for rank, (status, value) in sorted(collected.items()) if status != "ok"]
-    if errors:
-        raise RuntimeError(f"{target} failed:\n" + "\n".join(errors))
+    failed = {rank: (status, value) for rank, (status, value) in sorted(collected.items()) if status != "ok"}
+    if failed:
+        raise RuntimeError(_failure_text(target, failed, world_size))
     return [collected[rank][1] for rank in range(world_size)]

@@ -3,6 +3,7 @@ live at that peak by kind, where it falls, and whether it fits the device."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -159,6 +160,6 @@ def parse_bytes(text: str) -> int:
         value = float(number)
     except ValueError:
         raise ValueError(f"device memory must be a size like 80GiB or 512MiB, got {text!r}") from None
-    if value <= 0:
-        raise ValueError(f"device memory must be positive, got {text!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"device memory must be a positive, finite size, got {text!r}")
     return int(value * scale)
