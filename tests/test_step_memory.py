@@ -532,3 +532,18 @@ def test_the_truth_counts_a_free_on_another_thread_and_returns_to_its_start_afte
     ids = torch.zeros(2, 8, dtype=torch.long)
     totals = _step_totals(lambda: training_step(model, optimizer, (ids, ids.clone()), {}))
     assert len(totals) > 10 and totals[-1] == totals[0] and max(totals) > totals[0]
+
+
+def test_a_large_world_is_traced_from_the_ranks_own_groups_and_an_absurd_one_refused() -> None:
+    """A world of 65,536 ranks traces in seconds (only the traced rank's groups exist), with FSDP's
+    padded chunks as torch makes them; one of a million is refused before anything is built."""
+    small = step_memory(lambda: TinyLM(), [], LayoutContext({"dp_shard": 2}), batch=1, seq_len=8, device="cpu")
+    large = step_memory(lambda: TinyLM(), [], LayoutContext({"dp_shard": 2**16}), batch=1, seq_len=8, device="cpu")
+    assert large.classes[0].ranks == 2**16 and large.classes[0].live_at_peak["all_gather"] > 0
+    assert large.classes[0].live_at_peak["parameters"] < small.classes[0].live_at_peak["parameters"]
+
+    def never() -> nn.Module:
+        raise AssertionError("built")
+
+    with pytest.raises(ValueError, match="a world of 1,000,000 ranks is over the 131,072 a trace takes"):
+        step_memory(never, [], LayoutContext({"dp_shard": 10**6}), batch=1, seq_len=8, device="cpu")

@@ -11,6 +11,7 @@ class of ranks holding alike shards (``plan_report``'s rank groups).
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 import warnings
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshbind.errors import StepMemoryError
 from meshbind.memory.attention import CudaAttention, real_step_masks
@@ -88,6 +89,11 @@ def step_memory(
     _check_settings(settings)
     if not isinstance(context, LayoutContext):
         raise TypeError(f"context must be a LayoutContext, got {type(context).__name__}")
+    if context.world.size > MAX_TRACED_RANKS:
+        raise ValueError(
+            f"a world of {context.world.size:,} ranks is over the {MAX_TRACED_RANKS:,} a trace takes: torch's FSDP "
+            "makes a chunk of every parameter for every rank of its group, which grows with the world"
+        )
     if dist.is_available() and dist.is_initialized():
         raise StepMemoryError(
             "step_memory traces over torch's fake process group and cannot while a process group is "
@@ -178,6 +184,10 @@ def _trace_class(
     )
 
 
+MAX_TRACED_RANKS = 2**17
+"""The largest world traced (131,072 ranks, beyond any cluster trained on): the trace holds one
+rank's own groups only, but FSDP's per-rank chunks of each parameter still grow with the world."""
+
 MAX_TOKENS = 2**31 - 1
 """The most tokens one rank's batch may hold (``batch * seq_len``): torch indexes a tensor's
 elements in 32 bits in many CPU and CUDA kernels, and a step past it is no real step."""
@@ -218,11 +228,23 @@ def _fake_world(rank: int, world: World) -> Iterator[MeshContext]:
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world.size)
     try:
-        device_mesh = init_device_mesh("cpu", world.dense_shape, mesh_dim_names=DENSE_AXES)
-        expert_mesh = init_device_mesh("cpu", world.expert_shape, mesh_dim_names=EXPERT_AXES)
-        yield MeshContext(device_mesh, expert_mesh)
+        yield MeshContext(_rank_mesh(rank, world.dense_shape, DENSE_AXES), _rank_mesh(rank, world.expert_shape, EXPERT_AXES))
     finally:
         dist.destroy_process_group()
+
+
+def _rank_mesh(rank: int, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A device mesh of ``shape`` over the fake group holding only ``rank``'s own group along each
+    dim: ``init_device_mesh`` would make every group of every dim, a million at a million ranks."""
+    ranks = torch.arange(math.prod(shape)).view(shape)
+    coordinate = torch.unravel_index(torch.tensor(rank), shape)
+    groups: list[dist.ProcessGroup] = []
+    for dim in range(len(shape)):
+        along = ranks[tuple(slice(None) if index == dim else int(coordinate[index]) for index in range(len(shape)))]
+        group = dist.new_group(along.tolist(), use_local_synchronization=True)
+        assert isinstance(group, dist.ProcessGroup)  # the rank is in every group made here
+        groups.append(group)
+    return DeviceMesh.from_group(groups, "cpu", mesh=ranks, mesh_dim_names=names)
 
 
 @contextmanager
