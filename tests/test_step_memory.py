@@ -547,3 +547,34 @@ def test_a_large_world_is_traced_from_the_ranks_own_groups_and_an_absurd_one_ref
 
     with pytest.raises(ValueError, match="a world of 1,000,000 ranks is over the 131,072 a trace takes"):
         step_memory(never, [], LayoutContext({"dp_shard": 10**6}), batch=1, seq_len=8, device="cpu")
+
+
+def test_a_cuda_target_traces_flash_attention_where_cuda_runs_it() -> None:
+    """Half precision without a mask: flash attention, grouped key/value heads read in place;
+    float32: the memory-efficient kernel, the heads repeated first, as CUDA runs it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshbind.memory.attention import CudaAttention
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def traced(dtype: torch.dtype) -> list[str]:
+        with FakeTensorMode(), CudaAttention():
+            query = torch.empty(1, 16, 64, 32, dtype=dtype)
+            key, value = torch.empty(1, 4, 64, 32, dtype=dtype), torch.empty(1, 4, 64, 32, dtype=dtype)
+            with Ops() as ops:
+                nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+        return ops.names
+
+    half = traced(torch.bfloat16)  # repeat_interleave runs as expand, then clone (the copy)
+    assert "_scaled_dot_product_flash_attention.default" in half and "clone.default" not in half
+    float32 = traced(torch.float32)
+    assert "_scaled_dot_product_efficient_attention.default" in float32 and "clone.default" in float32

@@ -14,16 +14,47 @@ from torch.overrides import TorchFunctionMode
 
 
 class CudaAttention(TorchFunctionMode):
-    """For a CUDA target, ``scaled_dot_product_attention`` is traced as CUDA's memory-efficient
-    kernel: it keeps, as the flash kernel does, the output and a float32 logsumexp per query, never
-    the probabilities. On the CPU torch picks its math path for some shapes (a value head size
-    other than the query's, as MLA's), which keeps them."""
+    """For a CUDA target, ``scaled_dot_product_attention`` is traced as the kernel CUDA picks
+    first: flash attention for half-precision inputs without a mask whose heads are all one size
+    (it reads grouped key/value heads in place), else the memory-efficient kernel (which needs the
+    key/value heads repeated for grouped-query attention). Both keep the output and a float32
+    logsumexp per query, never the probabilities. On the CPU torch picks its math path for some
+    shapes (a value head size other than the query's, as MLA's), which keeps them."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is nn.functional.scaled_dot_product_attention and args and args[0].dim() == 4:
-            return efficient_attention(*args, **kwargs)
+            return cuda_attention(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_SIZE = 256
+
+
+def cuda_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    head = query.size(-1)
+    flash = (
+        query.dtype in _FLASH_DTYPES
+        and attn_mask is None
+        and key.size(-1) == value.size(-1) == head <= _FLASH_MAX_HEAD_SIZE
+        and (enable_gqa or key.size(1) == query.size(1))
+    )
+    if flash:
+        output: torch.Tensor = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale
+        )[0]
+        return output
+    return efficient_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def efficient_attention(
