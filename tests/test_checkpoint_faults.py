@@ -52,6 +52,15 @@ def saved(tmp_path: Path) -> Path:
     return tmp_path / "checkpoint"
 
 
+def checking_command(monkeypatch: pytest.MonkeyPatch, saved: Path) -> list[str]:
+    """``meshbind check`` of the faults' model (a Linear(8, 8), no plan) against ``saved``."""
+    module = types.ModuleType("fault_models")
+    module.linear = lambda: nn.Linear(8, 8)  # type: ignore[attr-defined]
+    module.plan = []  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fault_models", module)
+    return ["check", "fault_models:linear", "fault_models:plan", "--axis", "tp=1", "--checkpoint", str(saved)]
+
+
 def shard_of(directory: Path) -> Path:
     (shard,) = directory.glob("*.distcp")
     return shard
@@ -125,11 +134,8 @@ def test_a_meshbind_checkpoint_whose_manifest_is_gone_is_refused_unless_allowed(
     with pytest.raises(CheckpointError, match=r"by meshbind \(its \.metadata says so\), but its meshbind-manifest.json is gone"):
         load_checkpoint(model, saved, no_dist=True)
     assert torch.equal(model.weight, before)
-    module = types.ModuleType("fault_models")
-    module.linear = lambda: nn.Linear(8, 8)  # type: ignore[attr-defined]
-    module.plan = []  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fault_models", module)
-    arguments = ["check", "fault_models:linear", "fault_models:plan", "--axis", "tp=1", "--checkpoint", str(saved)]
+    check_arguments = checking_command(monkeypatch, saved)
+    arguments = check_arguments
     assert main(arguments) == 1
     assert "--allow-unverified" in capsys.readouterr().err
     assert main([*arguments, "--allow-unverified"]) == 0
@@ -151,11 +157,8 @@ def test_a_checkpoint_another_tool_wrote_loads_said_to_be_unverified(tmp_path: P
 def test_check_checkpoint_names_a_damaged_file_and_says_what_it_verified(
     saved: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    module = types.ModuleType("fault_models")
-    module.linear = lambda: nn.Linear(8, 8)  # type: ignore[attr-defined]
-    module.plan = []  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fault_models", module)
-    arguments = ["check", "fault_models:linear", "fault_models:plan", "--axis", "tp=1", "--checkpoint", str(saved)]
+    check_arguments = checking_command(monkeypatch, saved)
+    arguments = check_arguments
     assert main(arguments) == 0
     assert "fits the model (every file verified against its manifest)" in capsys.readouterr().err
     shard = shard_of(saved)
@@ -240,11 +243,8 @@ def test_check_and_load_never_run_code_from_metadata(
     if inside:
         crafted = Metadata(state_dict_metadata={"weight": Payload(marker)})  # type: ignore[dict-item]
     (saved / ".metadata").write_bytes(pickle.dumps(crafted))
-    module = types.ModuleType("fault_models")
-    module.linear = lambda: nn.Linear(8, 8)  # type: ignore[attr-defined]
-    module.plan = []  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fault_models", module)
-    assert main(["check", "fault_models:linear", "fault_models:plan", "--axis", "tp=1", "--checkpoint", str(saved)]) == 1
+    check_arguments = checking_command(monkeypatch, saved)
+    assert main(check_arguments) == 1
     assert "it names builtins.exec, which no checkpoint metadata holds; refused unread" in capsys.readouterr().err
     with pytest.raises(CheckpointError, match="refused unread"):
         load_checkpoint(model_of(1, sharded=False), saved, no_dist=True)

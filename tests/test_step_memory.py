@@ -142,7 +142,7 @@ def test_bad_settings_are_refused_before_any_trace() -> None:
     for settings, words in [
         ({"batch": 0}, "batch must be a positive int"),
         ({"seq_len": 10**12}, r"seq_len 1000000000000 is over the limit of 2,147,483,647 \(2\*\*31 - 1\)"),
-        ({"batch": 2**16, "seq_len": 2**16}, r"batch \* seq_len = 65536 \* 65536 = 4,294,967,296 tokens per rank"),
+        ({"batch": 2**16, "seq_len": 2**16}, r"batch 65536 x seq_len 65536 is 4,294,967,296 tokens per rank"),
         ({"optimizer": "adam-fp32-master"}, "traced optimizer must be one of"),
         ({"activation_checkpointing": "selective"}, "activation_checkpointing must be one of"),
         ({"device": "tpu"}, "device must be one of"),

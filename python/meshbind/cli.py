@@ -184,18 +184,12 @@ def _step_memory(args: argparse.Namespace, requests: Any, context: LayoutContext
 
 def _check_step_sizes(args: argparse.Namespace) -> None:
     """--memory's sizes, before any work: both given, and a batch a step can hold."""
-    from meshbind.memory.trace import MAX_TOKENS
+    from meshbind.memory.trace import step_size_problem
 
     if args.batch is None or args.seq_len is None:
         raise _UsageError("--memory needs --batch (sequences per data-parallel rank) and --seq-len")
-    for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)):
-        if value > MAX_TOKENS:
-            raise _UsageError(f"{flag} {value} is over the limit of {MAX_TOKENS:,} (2**31 - 1)")
-    if args.batch * args.seq_len > MAX_TOKENS:
-        raise _UsageError(
-            f"--batch {args.batch} x --seq-len {args.seq_len} is {args.batch * args.seq_len:,} tokens per rank, "
-            f"over the limit of {MAX_TOKENS:,} (2**31 - 1)"
-        )
+    if (problem := step_size_problem(args.batch, args.seq_len, ("--batch", "--seq-len"))) is not None:
+        raise _UsageError(problem)
 
 
 def _check_positions(args: argparse.Namespace) -> None:

@@ -54,19 +54,6 @@ def cuda_attention(
             query, key, value, dropout_p, is_causal, False, scale=scale
         )[0]
         return output
-    return efficient_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-def efficient_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
     if enable_gqa and key.size(1) != query.size(1):
         groups = query.size(1) // key.size(1)
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
@@ -75,7 +62,7 @@ def efficient_attention(
         if bias.dtype == torch.bool:  # as SDPA turns a boolean mask into a bias for this kernel
             bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill(~bias, float("-inf"))
         bias = bias.expand(query.size(0), query.size(1), query.size(2), key.size(2))
-    output: torch.Tensor = torch.ops.aten._scaled_dot_product_efficient_attention(
+    output = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, bias, query.requires_grad, dropout_p, is_causal, scale=scale
     )[0]
     return output

@@ -193,18 +193,26 @@ MAX_TOKENS = 2**31 - 1
 elements in 32 bits in many CPU and CUDA kernels, and a step past it is no real step."""
 
 
+def step_size_problem(batch: int, seq_len: int, names: tuple[str, str] = ("batch", "seq_len")) -> str | None:
+    """Why a step of ``batch`` sequences of ``seq_len`` tokens cannot be traced, each size called
+    by ``names`` (the command line's flags, or the arguments); ``None`` when it can."""
+    for name, value in zip(names, (batch, seq_len), strict=True):
+        if value > MAX_TOKENS:
+            return f"{name} {value} is over the limit of {MAX_TOKENS:,} (2**31 - 1)"
+    if batch * seq_len > MAX_TOKENS:
+        return (
+            f"{names[0]} {batch} x {names[1]} {seq_len} is {batch * seq_len:,} tokens per rank, over the limit of {MAX_TOKENS:,}"
+        )
+    return None
+
+
 def _check_settings(settings: StepSettings) -> None:
     for name in ("batch", "seq_len"):
         value = getattr(settings, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if value > MAX_TOKENS:
-            raise ValueError(f"{name} {value} is over the limit of {MAX_TOKENS:,} (2**31 - 1)")
-    if settings.batch * settings.seq_len > MAX_TOKENS:
-        raise ValueError(
-            f"batch * seq_len = {settings.batch} * {settings.seq_len} = {settings.batch * settings.seq_len:,} tokens per rank "
-            f"is over the limit of {MAX_TOKENS:,} (2**31 - 1)"
-        )
+    if (problem := step_size_problem(settings.batch, settings.seq_len)) is not None:
+        raise ValueError(problem)
     if settings.optimizer not in TRACED_OPTIMIZERS:
         raise ValueError(f"the traced optimizer must be one of {', '.join(TRACED_OPTIMIZERS)}, got {settings.optimizer!r}")
     if settings.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
