@@ -197,7 +197,9 @@ MODULE_SPEC = ParallelModuleSpec("module", stages={"forward": ()})
 REPLICATED = ModuleShardingSpec(params={"weight": {"tp": Replicate()}})
 NO_PARAMETERS = ModuleShardingSpec()
 EXPERTS_OWNED = ModuleShardingSpec(params={name: {"ep": Shard(0)} for name in ("gate_proj", "up_proj", "down_proj")})
-CONTEXT = LayoutContext({"dp_shard": 8, "tp": 1, "ep": 8})
+# cp lends ep its ranks: at dp_shard above 1 resolution would also choose FSDP units, which these
+# methods do not time.
+CONTEXT = LayoutContext({"cp": 8, "tp": 1, "ep": 8})
 
 
 def _replicated(module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:

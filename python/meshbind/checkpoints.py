@@ -51,10 +51,10 @@ __all__ = [
 _SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 """torch's warning when a checkpoint is read or written by one process, which here is meant."""
 MANIFEST = "meshbind-manifest.json"
+"""Each file of a checkpoint with its size and sha256, written last, by rank 0."""
 MARK = "meshbind-checkpoint"
 """The key a meshbind save adds to the state it writes: its ``.metadata`` then says who wrote it,
 so a checkpoint whose manifest is gone is known for what it is."""
-"""Each file of a checkpoint with its size and sha256, written last, by rank 0."""
 _CHUNK = 1 << 22
 
 
@@ -98,8 +98,8 @@ def save_target_problem(directory: str | os.PathLike[str]) -> str | None:
     files: Any = {}
     if manifest.is_file():
         try:
-            files = json.loads(manifest.read_text(encoding="utf-8")).get("files", {})
-        except (OSError, ValueError, AttributeError):
+            files = _json(manifest).get("files", {})
+        except CheckpointError:  # a damaged manifest vouches for no file
             files = {}
     foreign = [name for name in present if name != MANIFEST and (not isinstance(files, dict) or name not in files)]
     if not foreign:
@@ -362,7 +362,7 @@ def stored_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(file.name for file in path.glob("*.safetensors"))
-    aside = path.parent / f".{path.name}.replaced"
+    aside = _aside(path)
     if not files and not path.exists() and aside.is_dir():
         raise CheckpointError(
             [f"{os.fspath(directory)!r} is missing: a save was stopped while replacing it, and the previous "
@@ -395,8 +395,10 @@ def _safetensors_header_shapes(file: Path) -> dict[str, tuple[int, ...] | None]:
     except (OSError, ValueError, RecursionError) as error:
         reason = "nested too deep" if isinstance(error, RecursionError) else str(error)
         raise _damaged([f"{os.fspath(file)!r} is not a readable safetensors file: {reason}"]) from None
+    if not isinstance(header, dict):
+        raise _damaged([f"{os.fspath(file)!r} is not a readable safetensors file: its header is not a JSON object"])
     shapes: dict[str, tuple[int, ...] | None] = {}
-    for key, entry in header.items() if isinstance(header, dict) else [("<header>", header)]:
+    for key, entry in header.items():
         if key == "__metadata__":
             continue
         shape = entry.get("shape") if isinstance(entry, dict) else None

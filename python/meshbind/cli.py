@@ -342,9 +342,9 @@ class _UsageError(Exception):
 
 def _check_writable(path: str, flag: str) -> None:
     """An output path is checked before any work: its folder must exist and be writable."""
-    folder = os.path.dirname(os.path.abspath(path))
     if not path:
         raise _UsageError(f"{flag} '': an empty path names no file")
+    folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise _UsageError(f"{flag} {path}: is a directory, not a file to write")
     if not os.path.isdir(folder):
@@ -503,7 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _command(arguments)
     except KeyboardInterrupt:
-        print(f"meshbind {arguments[0] if arguments else ''}: interrupted".replace("  ", " "), file=sys.stderr)
+        command = f"meshbind {arguments[0]}" if arguments else "meshbind"
+        print(f"{command}: interrupted", file=sys.stderr)
         return INTERRUPTED
 
 

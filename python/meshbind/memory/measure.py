@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ def measured_step_peak(
     return before + max(totals) - totals[0]
 
 
-def _step_totals(step: Any) -> list[int]:
+def _step_totals(step: Callable[[], None]) -> list[int]:
     """The allocator's total before ``step`` and after each allocation and free this thread made."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
         step()

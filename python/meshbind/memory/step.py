@@ -18,6 +18,7 @@ from meshbind.fsdp import apply_fully_shard
 from meshbind.interop import HF_PROTOCOL, torch_plans
 from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshContext
+from meshbind.resolution.fsdp import layer_list
 from meshbind.resolution.plan import ParallelPlan
 
 StepInputs = Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
@@ -75,14 +76,13 @@ def checkpoint_units(model: nn.Module, plan: ParallelPlan) -> list[str]:
                 outermost.append(fqn)
         if outermost:
             return outermost
-    lists = [(fqn, module) for fqn, module in model.named_modules() if isinstance(module, nn.ModuleList) and len(module)]
-    if not lists:
+    blocks = layer_list(model)
+    if blocks is None:
         raise StepMemoryError(
             "activation checkpointing full wraps the FSDP units or the blocks of a ModuleList: "
             f"{type(model).__name__} has neither"
         )
-    fqn, blocks = max(lists, key=lambda item: len(item[1]))
-    return [f"{fqn}.{name}" if fqn else name for name in blocks._modules]
+    return [f"{blocks}.{name}" if blocks else name for name in submodule(model, blocks)._modules]
 
 
 def default_inputs(model: nn.Module) -> StepInputs:

@@ -99,13 +99,11 @@ def _resolve(
     problems += validation_problems(laid_out, context, shapes, overrides, selection.offline)
     phase_done("validation", 1, 1)
     fsdp: FSDPPlan | None = None
-    layouts = dict(zip(laid_out.fqns, laid_out.shardings, strict=True))
-    if fully_shard is not None:
-        fsdp, found = fsdp_units(model, fully_shard, layouts)  # type: ignore[arg-type]
-        problems += found
-    elif context.world.dp_shard > 1:  # dp_shard shards, as in torchtitan; replication is dp_replicate
-        defaults = default_fully_shard(model, layouts)  # type: ignore[arg-type]
-        fsdp, found = fsdp_units(model, defaults, layouts, by_default=True)  # type: ignore[arg-type]
+    by_default = fully_shard is None and context.world.dp_shard > 1  # dp_shard shards, as in torchtitan
+    if fully_shard is not None or by_default:
+        layouts = dict(zip(laid_out.fqns, laid_out.shardings, strict=True))
+        request = default_fully_shard(model, layouts) if fully_shard is None else fully_shard  # type: ignore[arg-type]
+        fsdp, found = fsdp_units(model, request, layouts, by_default=by_default)  # type: ignore[arg-type]
         problems += found
     if problems:
         raise PlanError(problems)

@@ -78,20 +78,28 @@ def default_fully_shard(model: nn.Module | Sequence[str], sharding: Mapping[str,
     """torchtitan's units: each block of the model's layer list (its longest ``ModuleList``, or
     offline the FQN with the most numbered children), each planned module that places a parameter
     on ``ep`` (its experts), then the root. A model with neither is one unit, the root."""
-    layer_list = _layer_list(model)
-    units = [] if layer_list is None else [f"{literal_pattern(layer_list)}.*" if layer_list else "*"]
+    blocks = layer_list(model) if isinstance(model, nn.Module) else _numbered_list(model)
+    units = []
+    if blocks is not None:
+        units.append(f"{literal_pattern(blocks)}.*" if blocks else "*")
     expert_axis = MODEL_PARALLEL_AXIS["expert"]
     for module_fqn, spec in sharding.items():
-        if any(canonical_axis(axis) == expert_axis for named in spec.params.values() for axis in named):
+        # The root is always the last unit: an expert root needs no pattern of its own.
+        if module_fqn and any(canonical_axis(axis) == expert_axis for named in spec.params.values() for axis in named):
             units.append(literal_pattern(module_fqn))
-    return FullyShard(tuple(dict.fromkeys(unit for unit in units if unit)))
+    return FullyShard(tuple(dict.fromkeys(units)))
 
 
-def _layer_list(model: nn.Module | Sequence[str]) -> str | None:
-    """The FQN of the model's blocks' list, ``None`` when it has none."""
-    if isinstance(model, nn.Module):
-        lists = [(len(module), fqn) for fqn, module in model.named_modules() if isinstance(module, nn.ModuleList) and len(module)]
-        return max(lists, key=lambda item: item[0])[1] if lists else None
+def layer_list(model: nn.Module) -> str | None:
+    """The FQN of the model's blocks: its longest non-empty ``ModuleList`` (torchtitan's
+    ``model.layers``), ``None`` when it has none. FSDP's default units and activation
+    checkpointing both wrap its members."""
+    lists = [(len(module), fqn) for fqn, module in model.named_modules() if isinstance(module, nn.ModuleList) and len(module)]
+    return max(lists, key=lambda item: item[0])[1] if lists else None
+
+
+def _numbered_list(model: Sequence[str]) -> str | None:
+    """Offline, the FQN with the most numbered children, ``None`` when none has any."""
     numbered: dict[str, int] = {}
     for fqn in model:
         parent, _, name = fqn.rpartition(".")
