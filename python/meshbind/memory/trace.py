@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshbind.errors import StepMemoryError
 from meshbind.memory.attention import CudaAttention, real_step_masks
 from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, truncated
+from meshbind.memory.fsdp_chunks import chunks_for_traced_rank
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.routing import Routing, assuming
 from meshbind.memory.step import StepInputs, apply_plan, default_inputs, make_optimizer, make_optimizer_state, training_step
@@ -89,11 +90,6 @@ def step_memory(
     _check_settings(settings)
     if not isinstance(context, LayoutContext):
         raise TypeError(f"context must be a LayoutContext, got {type(context).__name__}")
-    if context.world.size > MAX_TRACED_RANKS:
-        raise ValueError(
-            f"a world of {context.world.size:,} ranks is over the {MAX_TRACED_RANKS:,} a trace takes: torch's FSDP "
-            "makes a chunk of every parameter for every rank of its group, which grows with the world"
-        )
     if dist.is_available() and dist.is_initialized():
         raise StepMemoryError(
             "step_memory traces over torch's fake process group and cannot while a process group is "
@@ -184,10 +180,6 @@ def _trace_class(
     )
 
 
-MAX_TRACED_RANKS = 2**17
-"""The largest world traced (131,072 ranks, beyond any cluster trained on): the trace holds one
-rank's own groups only, but FSDP's per-rank chunks of each parameter still grow with the world."""
-
 MAX_TOKENS = 2**31 - 1
 """The most tokens one rank's batch may hold (``batch * seq_len``): torch indexes a tensor's
 elements in 32 bits in many CPU and CUDA kernels, and a step past it is no real step."""
@@ -264,7 +256,7 @@ def _without_torch_advice() -> Iterator[None]:
 
 
 def _trace_rank(model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None) -> Peak:
-    with _without_torch_advice(), _fake_world(rank, plan.context.world) as mesh_context:
+    with _without_torch_advice(), chunks_for_traced_rank(), _fake_world(rank, plan.context.world) as mesh_context:
         on_device = CudaAttention if settings.device == "cuda" else contextlib.nullcontext
         apply_plan(model, plan, mesh_context, settings.activation_checkpointing, on_device)
         step_inputs = inputs or default_inputs(model)
