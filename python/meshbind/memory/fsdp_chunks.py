@@ -19,12 +19,12 @@ class RankChunks(Sequence[torch.Tensor]):
     is ``ceil(size / count)`` long, the last non-empty one shorter, those past the end empty."""
 
     def __init__(self, tensor: torch.Tensor, count: int, dim: int) -> None:
-        self.tensor, self.count, self.dim = tensor, count, dim
+        self.tensor, self.chunks, self.dim = tensor, count, dim
         size = tensor.size(dim)
         self.length = -(-size // count) if size else 0
 
     def __len__(self) -> int:
-        return self.count
+        return self.chunks
 
     @overload
     def __getitem__(self, index: int) -> torch.Tensor: ...
@@ -32,10 +32,10 @@ class RankChunks(Sequence[torch.Tensor]):
     def __getitem__(self, index: slice) -> Sequence[torch.Tensor]: ...
     def __getitem__(self, index: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self.count))]
-        if not -self.count <= index < self.count:
-            raise IndexError(f"chunk {index} of {self.count}")
-        index %= self.count
+            return [self[i] for i in range(*index.indices(self.chunks))]
+        if not -self.chunks <= index < self.chunks:
+            raise IndexError(f"chunk {index} of {self.chunks}")
+        index %= self.chunks
         start = index * self.length
         size = self.tensor.size(self.dim)
         if size == 0:  # torch.chunk gives an empty tensor every chunk, its other dims kept
@@ -48,9 +48,9 @@ class RankChunks(Sequence[torch.Tensor]):
 @contextmanager
 def chunks_for_traced_rank() -> Iterator[None]:
     """While a step is traced, FSDP2 cuts parameters into ``RankChunks``."""
-    chunk_with_empty = _fsdp_param._chunk_with_empty
-    _fsdp_param._chunk_with_empty = RankChunks  # type: ignore[assignment]
+    chunk_with_empty = getattr(_fsdp_param, "_chunk_with_empty")  # noqa: B009 (torch does not export it)
+    setattr(_fsdp_param, "_chunk_with_empty", RankChunks)  # noqa: B010
     try:
         yield
     finally:
-        _fsdp_param._chunk_with_empty = chunk_with_empty
+        setattr(_fsdp_param, "_chunk_with_empty", chunk_with_empty)  # noqa: B010
