@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from meshbind import FullyShard, LayoutContext, step_memory
 from meshbind.interop.hf_plans import from_hf_plan
-from meshbind.memory.result import gib
+from meshbind.units import size_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_report import DENSE_UNITS, FSDP_UNITS, FSDP_WORLDS
@@ -80,7 +80,7 @@ def main() -> None:
             (only,) = answer.classes
             world = ", ".join(f"{axis}={size}" for axis, size in axes.items())
             print(
-                f"| {name} | {world} | {checkpointing} | {built:.1f} s | {seconds:.1f} s | {gib(only.peak_bytes)} "
+                f"| {name} | {world} | {checkpointing} | {built:.1f} s | {seconds:.1f} s | {size_text(only.peak_bytes)} "
                 f"in {only.peak_module} {only.peak_phase} | {only.traced} |",
                 flush=True,
             )

@@ -175,8 +175,8 @@ def test_a_save_stopped_between_its_two_renames_says_where_the_previous_checkpoi
 
 def test_the_demo_refuses_to_save_a_nan_state(tmp_path: Path) -> None:
     # `meshbind demo --lr nan --save DIR` once wrote a NaN state with exit 0.
-    from meshbind import demo
-    from meshbind.demo import DemoConfig
+    from meshbind.demo import run as demo
+    from meshbind.demo.config import DemoConfig
 
     with pytest.raises(RuntimeError, match=r"holds a non-finite value \(NaN or infinity\) on rank"):
         demo.run_local(DemoConfig(world_size=2, cp=2, tp=1, ep=2, lr=float("nan"), save=str(tmp_path / "state")))

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from meshbind import demo
 from meshbind.checkpoints import CheckpointError, load_checkpoint, save_checkpoint
-from meshbind.demo import DemoConfig
+from meshbind.demo import run as demo
+from meshbind.demo.config import DemoConfig
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -140,6 +142,51 @@ def test_the_command_line_defines_no_family_class_before_the_demo_runs() -> None
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["check", "--help"],
+        ["bench", "--help"],
+        ["demo", "--help"],
+        ["check", "--optimizer", "sgd"],
+        ["demo", "--dtype", "x"],
+    ],
+)
+def test_help_and_argument_errors_answer_at_once_without_torch(argv: list[str]) -> None:
+    """Neither torch nor transformers is imported before a command runs: the answer comes in well
+    under a second, interpreter start included."""
+    script = (
+        "import sys\nfrom meshbind.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=60, check=False)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "[]"
+    assert "usage: meshbind" in result.stdout + result.stderr
+    assert elapsed < 1.0, f"{argv}: {elapsed:.2f} s"
+
+
+def test_ctrl_c_while_torch_is_imported_ends_in_one_line() -> None:
+    """SIGINT once torch's own modules are being imported (``-X importtime`` tells when): exit 130,
+    no traceback."""
+    command = [sys.executable, "-X", "importtime", "-m", "meshbind", "check", MODEL, PLAN]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if " torch." in line:  # a module of torch has been imported: torch itself is still importing
+            break
+    process.send_signal(signal.SIGINT)
+    rest = process.stderr.read()
+    assert process.wait(timeout=60) == 130
+    err = [line for line in "".join([*seen, rest]).splitlines() if not line.startswith("import time:")]
+    assert err == ["meshbind check: interrupted"], err
 
 
 def test_a_malformed_axis_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from meshbind import demo
 from meshbind.cli import main
-from meshbind.demo import DemoConfig
+from meshbind.demo import run as demo
+from meshbind.demo.config import DemoConfig
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, batch
 from meshbind.launch import free_port
 
@@ -165,13 +165,19 @@ def test_a_failed_world_is_reported_with_its_ranks_errors(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def failing_world(config: DemoConfig) -> None:
-        raise RuntimeError("meshbind.demo:_spawned_rank failed:\nrank 1:\nTraceback (most recent call last):\nValueError: boom")
+        raise RuntimeError(
+            "meshbind.demo.run:_spawned_rank failed:\nrank 1:\nTraceback (most recent call last):\nValueError: boom"
+        )
 
     monkeypatch.setattr(demo, "run_local", failing_world)
     assert main(["demo"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("meshbind demo: meshbind.demo:_spawned_rank failed:") and "rank 1:" in err and "ValueError: boom" in err
-    assert "cli.py" not in err  # the rank's traceback, not the command line's own
+    assert (
+        err.startswith("meshbind demo: meshbind.demo.run:_spawned_rank failed:")
+        and "rank 1:" in err
+        and "ValueError: boom" in err
+    )
+    assert "commands.py" not in err  # the rank's traceback, not the command line's own
 
 
 def test_a_parameter_no_gradient_reached_is_named_before_any_reduction() -> None:

@@ -15,11 +15,12 @@ from browser_pages import opened_page
 from safetensors.torch import save_file
 from torch import nn
 
-from meshbind import FullyShard, LayoutContext, PlanError, demo, from_hf_plan, plan_report, resolve_plan
+from meshbind import FullyShard, LayoutContext, PlanError, from_hf_plan, plan_report, resolve_plan
 from meshbind.cli import main
-from meshbind.demo import DemoConfig
+from meshbind.demo import run as demo
+from meshbind.demo.config import DemoConfig
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
-from meshbind.report import size_text
+from meshbind.units import size_text
 
 from hf_models import REAL, hf_model
 
@@ -99,13 +100,13 @@ def test_optimizer_state_follows_the_optimizer_and_a_bad_one_is_refused(real_mod
 
 
 def test_sizes_read_as_people_read_them() -> None:
-    assert [size_text(n) for n in (512, 1536, 3 * 2**30 // 2)] == ["512 B", "1.5 KiB", "1.5 GiB"]
+    assert [size_text(n) for n in (512, 1536, 3 * 2**30 // 2)] == ["512 B", "1.50 KiB", "1.50 GiB"]
 
 
 def test_check_prints_the_report_and_carries_it_in_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", *DEMO, *DEMO_AXES, "--report"]) == 0
     out = capsys.readouterr().out
-    assert "2 x blocks.<0-1>.moe.w_gate  [8, 64, 32] -> [4, 64, 32]  ep:S(0)  32.0 KiB" in out
+    assert "2 x blocks.<0-1>.moe.w_gate  [8, 64, 32] -> [4, 64, 32]  ep:S(0)  32.00 KiB" in out
     assert "every one of the 4 ranks holds: parameters" in out and "whole on every rank, largest first:" in out
     assert main(["check", *DEMO, *DEMO_AXES, "--report", "--json", "--optimizer", "sgd-momentum"]) == 0
     report = json.loads(capsys.readouterr().out)["report"]

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from meshbind import LayoutContext, Routing, StepMemory, StepMemoryError, step_memory
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
-from meshbind.memory.result import parse_bytes
+from meshbind.units import parse_bytes
 
 LAYERS, EXPERTS, SEQ_LEN = 2, 8, 32
 DEMO_WORLDS = {

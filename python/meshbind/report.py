@@ -28,6 +28,7 @@ from meshbind import _core
 from meshbind._core import PatternSet
 from meshbind.placements import fsdp_chunk_shape, local_shape
 from meshbind.resolution.plan import ParallelPlan
+from meshbind.units import size_text
 from meshbind.world import World
 
 OPTIMIZERS = ("none", "sgd-momentum", "adam", "adam-fp32-master")
@@ -373,13 +374,3 @@ def _optimizer_bytes(row: ParameterRow, optimizer: str) -> int:
         return 2 * row.bytes_per_rank
     master = 0 if row.dtype in ("float32", "float64") else local * 4  # a float32 copy of a low-precision parameter
     return master + 2 * local * max(4, _element_size(row.dtype))
-
-
-def size_text(count: int) -> str:
-    """Bytes as people read them: ``512 B``, ``1.5 KiB``, ``1.2 GiB``."""
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{count} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")

@@ -3,12 +3,12 @@ live at that peak by kind, where it falls, and whether it fits the device."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from meshbind.memory.routing import Routing
+from meshbind.units import size_text
 from meshbind.world import World
 
 KINDS = (
@@ -127,39 +127,18 @@ class StepMemory:
         ]
         for c in self.classes:
             who = f"ranks {c.first_rank}-{c.first_rank + c.ranks - 1}" if c.ranks > 1 else f"rank {c.first_rank}"
-            lines.append(f"{who}: peak {gib(c.peak_bytes)} in {c.peak_module} {c.peak_phase}")
+            lines.append(f"{who}: peak {size_text(c.peak_bytes)} in {c.peak_module} {c.peak_phase}")
             lines.append(f"  traced: {c.traced}")
             live = [(kind, size) for kind, size in c.live_at_peak.items() if size]
-            lines += [f"  {kind.replace('_', ' '):<22} {gib(size):>12}" for kind, size in sorted(live, key=lambda kv: -kv[1])]
+            lines += [
+                f"  {kind.replace('_', ' '):<22} {size_text(size):>12}" for kind, size in sorted(live, key=lambda kv: -kv[1])
+            ]
         if s.device_memory is not None:
             if self.fits:
-                lines.append(f"fits {gib(s.device_memory)}: {gib(s.device_memory - self.peak_bytes)} to spare")
+                lines.append(f"fits {size_text(s.device_memory)}: {size_text(s.device_memory - self.peak_bytes)} to spare")
             else:
                 lines.append(
-                    f"does NOT fit {gib(s.device_memory)}: the fullest rank needs {gib(self.shortfall_bytes)} more "
-                    f"({gib(self.peak_bytes)} at its peak)"
+                    f"does NOT fit {size_text(s.device_memory)}: the fullest rank needs {size_text(self.shortfall_bytes)} more "
+                    f"({size_text(self.peak_bytes)} at its peak)"
                 )
         return "\n".join(lines)
-
-
-def gib(size: int) -> str:
-    """Bytes as a person reads them: GiB from 1 GiB up, else MiB."""
-    if size >= 2**30:
-        return f"{size / 2**30:.2f} GiB"
-    return f"{size / 2**20:.2f} MiB"
-
-
-def parse_bytes(text: str) -> int:
-    """``80GiB``, ``80GB``, ``512MiB``, ``1e9``: a number of bytes (GiB and GB both read as 2**30,
-    as GPU makers' "80GB" devices hold 80 GiB)."""
-    units = {"tib": 2**40, "tb": 2**40, "gib": 2**30, "gb": 2**30, "mib": 2**20, "mb": 2**20, "kib": 2**10, "kb": 2**10, "b": 1}
-    lowered = text.strip().lower()
-    unit = next((unit for unit in units if lowered.endswith(unit)), "b")
-    number, scale = lowered.removesuffix(unit).strip(), units[unit]
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"device memory must be a size like 80GiB or 512MiB, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"device memory must be a positive, finite size, got {text!r}")
-    return int(value * scale)

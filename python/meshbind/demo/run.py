@@ -1,25 +1,13 @@
-"""The main job: a MoE transformer with CP attention and EP experts, planned, validated and bound
-on a real world, checked against the same model in one process.
-
-    meshbind demo [flags]                                  # spawns a local gloo world (4 ranks)
-    torchrun --nproc-per-node 4 -m meshbind.demo [flags]   # the distributed half, under torchrun
-
-On every rank: ``MeshContext.build`` → build on ``meta`` → ``resolve_plan`` → ``apply_layouts``
-(parameters become DTensors on the meshes) → ``bind_parallel_modules`` → materialise (``to_empty`` + deterministic init) →
-``validate_materialized_modules`` → forward and backward on a seeded batch → gradient reduction.
-Rank 0 then runs the single-process reference and reports the largest differences.
-"""
+"""The demo's run: every rank's distributed half, the one-process reference, and the report."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,11 +19,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from meshbind.binding import bind_parallel_modules, validate_materialized_modules
-from meshbind.checkpoints import load_checkpoint, save_checkpoint, save_target_problem
+from meshbind.checkpoints import load_checkpoint, save_checkpoint
+from meshbind.demo.config import DemoConfig
 from meshbind.examples.moe_transformer import (
     MoELayer,
     MoETransformer,
-    TransformerConfig,
     batch,
     initialize,
     local,
@@ -48,117 +36,14 @@ from meshbind.mesh import MeshContext, process_group_count
 from meshbind.report import plan_report
 from meshbind.resolution import resolve_plan
 from meshbind.specs import FullyShard
-from meshbind.world import DENSE_AXES, EXPERT_AXES, FSDP_AXES, World
+from meshbind.world import EXPERT_AXES, FSDP_AXES
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    world_size: int = 4
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 2
-    tp: int = 2
-    ep: int = 2
-    layers: int = 2
-    experts: int = 8
-    seq_len: int = 32
-    batch: int = 4
-    dtype: str = "float32"
-    seed: int = 0
-    json: bool = False
-    save: str | None = None
-    """A directory: after the backward, one SGD step, then the model's state saved there."""
-    load: str | None = None
-    """A directory saved by ``--save`` (at any layout): the model's state, in place of the seeded init."""
-    allow_unverified: bool = False
-    """Load ``load`` even when its manifest is gone (its files cannot be verified)."""
-    lr: float = 0.1
-
-    @property
-    def transformer(self) -> TransformerConfig:
-        return TransformerConfig(layers=self.layers, experts=self.experts)
-
-    @property
-    def fsdp(self) -> bool:
-        """FSDP (HSDP with ``dp_replicate`` above 1) when ``dp_shard`` is above 1; otherwise the
-        data-parallel ranks replicate, and the demo sums their gradients itself."""
-        return self.dp_shard > 1
-
-    @property
-    def batch_shards(self) -> int:
-        """The ranks the batch is split over: every data-parallel rank, replicated or sharded."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world(self) -> World:
-        return World(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, ep=self.ep)
+"""The torch dtype of each of the demo's ``--dtype`` choices."""
 
 
 FSDP_UNITS = FullyShard(("blocks.*.moe", "blocks.*"))
 """The experts (with their router, on the expert mesh) a unit each, then each block, then the root."""
-
-
-class FlagError(ValueError):
-    """A demo flag that cannot work; raised before any process starts."""
-
-
-LIMITS = {"layers": 64, "experts": 1024, "seq_len": 65536, "batch": 4096}
-"""The demo's largest model and batch: a small model run on this machine's CPU, every rank and a
-one-process reference holding it whole (beyond, it runs out of memory or time)."""
-MAX_TOKENS = 2**20
-"""The most tokens one demo batch may hold (``batch * seq_len``)."""
-
-
-def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
-    """Every flag rule, each failure one line."""
-    cores = cpu_count or os.cpu_count() or 1
-    for name in ("world_size", "dp_replicate", "dp_shard", "cp", "tp", "ep", "layers", "experts", "seq_len", "batch"):
-        if getattr(config, name) < 1:
-            raise FlagError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
-    for name, limit in LIMITS.items():
-        if getattr(config, name) > limit:
-            raise FlagError(f"--{name.replace('_', '-')} {getattr(config, name)} is over the demo's limit of {limit}")
-    if config.batch * config.seq_len > MAX_TOKENS:
-        raise FlagError(
-            f"--batch {config.batch} x --seq-len {config.seq_len} is {config.batch * config.seq_len:,} tokens, "
-            f"over the demo's limit of {MAX_TOKENS:,}"
-        )
-    if not 0 <= config.seed < 2**63:
-        raise FlagError(f"--seed {config.seed} must be from 0 to 2**63 - 1")
-    if not math.isfinite(config.lr) or config.lr <= 0:
-        raise FlagError(f"--lr {config.lr} must be a positive, finite learning rate")
-    if config.world_size > 4 * cores:
-        raise FlagError(
-            f"a world of {config.world_size} ranks is more than this machine can sensibly run "
-            f"({cores} cores: at most {4 * cores})"
-        )
-    try:
-        world = config.world
-    except ValueError as error:
-        raise FlagError(str(error)) from None
-    if world.size != config.world_size:
-        product = " x ".join(f"--{axis.replace('_', '-')} {getattr(config, axis)}" for axis in DENSE_AXES)
-        raise FlagError(f"{product} = {world.size}, not the world size {config.world_size}")
-    if config.experts % config.ep:
-        raise FlagError(f"--experts {config.experts} is not divisible by --ep {config.ep}")
-    if config.experts < config.transformer.top_k:
-        raise FlagError(
-            f"--experts {config.experts} is fewer than the {config.transformer.top_k} experts each token is routed to"
-        )
-    if config.transformer.heads % config.tp:
-        raise FlagError(f"--tp {config.tp} does not divide the {config.transformer.heads} attention heads")
-    if config.seq_len % (2 * config.cp):
-        raise FlagError(f"--seq-len {config.seq_len} is not divisible by 2 x --cp = {2 * config.cp} (head-tail CP chunks)")
-    if config.batch % config.batch_shards:
-        raise FlagError(
-            f"--batch {config.batch} is not divisible by --dp-replicate x --dp-shard = {config.batch_shards} (the batch's split)"
-        )
-    if config.load is not None and not os.path.isfile(os.path.join(config.load, ".metadata")):
-        raise FlagError(f"--load {config.load} is not a checkpoint written by --save (no .metadata in it)")
-    if config.save is not None and (refused := save_target_problem(config.save)) is not None:
-        raise FlagError(f"--save {refused}")
 
 
 @dataclass
@@ -393,7 +278,7 @@ def run_local(config: DemoConfig) -> dict[str, Any]:
     """Spawn a local gloo world for ``config`` and return rank 0's report."""
     print(f"[meshbind demo] spawning {config.world_size} ranks (gloo) ...", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    reports = run_local_world(config.world_size, "meshbind.demo:_spawned_rank", asdict(config), timeout=300)
+    reports = run_local_world(config.world_size, "meshbind.demo.run:_spawned_rank", asdict(config), timeout=300)
     report: dict[str, Any] = reports[0]
     report["seconds_total"] = time.perf_counter() - started
     return report
@@ -419,66 +304,3 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
         print(f"after one SGD step: loss {report['loss_after_step']:.10g}; state saved to {report['saved_to']}")
     if as_json:
         print(json.dumps({key: value for key, value in report.items() if key != "plan"}))
-
-
-def add_flags(parser: argparse.ArgumentParser, *, world_size: bool) -> None:
-    defaults = DemoConfig()
-    if world_size:
-        parser.add_argument("--world-size", type=int, default=defaults.world_size, help="ranks to spawn (gloo)")
-    parser.add_argument(
-        "--dp-replicate", "--dp", type=int, default=defaults.dp_replicate, help="data-parallel ranks that replicate (HSDP's)"
-    )
-    parser.add_argument(
-        "--dp-shard", type=int, default=defaults.dp_shard, help="data-parallel ranks FSDP shards over (above 1: FSDP2)"
-    )
-    for name in ("cp", "tp", "ep"):
-        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=f"{name} axis size")
-    parser.add_argument("--layers", type=int, default=defaults.layers)
-    parser.add_argument("--experts", type=int, default=defaults.experts)
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    parser.add_argument("--batch", type=int, default=defaults.batch, help="global batch (split over dp_replicate x dp_shard)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--json", action="store_true", help="end stdout with one JSON object")
-    parser.add_argument("--save", metavar="DIR", help="after the backward, one SGD step, then save the state to DIR")
-    parser.add_argument("--load", metavar="DIR", help="load the state saved by --save (at any layout) instead of the seeded init")
-    parser.add_argument(
-        "--allow-unverified", action="store_true", help="--load a checkpoint whose manifest is gone (unverifiable)"
-    )
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="the learning rate of --save's step")
-
-
-def config_from(args: argparse.Namespace, world_size: int) -> DemoConfig:
-    fields = {name: getattr(args, name) for name in DemoConfig.__dataclass_fields__ if name != "world_size"}
-    return DemoConfig(world_size=world_size, **fields)
-
-
-def torchrun_main(argv: Sequence[str] | None = None) -> int:
-    """``torchrun -m meshbind.demo``: the world comes from torchrun's environment; NCCL on GPUs."""
-    parser = argparse.ArgumentParser(
-        prog="python -m meshbind.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_flags(parser, world_size=False)
-    args = parser.parse_args(argv)
-    if "WORLD_SIZE" not in os.environ:
-        parser.error("run me under torchrun (WORLD_SIZE is not set); `meshbind demo` spawns a local world itself")
-    config = config_from(args, int(os.environ["WORLD_SIZE"]))
-    try:
-        check_flags(config)
-    except FlagError as error:
-        print(f"meshbind demo: {error}", file=sys.stderr)
-        return 2
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    try:
-        report = run_rank(config)
-    finally:
-        dist.destroy_process_group()
-    if report is not None:
-        print_report(report, config.json)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(torchrun_main())

@@ -1,0 +1,146 @@
+"""The command line's arguments: every command's parser, read without importing torch."""
+
+from __future__ import annotations
+
+import argparse
+
+import meshbind.cli
+from meshbind.demo import config as demo_config
+from meshbind.names import ActivationCheckpointing, Device, Optimizer
+from meshbind.units import parse_bytes
+
+
+class UsageError(Exception):
+    """A bad command line: one line on stderr, exit status 2."""
+
+
+def demo_parser() -> argparse.ArgumentParser:
+    """``meshbind demo``'s flags (its own parser: ``meshbind demo --help`` lists them all)."""
+    from meshbind import demo
+
+    parser = argparse.ArgumentParser(
+        prog="meshbind demo", description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    demo_config.add_flags(parser, world_size=True)
+    return parser
+
+
+def _axis(text: str) -> tuple[str, int]:
+    name, _, size = text.partition("=")
+    if not name or not size.isdigit() or int(size) < 1:
+        raise argparse.ArgumentTypeError(f"an axis is NAME=SIZE with a positive size, got {text!r}")
+    return name, int(size)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a positive whole number, got {text!r}")
+    return int(text)
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``check`` and ``bench`` build the model and read the plan from, and the axes."""
+    parser.add_argument("model_factory", metavar="MODEL_FACTORY", nargs="?", help="module:function returning the nn.Module")
+    parser.add_argument(
+        "plan", metavar="PLAN", nargs="?", help="module:attribute, a sequence of requests or a function returning one"
+    )
+    parser.add_argument(
+        "--torch-plan",
+        metavar="MODULE:ATTR",
+        help="instead of PLAN: a torch parallelize_module dict (FQN key -> ParallelStyle), or a function returning one",
+    )
+    parser.add_argument(
+        "--hf-config",
+        metavar="CONFIG.json",
+        help="instead of MODEL_FACTORY and PLAN: a transformers config file; the model is built from it on meta"
+        " and its own tp/ep plans are checked",
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="with --hf-config: a key that selects nothing is an error, and so is a --seq-len beyond the model's positions",
+    )
+    parser.add_argument("--axis", type=_axis, action="append", default=[], metavar="NAME=SIZE", help="a mesh axis (repeatable)")
+
+
+def command_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshbind", description=meshbind.cli.__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser(
+        "demo",
+        help="a MoE transformer with CP attention and EP experts on a local world, checked against one process"
+        " (meshbind demo --help)",
+        add_help=False,
+    )
+    bench = commands.add_parser(
+        "bench",
+        help="time the resolution of a plan over a model built on meta, phase by phase",
+        description="Time resolve_plan and plan_report phase by phase (walk, resolve, validate, report), the median of"
+        " several runs. Without MODEL_FACTORY, PLAN or --hf-config: an embedded MoE tree of DeepSeek-V3's size.",
+    )
+    _add_model_arguments(bench)
+    bench.add_argument("--repeat", type=_positive, default=5, metavar="N", help="timed runs (default 5); the median is shown")
+    bench.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    check = commands.add_parser("check", help="offline pre-flight of a plan against a model built on meta")
+    _add_model_arguments(check)
+    check.add_argument(
+        "--fully-shard",
+        action="append",
+        metavar="PATTERN",
+        help="an FSDP2 unit per module PATTERN selects (repeatable; the root is the last unit); "
+        "the report counts the padded chunks FSDP allocates",
+    )
+    check.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    check.add_argument(
+        "--report", action="store_true", help="print what each rank holds (local shapes, bytes) instead of the plan table"
+    )
+    check.add_argument(
+        "--optimizer",
+        choices=Optimizer.choices(),
+        default=Optimizer.ADAM.value,
+        help="whose state the report counts (default: adam)",
+    )
+    check.add_argument("--html", metavar="PATH", help="write the report as one self-contained page")
+    check.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="check a torch.distributed.checkpoint or safetensors directory against the model (metadata only)",
+    )
+    check.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="with --checkpoint: check a meshbind checkpoint whose manifest is gone (its files cannot be verified)",
+    )
+    memory = check.add_argument_group("step memory (--memory)")
+    memory.add_argument(
+        "--memory",
+        action="store_true",
+        help="trace one training step (forward, backward, optimizer step) with fake tensors: each rank's peak bytes",
+    )
+    memory.add_argument("--batch", type=_positive, metavar="B", help="sequences per data-parallel rank")
+    memory.add_argument("--seq-len", type=_positive, metavar="S", help="tokens per sequence")
+    memory.add_argument(
+        "--activation-checkpointing",
+        choices=ActivationCheckpointing.choices(),
+        default=ActivationCheckpointing.NONE.value,
+        help="full: torch's checkpoint_wrapper on each FSDP unit (or each block); default none",
+    )
+    memory.add_argument(
+        "--device", choices=Device.choices(), default=Device.CUDA.value, help="the device the step runs on (default cuda)"
+    )
+    memory.add_argument("--device-memory", type=_bytes, metavar="SIZE", help="the device's memory (80GiB): does the step fit?")
+    memory.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="MoE routing: each rank receives F times its balanced share of tokens (default 1.0, balanced)",
+    )
+    return parser

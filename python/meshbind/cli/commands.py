@@ -1,0 +1,235 @@
+"""What each command does, once its arguments are read."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from meshbind import FullyShard, LayoutContext, PlanError, resolve_plan
+from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verified_or_refused
+from meshbind.cli.arguments import UsageError
+from meshbind.cli.models import model_and_plan
+from meshbind.errors import index_groups
+from meshbind.memory.result import StepMemory
+from meshbind.memory.routing import Routing
+from meshbind.report import plan_report
+from meshbind.report_page import report_page
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Spawn a local world running the MoE demo; report the plan, timings and differences.
+
+    Imported here only: the demo model's family classes, once defined, make every resolution in
+    the process walk the whole tree (``meshbind check`` and ``meshbind bench`` must not pay that)."""
+    from meshbind.demo.checks import check_flags
+    from meshbind.demo.config import config_from
+    from meshbind.demo.run import print_report, run_local
+
+    try:
+        config = config_from(args, args.world_size)
+        check_flags(config)
+        print_report(run_local(config), config.json)
+    except (ValueError, TypeError) as error:
+        print(f"meshbind demo: {error}", file=sys.stderr)
+        return 2
+    except RuntimeError as error:  # a rank failed: the error says which, and what it raised
+        print(f"meshbind demo: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def check(args: argparse.Namespace) -> int:
+    """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
+    context = _layout_context(args.axis)
+    fully_shard = FullyShard(tuple(args.fully_shard)) if args.fully_shard is not None else None
+    if args.memory:
+        _check_step_sizes(args)
+    if args.html is not None:
+        _check_writable(args.html, "--html")
+    model, requests = model_and_plan(args)
+    started = time.perf_counter()
+    try:
+        plan = resolve_plan(model, requests, context, progress=_ProgressBar(), fully_shard=fully_shard)
+    except PlanError as error:
+        if args.json:
+            problems = [p.to_dict() for p in error.problems]
+            print(json.dumps({"ok": False, "problems": problems, "plan": None}))
+        print(str(error), file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - started
+    # --json carries everything the check knows, the report included.
+    report = plan_report(model, plan, optimizer=args.optimizer) if args.report or args.html or args.json else None
+    misfits, verified = None, False
+    if args.checkpoint is not None:
+        try:  # a damaged checkpoint is a finding (exit 1), like a misfit
+            verified = verified_or_refused(args.checkpoint, allow_unverified=args.allow_unverified)
+            misfits = checkpoint_fit(model, args.checkpoint)
+        except CheckpointError as error:
+            print(str(error), file=sys.stderr)
+            return 1
+    memory = _step_memory(args, requests, context, fully_shard) if args.memory else None
+    if args.html:
+        try:
+            with open(args.html, "w", encoding="utf-8") as page:
+                title = f"meshbind plan report: {type(model).__name__}"
+                page.write(report_page(report, title, memory))  # type: ignore[arg-type]
+        except OSError as error:
+            raise UsageError(f"--html {args.html}: cannot be written ({error.strerror})") from None
+    if args.json:
+        result: dict[str, Any] = {"ok": not misfits, "problems": [], "plan": plan.to_dict(), "seconds": elapsed}
+        if report is not None:
+            result["report"] = report.to_dict()
+        if memory is not None:
+            result["memory"] = memory.to_dict()
+            result["ok"] = result["ok"] and memory.fits is not False
+        if misfits is not None:
+            result["checkpoint"] = [{"kind": m.kind, "key": m.key, "reason": m.reason} for m in misfits]
+            result["checkpoint_verified"] = verified
+        print(json.dumps(result))
+    else:
+        print(report.text() if report is not None and args.report else plan.explain())
+        print(f"resolved and validated in {elapsed * 1e3:.1f} ms", file=sys.stderr)
+        if memory is not None:
+            print()
+            print(memory.text())
+            print(f"traced in {memory.seconds:.1f} s", file=sys.stderr)
+    if misfits:
+        print(_misfit_text(misfits, args.checkpoint), file=sys.stderr)
+        return 1
+    if memory is not None and memory.fits is False:
+        return 1
+    if misfits is not None and not args.json:
+        how = "every file verified against its manifest" if verified else "unverified: no meshbind manifest"
+        print(f"the checkpoint in {args.checkpoint} fits the model ({how})", file=sys.stderr)
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Times the resolution of a plan over a model built on meta, phase by phase."""
+    from meshbind.bench import time_resolution
+
+    if args.model_factory is None and args.plan is None and args.hf_config is None and args.torch_plan is None:
+        args.model_factory, args.plan = (
+            "meshbind.examples.moe_tree:deepseek_sized_tree",
+            "meshbind.examples.moe_tree:deep_plan_requests",
+        )
+        args.axis = args.axis or [("tp", 8)]
+    context = _layout_context(args.axis)
+    model, requests = model_and_plan(args)
+    print(f"timing {args.repeat} resolutions ...", file=sys.stderr)
+    try:
+        times = time_resolution(model, requests, context, repeat=args.repeat)
+    except PlanError as error:
+        print(str(error), file=sys.stderr)
+        return 1
+    print(json.dumps(times.to_dict()) if args.json else times.text())
+    return 0
+
+
+def _layout_context(axes: list[tuple[str, int]]) -> LayoutContext:
+    """--axis NAME=SIZE, each name once."""
+    names = [name for name, _ in axes]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise UsageError(f"--axis {twice} is given more than once")
+    try:
+        return LayoutContext(dict(axes))
+    except ValueError as error:
+        raise UsageError(f"--axis: {error}") from None
+
+
+def _step_memory(args: argparse.Namespace, requests: Any, context: LayoutContext, fully_shard: FullyShard | None) -> StepMemory:
+    """--memory: one training step traced on each class of ranks (the model built again for it)."""
+    from meshbind.errors import StepMemoryError
+    from meshbind.memory.trace import step_memory
+
+    _check_positions(args)
+    print(f"tracing one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
+    try:
+        return step_memory(
+            args.build,
+            requests,
+            context,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            fully_shard=fully_shard,
+            optimizer=args.optimizer,
+            activation_checkpointing=args.activation_checkpointing,
+            device=args.device,
+            device_memory=args.device_memory,
+            routing=Routing(args.capacity_factor),
+        )
+    except StepMemoryError as error:
+        raise UsageError(f"--memory: {error}") from None
+
+
+def _check_step_sizes(args: argparse.Namespace) -> None:
+    """--memory's sizes, before any work: both given, and a batch a step can hold."""
+    from meshbind.memory.trace import step_size_problem
+
+    if args.batch is None or args.seq_len is None:
+        raise UsageError("--memory needs --batch (sequences per data-parallel rank) and --seq-len")
+    if (problem := step_size_problem(args.batch, args.seq_len, ("--batch", "--seq-len"))) is not None:
+        raise UsageError(problem)
+
+
+def _check_positions(args: argparse.Namespace) -> None:
+    """A sequence longer than the model's positions (``max_position_embeddings``) is traced with a
+    warning, or refused under --strict: the model was not made for it."""
+    positions = getattr(args, "max_positions", None)
+    if positions is None or args.seq_len <= positions:
+        return
+    message = f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings {positions}"
+    if args.strict:
+        raise UsageError(f"{message} (--strict)")
+    print(f"warning: {message}: traced as given", file=sys.stderr)
+
+
+def _misfit_text(misfits: Sequence[Misfit], directory: str) -> str:
+    """Every misfit, those that differ only in a layer index on one line."""
+    lines = [f"the checkpoint in {directory} does not fit the model ({len(misfits)} keys):"]
+    for key, members in index_groups([(m.key, (m.kind, m.reason)) for m in misfits]):
+        first = misfits[members[0]]
+        count = f"{len(members)} keys " if len(members) > 1 else ""
+        lines.append(f"  {first.kind:<10} {count}{key!r}: {first.reason}")
+    return "\n".join(lines)
+
+
+class _ProgressBar:
+    """A bar on stderr for a step that has run two seconds or more (as tqdm users expect), redrawn
+    at most twice a second; nothing for a quick one."""
+
+    WIDTH = 30
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.drawn = 0.0
+
+    def __call__(self, step: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        finished = done >= total
+        if now - self.started < 2.0 or (not finished and now - self.drawn < 0.5) or (finished and not self.drawn):
+            return
+        self.drawn = now
+        filled = self.WIDTH * done // max(total, 1)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        end = "\n" if finished else ""
+        print(f"\r{step}: [{bar}] {done:,}/{total:,} {now - self.started:.0f} s", end=end, file=sys.stderr, flush=True)
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """An output path is checked before any work: its folder must exist and be writable."""
+    if not path:
+        raise UsageError(f"{flag} '': an empty path names no file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory, not a file to write")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path}: the directory {folder} is not writable")

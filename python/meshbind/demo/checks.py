@@ -1,0 +1,71 @@
+"""Every rule the demo's flags must keep, checked before any process starts."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from meshbind.checkpoints import save_target_problem
+from meshbind.demo.config import DemoConfig
+from meshbind.world import DENSE_AXES
+
+
+class FlagError(ValueError):
+    """A demo flag that cannot work; raised before any process starts."""
+
+
+LIMITS = {"layers": 64, "experts": 1024, "seq_len": 65536, "batch": 4096}
+"""The demo's largest model and batch: a small model run on this machine's CPU, every rank and a
+one-process reference holding it whole (beyond, it runs out of memory or time)."""
+MAX_TOKENS = 2**20
+"""The most tokens one demo batch may hold (``batch * seq_len``)."""
+
+
+def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
+    """Every flag rule, each failure one line."""
+    cores = cpu_count or os.cpu_count() or 1
+    for name in ("world_size", "dp_replicate", "dp_shard", "cp", "tp", "ep", "layers", "experts", "seq_len", "batch"):
+        if getattr(config, name) < 1:
+            raise FlagError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
+    for name, limit in LIMITS.items():
+        if getattr(config, name) > limit:
+            raise FlagError(f"--{name.replace('_', '-')} {getattr(config, name)} is over the demo's limit of {limit}")
+    if config.batch * config.seq_len > MAX_TOKENS:
+        raise FlagError(
+            f"--batch {config.batch} x --seq-len {config.seq_len} is {config.batch * config.seq_len:,} tokens, "
+            f"over the demo's limit of {MAX_TOKENS:,}"
+        )
+    if not 0 <= config.seed < 2**63:
+        raise FlagError(f"--seed {config.seed} must be from 0 to 2**63 - 1")
+    if not math.isfinite(config.lr) or config.lr <= 0:
+        raise FlagError(f"--lr {config.lr} must be a positive, finite learning rate")
+    if config.world_size > 4 * cores:
+        raise FlagError(
+            f"a world of {config.world_size} ranks is more than this machine can sensibly run "
+            f"({cores} cores: at most {4 * cores})"
+        )
+    try:
+        world = config.world
+    except ValueError as error:
+        raise FlagError(str(error)) from None
+    if world.size != config.world_size:
+        product = " x ".join(f"--{axis.replace('_', '-')} {getattr(config, axis)}" for axis in DENSE_AXES)
+        raise FlagError(f"{product} = {world.size}, not the world size {config.world_size}")
+    if config.experts % config.ep:
+        raise FlagError(f"--experts {config.experts} is not divisible by --ep {config.ep}")
+    if config.experts < config.transformer.top_k:
+        raise FlagError(
+            f"--experts {config.experts} is fewer than the {config.transformer.top_k} experts each token is routed to"
+        )
+    if config.transformer.heads % config.tp:
+        raise FlagError(f"--tp {config.tp} does not divide the {config.transformer.heads} attention heads")
+    if config.seq_len % (2 * config.cp):
+        raise FlagError(f"--seq-len {config.seq_len} is not divisible by 2 x --cp = {2 * config.cp} (head-tail CP chunks)")
+    if config.batch % config.batch_shards:
+        raise FlagError(
+            f"--batch {config.batch} is not divisible by --dp-replicate x --dp-shard = {config.batch_shards} (the batch's split)"
+        )
+    if config.load is not None and not os.path.isfile(os.path.join(config.load, ".metadata")):
+        raise FlagError(f"--load {config.load} is not a checkpoint written by --save (no .metadata in it)")
+    if config.save is not None and (refused := save_target_problem(config.save)) is not None:
+        raise FlagError(f"--save {refused}")

@@ -1,0 +1,53 @@
+"""meshbind's vocabulary: each closed set of names that crosses a boundary (the command line's
+choices, the JSON, the report, the trace) as one enum. A member is its own text (``str``), so
+JSON, messages and comparisons with plain strings read it as written."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TypeVar
+
+NameT = TypeVar("NameT", bound="Name")
+
+
+class Name(str, Enum):
+    """A closed set of names; ``parse`` is how text from a user becomes one."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @classmethod
+    def parse(cls: type[NameT], value: object, what: str) -> NameT:
+        """``value`` as a member, or a ValueError naming ``what`` and every choice."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{what} must be one of {', '.join(cls.choices())}, got {value!r}") from None
+
+    @classmethod
+    def choices(cls) -> tuple[str, ...]:
+        return tuple(member.value for member in cls)
+
+
+class Optimizer(Name):
+    """Whose state the report counts and the trace steps."""
+
+    NONE = "none"
+    SGD_MOMENTUM = "sgd-momentum"
+    ADAM = "adam"
+    ADAM_FP32_MASTER = "adam-fp32-master"
+
+
+class ActivationCheckpointing(Name):
+    """What a step keeps for backward: everything, or each block's input only (torch's
+    ``checkpoint_wrapper`` on each FSDP unit or block)."""
+
+    NONE = "none"
+    FULL = "full"
+
+
+class Device(Name):
+    """The device a traced step runs on."""
+
+    CUDA = "cuda"
+    CPU = "cpu"
