@@ -19,6 +19,7 @@ pub mod selection;
 pub mod sequence;
 mod step_memo;
 pub mod suggest;
+mod utf8;
 pub mod walk;
 
 /// Compiling a plan and indexing a walk make many small allocations; mimalloc serves them far

@@ -13,7 +13,8 @@ use crate::matcher::{BuildError, MatchError, PatternSet};
 use crate::selection::{select, PatternOwner};
 use crate::sequence::{HitsError, IndexHits, NameIndexer};
 use crate::suggest::nearest_names;
-use crate::walk::{not_utf8_error, walk_tree, TreeIndex, WalkError, WalkMode};
+use crate::utf8::not_utf8_error;
+use crate::walk::{walk_tree, TreeIndex, WalkError, WalkMode};
 
 /// `meshbind.errors.PatternError`: the error family is defined once, on the Python side.
 static PATTERN_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();

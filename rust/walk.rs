@@ -6,7 +6,7 @@
 //! and descends into a shared module once per alias but never into its own ancestor: a cycle is
 //! recorded instead. With pruning on, it enters no subtree that no pattern can reach.
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyType};
@@ -16,6 +16,7 @@ use crate::layout_reads::{has_other_holders, Children, Lookahead, WIDE};
 use crate::matcher::{DfaState, MatchError, Matcher};
 use crate::names::NameTable;
 use crate::step_memo::StepMemo;
+use crate::utf8::not_utf8_error;
 
 /// Every FQN a walk visited (or every name given offline), what each one is, and what matched.
 #[derive(Default)]
@@ -55,15 +56,6 @@ pub struct ParameterIndex {
     pub objects: Vec<Py<PyAny>>,
     /// Matches: `(parameter name index, pattern index)`.
     pub hits: Vec<(u32, u32)>,
-}
-
-/// A `ValueError` for a str that is not valid UTF-8 (a lone surrogate), shown as Python writes it.
-pub(crate) fn not_utf8_error(what: &str, text: &Bound<'_, PyAny>) -> PyErr {
-    let shown = text.repr().map(|r| r.to_string());
-    PyValueError::new_err(format!(
-        "{what} is not valid UTF-8: {}",
-        shown.as_deref().unwrap_or("?")
-    ))
 }
 
 impl TreeIndex {

@@ -47,13 +47,13 @@ if TYPE_CHECKING:
     from meshbind.interop.torch_plans import from_torch_plan, parallelize_checked
     from meshbind.layouts import apply_layouts
     from meshbind.memory.result import StepMemory as StepMemory
-    from meshbind.memory.routing import Routing
     from meshbind.memory.trace import step_memory
     from meshbind.mesh import MeshBinding, MeshContext
     from meshbind.report import PlanReport as PlanReport
     from meshbind.report import plan_report
     from meshbind.resolution import ParallelPlan as ParallelPlan
     from meshbind.resolution import resolve_plan
+    from meshbind.routing import Routing
     from meshbind.specs import FullyShard, LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
     from meshbind.validation import validate_parallel_module
     from meshbind.world import World
@@ -101,7 +101,7 @@ _HOMES = {
     "RankMismatchError": "meshbind.errors",
     "resolve_plan": "meshbind.resolution",
     "RoutedTokens": "meshbind.ep",
-    "Routing": "meshbind.memory.routing",
+    "Routing": "meshbind.routing",
     "step_memory": "meshbind.memory.trace",
     "StepMemory": "meshbind.memory.result",
     "StepMemoryError": "meshbind.errors",

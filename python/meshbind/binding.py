@@ -18,16 +18,13 @@ from meshbind.ep import EPContext
 from meshbind.errors import BindingError, BindingRefusedError, MaterializationError
 from meshbind.family import family_spec, record_family_binding
 from meshbind.mesh import MeshBinding, MeshContext, check_resolved_for
+from meshbind.modules import submodule, unwrapped
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
 from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure
 
 _OWNER = "_meshbind_owner"
 _RECORDS = "_meshbind_records"
-WRAPPED_MODULE_CHILDREN = ("_checkpoint_wrapped_module", "_orig_mod")
-"""The only child through which a torch wrapper holds the module it wraps (activation
-checkpointing, ``torch.compile``). FQNs leave wrappers out, as ``torch.distributed.checkpoint``'s
-canonical FQNs do, so a plan bound before the wrappers still finds its modules after them."""
 
 
 @dataclass(frozen=True)
@@ -144,31 +141,6 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
             binding = ParallelBinding(mesh_binding, ep_context=ep_contexts[num_experts])
         prepared.append(_Prepared(fqn, module, spec, binding))
     return prepared, unchanged
-
-
-def submodule(model: nn.Module, fqn: str) -> nn.Module:
-    """The module at ``fqn``, found by the ``_modules`` lookups ``named_modules()`` made (cheaper
-    than ``get_submodule``'s attribute access at every level), through any torch wrapper."""
-    module = unwrapped(model)
-    for depth, name in enumerate(fqn.split(".") if fqn else ()):
-        child = module._modules.get(name)
-        if child is None:
-            parent = ".".join(fqn.split(".")[:depth])
-            where = repr(parent) if parent else "the root"
-            message = f"the plan names {fqn!r}, which this model does not have: {where} has no child {name!r}"
-            raise BindingRefusedError("module", message)
-        module = unwrapped(child)
-    return module
-
-
-def unwrapped(module: nn.Module) -> nn.Module:
-    """The module a chain of torch wrappers (``WRAPPED_MODULE_CHILDREN``) holds; ``module`` itself when none wraps it."""
-    while len(module._modules) == 1:
-        name, inner = next(iter(module._modules.items()))
-        if name not in WRAPPED_MODULE_CHILDREN or inner is None:
-            break
-        module = inner
-    return module
 
 
 def _restore(bound: list[_Prepared]) -> list[str]:

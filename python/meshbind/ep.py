@@ -12,8 +12,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshbind.memory.routing import assumed_routing
 from meshbind.mesh import one_dimensional, waited
+from meshbind.routing import assumed_routing
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ def index_groups(entries: Sequence[tuple[str | None, object]]) -> list[tuple[str
     segment only, written as the indices' pattern (``<0-47>`` for a run, ``{0,2,7}`` otherwise):
     ``(written FQN, entry indices)``, in the order of first appearance (Rust). An entry without
     an FQN, and anything else, stays alone."""
-    from meshbind import _core  # the extension raises these errors: it is imported here, not at the top
+    import meshbind._core as _core  # the extension raises these errors: it is imported here, not at the top
 
     kinds: dict[object, int] = {}
     codes = [kinds.setdefault(what, len(kinds)) if fqn is not None else -1 for fqn, what in entries]

@@ -16,10 +16,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from meshbind.agreement import check_ranks_agree, plan_agreement
-from meshbind.binding import submodule
 from meshbind.errors import LayoutError
 from meshbind.layouts import check_application
 from meshbind.mesh import MeshContext
+from meshbind.modules import submodule
 from meshbind.placements import shard_dim
 from meshbind.resolution.fsdp import FSDPUnit
 from meshbind.resolution.plan import ParallelPlan

@@ -18,10 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from meshbind.agreement import check_ranks_agree, plan_agreement
-from meshbind.binding import submodule, unwrapped
 from meshbind.errors import LayoutError
 from meshbind.family import family_spec, record_family_distribution
 from meshbind.mesh import MeshContext, check_resolved_for
+from meshbind.modules import submodule, unwrapped
 from meshbind.placements import placements_text, split_dim
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import ParallelModuleSpec

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Placement
 
-from meshbind import _core
+import meshbind._core as _core
 from meshbind._core import PatternSet
 from meshbind.placements import fsdp_chunk_shape, local_shape
 from meshbind.resolution.plan import ParallelPlan

@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString};
 use pyo3::{ffi, Borrowed};
 
-use crate::walk::not_utf8_error;
+use crate::utf8::not_utf8_error;
 
 use super::lookahead::prefetch;
 use super::TextOffsets;

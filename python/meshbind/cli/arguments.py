@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-import meshbind.cli
 from meshbind.demo import config as demo_config
 from meshbind.names import ActivationCheckpointing, Device, Optimizer
 from meshbind.units import parse_bytes
@@ -16,10 +15,10 @@ class UsageError(Exception):
 
 def demo_parser() -> argparse.ArgumentParser:
     """``meshbind demo``'s flags (its own parser: ``meshbind demo --help`` lists them all)."""
-    from meshbind import demo
+    import meshbind.demo
 
     parser = argparse.ArgumentParser(
-        prog="meshbind demo", description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="meshbind demo", description=meshbind.demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     demo_config.add_flags(parser, world_size=True)
     return parser
@@ -71,7 +70,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def command_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshbind", description=meshbind.cli.__doc__)
+    parser = argparse.ArgumentParser(prog="meshbind", description="The meshbind command line: demo, bench, check.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "demo",

@@ -10,15 +10,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from meshbind import FullyShard, LayoutContext, PlanError, resolve_plan
 from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verified_or_refused
 from meshbind.cli.arguments import UsageError
 from meshbind.cli.models import model_and_plan
-from meshbind.errors import index_groups
+from meshbind.errors import PlanError, index_groups
 from meshbind.memory.result import StepMemory
-from meshbind.memory.routing import Routing
 from meshbind.report import plan_report
 from meshbind.report_page import report_page
+from meshbind.resolution import resolve_plan
+from meshbind.routing import Routing
+from meshbind.specs import FullyShard, LayoutContext
 
 
 def demo(args: argparse.Namespace) -> int:

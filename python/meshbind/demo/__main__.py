@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from meshbind import demo
+import meshbind.demo
 from meshbind.demo.checks import FlagError, check_flags
 from meshbind.demo.config import add_flags, config_from
 from meshbind.demo.run import print_report, run_rank
@@ -19,7 +19,7 @@ from meshbind.demo.run import print_report, run_rank
 def torchrun_main(argv: Sequence[str] | None = None) -> int:
     """``torchrun -m meshbind.demo``: the world comes from torchrun's environment; NCCL on GPUs."""
     parser = argparse.ArgumentParser(
-        prog="python -m meshbind.demo", description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m meshbind.demo", description=meshbind.demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_flags(parser, world_size=False)
     args = parser.parse_args(argv)

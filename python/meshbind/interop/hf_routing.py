@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.distributed import expert_parallel
 from transformers.distributed.expert_parallel import AllToAllEP, EPImplementationInterface, _AllToAllState
 
-from meshbind.memory.routing import assumed_routing
+from meshbind.routing import assumed_routing
 
 ASSUMED_ROUTING_EP = "meshbind_assumed_routing"
 

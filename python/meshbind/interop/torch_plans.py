@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshbind.agreement import check_ranks_agree, mesh_entries, model_entries, plan_entries
-from meshbind.binding import submodule
+from meshbind.modules import submodule
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from meshbind.memory.routing import Routing
+from meshbind.routing import Routing
 from meshbind.units import size_text
 from meshbind.world import World
 

@@ -12,12 +12,13 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor
 
-from meshbind.binding import bind_parallel_modules, submodule
+from meshbind.binding import bind_parallel_modules
 from meshbind.errors import StepMemoryError
 from meshbind.fsdp import apply_fully_shard
 from meshbind.interop import HF_PROTOCOL, torch_plans
 from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshContext
+from meshbind.modules import submodule
 from meshbind.resolution.fsdp import layer_list
 from meshbind.resolution.plan import ParallelPlan
 

@@ -30,13 +30,13 @@ from meshbind.memory.attention import CudaAttention, real_step_masks
 from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, truncated
 from meshbind.memory.fsdp_chunks import chunks_for_traced_rank
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
-from meshbind.memory.routing import Routing, assuming
 from meshbind.memory.step import StepInputs, apply_plan, default_inputs, make_optimizer, make_optimizer_state, training_step
 from meshbind.memory.trackers import Peak, step_tracker
 from meshbind.mesh import MeshContext
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution import resolve_plan
 from meshbind.resolution.plan import ParallelPlan
+from meshbind.routing import Routing, assuming
 from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanSource
 from meshbind.world import DENSE_AXES, EXPERT_AXES, World
 

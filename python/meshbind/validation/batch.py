@@ -25,7 +25,7 @@ from typing import Any, Literal
 from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate
 
-from meshbind import _core
+import meshbind._core as _core
 from meshbind.errors import ProblemCode
 from meshbind.placements import shard_dim
 from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
