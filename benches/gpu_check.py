@@ -25,8 +25,10 @@ import torch.distributed as dist
 from meshbind import CPContext, EPContext, LayoutContext, MeshBinding, MeshContext, resolve_plan, step_memory
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, batch, initialize, loss_head_request
 from meshbind.launch import free_port
-from meshbind.memory.measure import measured_step_peak
 from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state, training_step
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from step_memory_truth import measured_step_peak
 
 
 def check_cp(context: MeshContext, device: torch.device) -> float:

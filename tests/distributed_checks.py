@@ -41,10 +41,9 @@ from meshbind import (
     resolve_plan,
     validate_materialized_modules,
 )
-from meshbind.mesh import process_group_count
 from meshbind.world import canonical_axis
 
-from rank_checks import Results, attempt_each
+from rank_checks import Results, attempt_each, process_group_count
 
 TOLERANCE = 1e-10
 

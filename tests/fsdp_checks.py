@@ -20,10 +20,9 @@ from meshbind import (
     plan_report,
     resolve_plan,
 )
-from meshbind.mesh import process_group_count
 from meshbind.resolution.plan import ParallelPlan
 
-from rank_checks import Results, attempt_each
+from rank_checks import Results, attempt_each, process_group_count
 
 SPEC = ParallelModuleSpec("fsdp_test")
 UNITS = FullyShard(("blocks.*.experts", "blocks.*"))

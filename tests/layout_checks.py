@@ -22,9 +22,8 @@ from meshbind import (
     get_family_build_info,
     resolve_plan,
 )
-from meshbind.mesh import process_group_count
 
-from rank_checks import Results, attempt_each
+from rank_checks import Results, attempt_each, process_group_count
 
 SPEC = ParallelModuleSpec("layout_test")
 

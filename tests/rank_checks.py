@@ -7,11 +7,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from meshbind.launch import run_local_world
 
 Results = dict[str, str | None]
 """Check name → ``None`` when it passed on this rank, else its traceback."""
+
+
+def process_group_count() -> int:
+    """How many process groups exist now (the default one included): what "creates no group" counts."""
+    return len(dist.distributed_c10d._world.pg_map)
 
 
 def attempt_each(checks: Mapping[str, Callable[[], None]]) -> Results:

@@ -19,9 +19,10 @@ from meshbind.examples.moe_transformer import (
     local,
     loss_head_request,
 )
-from meshbind.memory.measure import count_every_thread, measured_step_peak
 from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state
 from meshbind.world import DENSE_AXES, EXPERT_AXES
+
+from step_memory_truth import count_every_thread, measured_step_peak
 
 DEMO_UNITS = FullyShard(("blocks.*.moe", "blocks.*"))
 

@@ -508,8 +508,9 @@ def test_the_truth_counts_a_free_on_another_thread_and_returns_to_its_start_afte
     thread lowers it as one on the profiling thread does, and one real step ends where it began."""
     import threading
 
-    from meshbind.memory.measure import _step_totals, count_every_thread
     from meshbind.memory.step import make_optimizer, make_optimizer_state, training_step
+
+    from step_memory_truth import _step_totals, count_every_thread
 
     count_every_thread()
     held = [torch.empty(2**20)]  # 4 MiB, freed by another thread during the step

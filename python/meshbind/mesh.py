@@ -26,11 +26,6 @@ def waited(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
 
-def process_group_count() -> int:
-    """How many process groups exist now (the default one included): what "creates no group" counts."""
-    return len(dist.distributed_c10d._world.pg_map)
-
-
 @dataclass(frozen=True)
 class MeshContext:
     """The device mesh (dims ``dp_replicate, dp_shard, cp, tp``) and, for expert parallelism, the

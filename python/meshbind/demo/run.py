@@ -32,7 +32,7 @@ from meshbind.examples.moe_transformer import (
 from meshbind.fsdp import apply_fully_shard
 from meshbind.launch import run_local_world
 from meshbind.layouts import apply_layouts
-from meshbind.mesh import MeshContext, process_group_count
+from meshbind.mesh import MeshContext
 from meshbind.report import plan_report
 from meshbind.resolution import resolve_plan
 from meshbind.specs import FullyShard
@@ -44,6 +44,11 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 FSDP_UNITS = FullyShard(("blocks.*.moe", "blocks.*"))
 """The experts (with their router, on the expert mesh) a unit each, then each block, then the root."""
+
+
+def process_group_count() -> int:
+    """How many process groups exist now (the default one included): what "creates no group" counts."""
+    return len(dist.distributed_c10d._world.pg_map)
 
 
 @dataclass
