@@ -75,7 +75,8 @@ def _hf_model_and_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
         raise UsageError(f"--hf-config {path}: a transformers config.json is an object with a 'model_type'")
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    from meshbind.interop.hf_plans import defaulted_facts, from_hf_plan
+    from meshbind.interop.hf_facts import defaulted_facts
+    from meshbind.interop.hf_plans import from_hf_plan
 
     model_type = values.pop("model_type")
     config = _user_code(f"--hf-config {path}", lambda: AutoConfig.for_model(model_type, **values))
