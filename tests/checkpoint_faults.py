@@ -11,13 +11,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from meshbind import checkpoints
+from meshbind.checkpoints import save as saving
 from meshbind.checkpoints import save_checkpoint
 
 PHASES = {
     # phase: (the function the victim dies in, the victim's rank)
     "writing shards": ("save", 1),
-    "after its shards, before reporting them": ("_file_entry", 1),
+    "after its shards, before reporting them": ("file_entry", 1),
     "after the manifest, before publishing": ("_publish", 0),
 }
 
@@ -44,6 +44,6 @@ def save_then_die(directory: str, version: int, phase: str | None) -> float:
     if phase is not None:
         function, victim = PHASES[phase]
         if dist.get_rank() == victim:
-            setattr(checkpoints, function, lambda *args, **kwargs: os._exit(3))
+            setattr(saving, function, lambda *args, **kwargs: os._exit(3))
     save_checkpoint(model, directory)
     return loss_of(model)
