@@ -35,10 +35,11 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from meshbind.binding import ParallelBinding, bind_parallel_modules
 from meshbind.cp import CPContext
+from meshbind.demo.run import process_group_count
 from meshbind.ep import EPContext
 from meshbind.examples.moe_transformer import DecoderBlock, MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
-from meshbind.mesh import MeshBinding, MeshContext, process_group_count
+from meshbind.mesh import MeshBinding, MeshContext
 from meshbind.resolution import ParallelPlan, resolve_plan
 
 from timing import timed_on_fresh

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from meshbind.names import ActivationCheckpointing, Device, Optimizer
 from meshbind.routing import Routing
 from meshbind.units import size_text
 from meshbind.world import World
@@ -38,9 +39,9 @@ class StepSettings:
     batch: int
     """Sequences per data-parallel rank."""
     seq_len: int
-    optimizer: str
-    activation_checkpointing: str
-    device: str
+    optimizer: Optimizer
+    activation_checkpointing: ActivationCheckpointing
+    device: Device
     device_memory: int | None
     routing: Routing
 

@@ -19,6 +19,7 @@ from meshbind.interop import HF_PROTOCOL, torch_plans
 from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshContext
 from meshbind.modules import submodule
+from meshbind.names import ActivationCheckpointing, Device, Optimizer
 from meshbind.resolution.fsdp import layer_list
 from meshbind.resolution.plan import ParallelPlan
 
@@ -30,7 +31,7 @@ def apply_plan(
     model: nn.Module,
     plan: ParallelPlan,
     mesh_context: MeshContext,
-    activation_checkpointing: str,
+    activation_checkpointing: ActivationCheckpointing,
     recompute_context: Callable[[], Any] | None = None,
 ) -> None:
     """The plan applied as a training job applies it: layouts, binding, activation checkpointing
@@ -50,7 +51,7 @@ def apply_plan(
     else:
         apply_layouts(model, plan, mesh_context)
         bind_parallel_modules(model, plan, mesh_context)
-    if activation_checkpointing == "full":
+    if activation_checkpointing == ActivationCheckpointing.FULL:
         wrapping: dict[str, Any] = {}
         if recompute_context is not None:
             enter = recompute_context
@@ -102,16 +103,16 @@ def default_inputs(model: nn.Module) -> StepInputs:
     return inputs
 
 
-def make_optimizer(model: nn.Module, name: str, device: str) -> torch.optim.Optimizer | None:
+def make_optimizer(model: nn.Module, name: Optimizer, device: Device) -> torch.optim.Optimizer | None:
     """The optimizer torch would run on ``device``: foreach on CUDA (torch's default there, whose
     grouped temporaries count) unless the parameters mix DTensors and plain tensors, one parameter
     at a time on the CPU."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     # torch's foreach kernels take a list of one kind: DTensors, or plain tensors.
-    foreach = device == "cuda" and len({isinstance(p, DTensor) for p in parameters}) == 1
-    if name == "sgd-momentum":
+    foreach = device == Device.CUDA and len({isinstance(p, DTensor) for p in parameters}) == 1
+    if name == Optimizer.SGD_MOMENTUM:
         return torch.optim.SGD(parameters, lr=0.01, momentum=0.9, foreach=foreach)
-    if name == "adam":
+    if name == Optimizer.ADAM:
         return torch.optim.Adam(parameters, lr=0.01, foreach=foreach)
     return None
 

@@ -33,6 +33,7 @@ from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.step import StepInputs, apply_plan, default_inputs, make_optimizer, make_optimizer_state, training_step
 from meshbind.memory.trackers import Peak, step_tracker
 from meshbind.mesh import MeshContext
+from meshbind.names import ActivationCheckpointing, Device, Optimizer
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution import resolve_plan
 from meshbind.resolution.plan import ParallelPlan
@@ -40,9 +41,8 @@ from meshbind.routing import Routing, assuming
 from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanSource
 from meshbind.world import DENSE_AXES, EXPERT_AXES, World
 
-ACTIVATION_CHECKPOINTING = ("none", "full")
-TRACED_OPTIMIZERS = ("none", "sgd-momentum", "adam")
-DEVICES = ("cuda", "cpu")
+TRACED_OPTIMIZERS = (Optimizer.NONE, Optimizer.SGD_MOMENTUM, Optimizer.ADAM)
+"""The optimizers a trace steps (a float32 master copy is the mixed-precision issue's)."""
 
 
 def step_memory(
@@ -53,9 +53,9 @@ def step_memory(
     batch: int,
     seq_len: int,
     fully_shard: FullyShard | None = None,
-    optimizer: str = "adam",
-    activation_checkpointing: str = "none",
-    device: str = "cuda",
+    optimizer: str = Optimizer.ADAM,
+    activation_checkpointing: str = ActivationCheckpointing.NONE,
+    device: str = Device.CUDA,
     device_memory: int | None = None,
     routing: Routing | None = None,
     inputs: StepInputs | None = None,
@@ -81,9 +81,9 @@ def step_memory(
     settings = StepSettings(
         batch=batch,
         seq_len=seq_len,
-        optimizer=optimizer,
-        activation_checkpointing=activation_checkpointing,
-        device=device,
+        optimizer=Optimizer.parse(optimizer, "optimizer"),
+        activation_checkpointing=ActivationCheckpointing.parse(activation_checkpointing, "activation_checkpointing"),
+        device=Device.parse(device, "device"),
         device_memory=device_memory,
         routing=routing if routing is not None else Routing(),
     )
@@ -206,14 +206,7 @@ def _check_settings(settings: StepSettings) -> None:
     if (problem := step_size_problem(settings.batch, settings.seq_len)) is not None:
         raise ValueError(problem)
     if settings.optimizer not in TRACED_OPTIMIZERS:
-        raise ValueError(f"the traced optimizer must be one of {', '.join(TRACED_OPTIMIZERS)}, got {settings.optimizer!r}")
-    if settings.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        raise ValueError(
-            f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
-            f"got {settings.activation_checkpointing!r}"
-        )
-    if settings.device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {settings.device!r}")
+        raise ValueError(f"the traced optimizer must be one of {', '.join(TRACED_OPTIMIZERS)}, got {settings.optimizer.value!r}")
     if settings.device_memory is not None and (not isinstance(settings.device_memory, int) or settings.device_memory < 1):
         raise ValueError(f"device_memory must be a positive number of bytes, got {settings.device_memory!r}")
     if not isinstance(settings.routing, Routing):
@@ -257,7 +250,7 @@ def _without_torch_advice() -> Iterator[None]:
 
 def _trace_rank(model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None) -> Peak:
     with _without_torch_advice(), chunks_for_traced_rank(), _fake_world(rank, plan.context.world) as mesh_context:
-        on_device = CudaAttention if settings.device == "cuda" else contextlib.nullcontext
+        on_device = CudaAttention if settings.device is Device.CUDA else contextlib.nullcontext
         apply_plan(model, plan, mesh_context, settings.activation_checkpointing, on_device)
         step_inputs = inputs or default_inputs(model)
         with FakeTensorMode(allow_non_fake_inputs=True), assuming(settings.routing), on_device(), real_step_masks():

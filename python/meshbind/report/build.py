@@ -1,24 +1,15 @@
-"""What each rank will hold under a resolved plan, before any weight exists (``plan_report``).
-
-Everything comes from the model's parameters (on ``meta`` or anywhere) and the plan's named
-placements; no process group is needed. Resolution refuses uneven shards (balanced
-layouts), so a parameter's local shape is the same on every rank: each dimension divided by the
-product of the sizes of the axes that shard it. Under FSDP (``plan.fsdp``) every rank
-allocates the same padded chunk of that local tensor's dim 0. Every rank of the world therefore
-holds the same bytes: the report keeps ranks alike as one group, so a world of 10^11 ranks costs
-what one of 8 does, and gives any rank's row (its coordinates, which is what a launch script
-names) on demand.
-"""
+"""``plan_report`` builds the report: every parameter's local shape and bytes under a resolved plan, and each rank's
+totals, from the model's parameters and the plan's named placements alone."""
 
 from __future__ import annotations
 
 import functools
 import math
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,116 +17,20 @@ from torch.distributed.tensor import Placement
 
 import meshbind._core as _core
 from meshbind._core import PatternSet
+from meshbind.names import Optimizer
 from meshbind.placements import fsdp_chunk_shape, local_shape
+from meshbind.report.rows import ParameterRow, RankGroup, RankRows, WholeGroup
+from meshbind.report.state import element_size, optimizer_bytes
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.units import size_text
 from meshbind.world import World
-
-OPTIMIZERS = ("none", "sgd-momentum", "adam", "adam-fp32-master")
-"""The optimizers whose state the report counts, per parameter that requires grad: none; one
-momentum buffer; Adam's two moments, in the parameter's dtype; or float32 moments beside a float32
-master copy of a low-precision parameter (mixed-precision training)."""
-
-
-class ParameterRow(NamedTuple):
-    """One parameter of the model, planned or not (unplanned: whole on every rank). A named tuple:
-    a report holds one per parameter of the model."""
-
-    fqn: str
-    shape: tuple[int, ...]
-    dtype: str
-    placements: Mapping[str, str]
-    """Axis → placement as torch writes it (``S(0)``, ``R``); empty when no plan entry places it."""
-    local_shape: tuple[int, ...]
-    bytes_per_rank: int
-    requires_grad: bool
-    protocol: str | None
-    """The protocol of the planned module it belongs to (``None``: not planned)."""
-    fsdp_shards: int = 1
-    """How many ranks FSDP splits its dim 0 over (1: not sharded by FSDP); ``local_shape`` is then
-    the padded chunk each rank allocates."""
-
-    @property
-    def whole(self) -> bool:
-        """Whether every rank holds all of it."""
-        return self.local_shape == self.shape
-
-
-@dataclass(frozen=True)
-class _StateBytes:
-    """A rank's parameter, gradient and optimizer-state bytes."""
-
-    parameter_bytes: int
-    gradient_bytes: int
-    optimizer_bytes: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
-
-
-@dataclass(frozen=True)
-class RankGroup(_StateBytes):
-    """Consecutive ranks that hold the same bytes: ranks ``first`` to ``first + count - 1``."""
-
-    first: int
-    count: int
-
-
-@dataclass(frozen=True)
-class RankRow(_StateBytes):
-    """What one rank holds, by its coordinates on the axes."""
-
-    rank: int
-    coordinates: Mapping[str, int]
-
-
-class RankRows(Sequence[RankRow]):
-    """Every rank's row, made when read: ``len`` is the world size, ``rows[r]`` rank ``r``'s
-    coordinates and bytes. Nothing is kept per rank."""
-
-    def __init__(self, world: World, groups: Sequence[RankGroup]) -> None:
-        self.world, self.groups = world, groups
-        self.size = world.size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return [self[rank] for rank in range(*index.indices(self.size))]
-        rank = index + self.size if index < 0 else index
-        if not 0 <= rank < self.size:
-            raise IndexError(f"rank {index} is outside the world of {self.size} ranks")
-        group = next(g for g in self.groups if g.first <= rank < g.first + g.count)
-        return RankRow(
-            group.parameter_bytes, group.gradient_bytes, group.optimizer_bytes, rank, MappingProxyType(self.coordinates(rank))
-        )
-
-    def __iter__(self) -> Iterator[RankRow]:
-        return (self[rank] for rank in range(self.size))
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """Rank ``rank``'s coordinates (``World.coordinates``)."""
-        return self.world.coordinates(rank)
-
-
-@dataclass(frozen=True)
-class WholeGroup:
-    """Parameters that stay whole on every rank and differ only in a layer index."""
-
-    fqn: str
-    """``model.layers.<0-47>.mlp.experts.gate_up_proj`` (one FQN when alone)."""
-    count: int
-    bytes_each: int
-    """Each one's bytes on every rank."""
 
 
 @dataclass(frozen=True)
 class PlanReport:
     """``plan_report``'s answer: immutable, with ``to_dict()`` and ``text()``."""
 
-    optimizer: str
+    optimizer: Optimizer
     axes: Mapping[str, int]
     world: World
     rank_groups: tuple[RankGroup, ...]
@@ -263,11 +158,10 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam") -> PlanReport:
+def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = Optimizer.ADAM) -> PlanReport:
     """What each rank holds under ``plan``: every parameter's local shape and bytes, each rank's
     parameter, gradient and optimizer-state bytes, and what stays whole on every rank."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    chosen = Optimizer.parse(optimizer, "optimizer")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(plan, ParallelPlan):
@@ -287,7 +181,7 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
     learnt = [(row, count) for row, count in rows if row.requires_grad]
     parameter_bytes = sum(row.bytes_per_rank * count for row, count in rows)
     gradient = sum(row.bytes_per_rank * count for row, count in learnt)
-    state = sum(_optimizer_bytes(row, optimizer) * count for row, count in learnt)
+    state = sum(optimizer_bytes(row, chosen) * count for row, count in learnt)
     rank_groups = (RankGroup(parameter_bytes, gradient, state, first=0, count=plan.context.world.size),)
     # Rows shown as one line share shape, dtype, placements and requires_grad (not the protocol).
     codes: dict[tuple[Any, ...], int] = {}
@@ -304,10 +198,10 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = "adam"
     )
     model_totals = {
         "parameters": sum(math.prod(row.shape) * count for row, count in rows),
-        "parameter_bytes_full": sum(math.prod(row.shape) * _element_size(row.dtype) * count for row, count in rows),
+        "parameter_bytes_full": sum(math.prod(row.shape) * element_size(row.dtype) * count for row, count in rows),
     }
     return PlanReport(
-        optimizer,
+        chosen,
         MappingProxyType(dict(axes)),
         plan.context.world,
         rank_groups,
@@ -357,20 +251,3 @@ def _fields(
 
 
 _NOTHING: Mapping[str, Placement] = MappingProxyType({})
-
-
-def _element_size(dtype: str) -> int:
-    itemsize: int = getattr(torch, dtype).itemsize
-    return itemsize
-
-
-def _optimizer_bytes(row: ParameterRow, optimizer: str) -> int:
-    local = math.prod(row.local_shape)
-    if optimizer == "none":
-        return 0
-    if optimizer == "sgd-momentum":
-        return row.bytes_per_rank
-    if optimizer == "adam":
-        return 2 * row.bytes_per_rank
-    master = 0 if row.dtype in ("float32", "float64") else local * 4  # a float32 copy of a low-precision parameter
-    return master + 2 * local * max(4, _element_size(row.dtype))
