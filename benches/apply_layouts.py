@@ -45,14 +45,9 @@ from meshbind import (
     apply_layouts,
     resolve_plan,
 )
-from meshbind.examples.moe_transformer import (
-    CPAttention,
-    DecoderBlock,
-    MoELayer,
-    MoETransformer,
-    TransformerConfig,
-    moe_layer_class,
-)
+from meshbind.examples.cp_attention import CPAttention
+from meshbind.examples.moe_layer import MoELayer, moe_layer_class
+from meshbind.examples.moe_transformer import DecoderBlock, MoETransformer, TransformerConfig
 from meshbind.launch import run_local_world
 from meshbind.specs import LayoutContext
 

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from meshbind import MeshContext, plan_report, resolve_plan
-from meshbind.examples.moe_transformer import local
+from meshbind.examples.parallel_parts import local
 from meshbind.interop.hf_plans import apply_hf_plan, from_hf_plan
 
 from hf_models import hf_model

@@ -10,15 +10,15 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from meshbind import FullyShard, LayoutContext, MeshContext, resolve_plan
+from meshbind.examples.moe_layer import MoELayer
 from meshbind.examples.moe_transformer import (
-    MoELayer,
     MoETransformer,
     TransformerConfig,
     batch,
     initialize,
-    local,
     loss_head_request,
 )
+from meshbind.examples.parallel_parts import local
 from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state
 from meshbind.world import DENSE_AXES, EXPERT_AXES
 

@@ -21,14 +21,9 @@ from torch.distributed.tensor import DTensor
 from meshbind.binding import bind_parallel_modules, validate_materialized_modules
 from meshbind.checkpoints import load_checkpoint, save_checkpoint
 from meshbind.demo.config import DemoConfig
-from meshbind.examples.moe_transformer import (
-    MoELayer,
-    MoETransformer,
-    batch,
-    initialize,
-    local,
-    loss_head_request,
-)
+from meshbind.examples.moe_layer import MoELayer
+from meshbind.examples.moe_transformer import MoETransformer, batch, initialize, loss_head_request
+from meshbind.examples.parallel_parts import local
 from meshbind.fsdp import apply_fully_shard
 from meshbind.launch import run_local_world
 from meshbind.layouts import apply_layouts
