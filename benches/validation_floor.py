@@ -66,8 +66,8 @@ def _match_and_required_calls(
     each planned FQN with its request and layout."""
     index = PatternSet(plan).walk(target, prune=True, modules=True)
     noticed = 0 in index.hit_counts()
-    _, fqns, selected, _, first, _, _ = index.selected(list(range(len(plan))), [])
-    modules, request_of = cast(list[nn.Module], selected), cast(list[int], first)
+    selected = index.selected(list(range(len(plan))), [])
+    fqns, modules, request_of = selected.fqns, cast(list[nn.Module], selected.modules), cast(list[int], selected.first_request)
     shardings = []
     for r, module, fqn in zip(request_of, modules, fqns, strict=True):
         sharding = requests[r].sharding(module, fqn, resolution_methods.CONTEXT)

@@ -292,7 +292,7 @@ fn expert_problem<'r>(
 }
 
 /// The rows of `check_placements` as one table, filled in by interning axes and labels: what
-/// Python hands over (see `PlacementTable` in `python.rs`).
+/// Python hands over (see `PlacementTable` in `python/table.rs`).
 #[derive(Default)]
 pub struct PlacementTable {
     /// The axis that splits the experts, as the caller's world names it (`ep`).

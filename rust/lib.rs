@@ -1,5 +1,5 @@
 //! meshbind's Rust core: the FQN pattern engine, the module-tree walk, bulk plan checks and
-//! diagnostics. `python.rs` is the binding layer: it converts arguments and maps errors. Besides
+//! diagnostics. `python/` is the binding layer: it converts arguments and maps errors. Besides
 //! it, only the walk (`walk.rs`, `named_parameters.rs`) reads Python objects, through pyo3's safe
 //! API and `layout_reads/`, which holds every `unsafe` block and every decision made from
 //! CPython's internals (its object layout, a reference count). The other modules are plain Rust.

@@ -165,3 +165,21 @@ def test_rust_files_use_no_cycle() -> None:
 @pytest.mark.parametrize("graph", [{"a": {"b"}, "b": {"a"}}, {"a": {"b"}, "b": {"c"}, "c": {"a"}}])
 def test_a_cycle_is_found(graph: dict[str, set[str]]) -> None:
     assert _cycle(graph) is not None and _cycle({"a": {"b"}, "b": set()}) is None
+
+
+MAX_PYTHON_LINES = 350
+MAX_BINDING_LINES = 450
+
+
+def test_files_are_cut_by_job_to_a_readable_size() -> None:
+    """No module of the package over 350 lines; no file of the Rust binding layer over 450."""
+    long = [
+        f"{path.relative_to(ROOT)}: {lines} lines"
+        for limit, paths in (
+            (MAX_PYTHON_LINES, PACKAGE.rglob("*.py")),
+            (MAX_BINDING_LINES, (ROOT / "rust" / "python").glob("*.rs")),
+        )
+        for path in paths
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > limit
+    ]
+    assert long == []

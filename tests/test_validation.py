@@ -291,7 +291,7 @@ def test_the_expert_rule_reads_the_axis_the_world_names() -> None:
         unit = table.unit(8)
         label = table.label("params['w']", True)
         table.row(unit, label, table.axis(expert_axis), "shard", dim=0, rank=2, first_dim=8, dim_size=8)
-        problems_found = [message for _, code, message in table.check() if code == "expert"]
+        problems_found = [problem.message for problem in table.check() if problem.code == "expert"]
         assert len(problems_found) == problems, problems_found
 
 

@@ -369,7 +369,8 @@ def test_named_parameters_are_torchs_with_their_kinds() -> None:
     model.b.register_parameter("tied", shared.weight)  # type: ignore[union-attr]
     model.c.weight.requires_grad_(False)  # type: ignore[union-attr]
     model.register_parameter("none", None)
-    fqns, kinds, samples = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
+    named = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
+    fqns, kinds, samples = named.fqns, named.kinds, named.samples
     expected = list(model.named_parameters())
     assert fqns == [name for name, _ in expected]
     assert kinds == _kinds_by_reference([p for _, p in expected])
@@ -382,7 +383,8 @@ def test_named_parameters_are_torchs_with_their_kinds() -> None:
 
 
 def test_named_parameters_of_a_deep_moe_tree(moe: nn.Module) -> None:
-    fqns, kinds, samples = PatternSet([]).walk(moe, prune=False, parameters=True).named_parameters()
+    named = PatternSet([]).walk(moe, prune=False, parameters=True).named_parameters()
+    fqns, kinds, samples = named.fqns, named.kinds, named.samples
     expected = list(moe.named_parameters())
     assert fqns == [name for name, _ in expected]
     assert kinds == _kinds_by_reference([p for _, p in expected])

@@ -8,8 +8,11 @@ from typing_extensions import Self
 __all__ = [
     "IndexMatches",
     "ModuleTree",
+    "NamedParameters",
     "PatternSet",
+    "PlacementProblem",
     "PlacementTable",
+    "SelectedModules",
     "_layout_self_check",
     "check_patterns",
     "index_groups",
@@ -84,27 +87,19 @@ class ModuleTree:
         """Every module's first FQN, in tree order (a ``test-hooks`` build's only)."""
     def module_fqns(self, indices: Sequence[int]) -> list[str]: ...
     def modules(self, indices: Sequence[int]) -> list[object]: ...
-    def named_parameters(self) -> tuple[list[str], list[int], list[Any]]:
+    def named_parameters(self) -> NamedParameters:
         """Each parameter once, under its first FQN, in ``named_parameters()`` order (a full walk
-        with ``parameters=True``):
-        ``(fqns, kinds, samples)``; parameters of one kind share shape, dtype and
-        ``requires_grad``, and ``samples[k]`` is the first of kind ``k``."""
+        with ``parameters=True``)."""
     def classes(self) -> list[type]: ...
     def module_classes(self) -> list[int]: ...
     def modules_of_classes(self, classes: Sequence[int]) -> list[int]: ...
     def hits(self) -> tuple[list[int], list[int]]:
         """Every match as name and pattern indices (a ``test-hooks`` build's only)."""
     def matches(self) -> list[tuple[str, list[int]]]: ...
-    def selected(
-        self, request_patterns: Sequence[int], override_patterns: Sequence[int]
-    ) -> tuple[
-        list[int], list[str], list[Any], list[type], list[int | None], list[tuple[int, list[int]]], list[tuple[int, list[int]]]
-    ]:
-        """One row per module a request or an override selects, in tree order: ``(module indices,
-        FQNs, modules, classes, first request (None: only overrides), [(row, other requests)],
-        [(row, overrides)])``; modules and classes are empty offline. Pattern ``i`` belongs to
-        request ``request_patterns[i]``, pattern ``len(request_patterns) + k`` to override
-        ``override_patterns[k]``."""
+    def selected(self, request_patterns: Sequence[int], override_patterns: Sequence[int]) -> SelectedModules:
+        """One row per module a request or an override selects, in tree order. Pattern ``i``
+        belongs to request ``request_patterns[i]``, pattern ``len(request_patterns) + k`` to
+        override ``override_patterns[k]``."""
     def matched_names(self) -> int: ...
     def hit_counts(self) -> list[int]: ...
     def cycles(self) -> list[tuple[str, str]]: ...
@@ -118,6 +113,52 @@ class ModuleTree:
         """The parameter FQNs met nearest to ``pattern`` ("did you mean" among parameters; a
         ``test-hooks`` build's only)."""
     def nearest(self, pattern: str, count: int = 3) -> list[str]: ...
+
+@final
+class SelectedModules:
+    """The modules a plan's requests and overrides select (``ModuleTree.selected``), one row each
+    in tree order; ``modules`` and ``classes`` are empty offline."""
+
+    @property
+    def module_indices(self) -> list[int]: ...
+    @property
+    def fqns(self) -> list[str]: ...
+    @property
+    def modules(self) -> list[Any]: ...
+    @property
+    def classes(self) -> list[type]: ...
+    @property
+    def first_request(self) -> list[int | None]:
+        """The first request selecting each row (``None``: only overrides do)."""
+    @property
+    def other_requests(self) -> list[tuple[int, list[int]]]:
+        """``(row, requests)``: the rows other requests select too."""
+    @property
+    def overrides(self) -> list[tuple[int, list[int]]]:
+        """``(row, overrides)``: the rows overrides select."""
+
+@final
+class NamedParameters:
+    """Each parameter once, under its first FQN, in ``named_parameters()`` order: parameters of
+    one kind share shape, dtype and ``requires_grad``, and ``samples[k]`` is the first of kind ``k``."""
+
+    @property
+    def fqns(self) -> list[str]: ...
+    @property
+    def kinds(self) -> list[int]: ...
+    @property
+    def samples(self) -> list[Any]: ...
+
+@final
+class PlacementProblem:
+    """A problem ``PlacementTable.check`` found: the unit it is about, its code and its message."""
+
+    @property
+    def unit(self) -> int: ...
+    @property
+    def code(self) -> Literal["layout", "expert"]: ...
+    @property
+    def message(self) -> str: ...
 
 @final
 class PlacementTable:
@@ -147,8 +188,8 @@ class PlacementTable:
     ) -> None:
         """One named placement of a unit; ``rank``, ``first_dim`` and (for ``Shard(dim)``) ``dim_size``
         where the parameter's shape is known."""
-    def check(self) -> list[tuple[int, str, str]]:
-        """``(unit, code, message)`` for every ``layout`` problem (an axis the context lacks, ``Shard(d)``
+    def check(self) -> list[PlacementProblem]:
+        """Every ``layout`` problem (an axis the context lacks, ``Shard(d)``
         beyond the rank or over a dimension its axes do not divide, ``Partial`` on a parameter) and
         each unit's first ``expert`` problem."""
 

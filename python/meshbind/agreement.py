@@ -47,7 +47,8 @@ Entry = tuple[str, str]
 def model_entries(model: nn.Module) -> list[Entry]:
     """Each parameter once, as ``named_parameters()`` gives it: FQN, global shape, dtype, device
     type and whether it is frozen (a frozen weight has no gradient to reduce)."""
-    fqns, kinds, samples = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
+    named = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
+    fqns, kinds, samples = named.fqns, named.kinds, named.samples
     described = [
         f"{tuple(sample.shape)} {str(sample.dtype).removeprefix('torch.')} on {sample.device.type}"
         + ("" if sample.requires_grad else ", frozen")

@@ -167,7 +167,8 @@ def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = Optimi
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
     axes = plan.context.axis_sizes
-    fqns, kinds, samples = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
+    named = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
+    fqns, kinds, samples = named.fqns, named.kinds, named.samples
     placings, placed = _placings(plan)
     # One computation per (kind, placing): a model's layers are mostly alike.
     fsdp, world = plan.fsdp, plan.context.world

@@ -180,13 +180,12 @@ def _planned(
     tree: ModuleTree, patterns: PlanPatterns, requests: Sequence[NativeParallelBindingRequest]
 ) -> tuple[PlannedModules, dict[int, tuple[int, ...]]]:
     """The modules requests select, from one Rust call; the override-only modules."""
-    indices, fqns, found_modules, found_classes, first, others, override_hits = tree.selected(
-        patterns.request_of, list(range(len(patterns.overrides)))
-    )
-    overrides = {indices[row]: tuple(found) for row, found in override_hits}
-    other_requests = {indices[row]: tuple(found) for row, found in others}
-    modules: list[Any] = found_modules or [None] * len(indices)  # empty offline
-    classes: list[Any] = found_classes or [None] * len(indices)
+    selected = tree.selected(patterns.request_of, list(range(len(patterns.overrides))))
+    indices, fqns, first = selected.module_indices, selected.fqns, selected.first_request
+    overrides = {indices[row]: tuple(found) for row, found in selected.overrides}
+    other_requests = {indices[row]: tuple(found) for row, found in selected.other_requests}
+    modules: list[Any] = selected.modules or [None] * len(indices)  # empty offline
+    classes: list[Any] = selected.classes or [None] * len(indices)
     override_only: dict[int, tuple[int, ...]] = {}
     if None in first:  # rows only overrides select are not planned
         override_only = {indices[row]: overrides.pop(indices[row]) for row, request in enumerate(first) if request is None}

@@ -136,13 +136,13 @@ class ValidationBatch:
             if spec.validate is not None and online:
                 validated += rows
         self._fill_table(units)
-        for unit, text, message in self._table.check():
-            code = ProblemCode(text)  # the Rust checks name their codes as text
-            for row in units[unit].rows:
+        for problem in self._table.check():
+            code = ProblemCode(problem.code)  # the Rust checks name their codes as text
+            for row in units[problem.unit].rows:
                 if code is ProblemCode.LAYOUT:
-                    layout.setdefault(row, []).append(message)
+                    layout.setdefault(row, []).append(problem.message)
                 else:
-                    failures.setdefault(row, (code, message))
+                    failures.setdefault(row, (code, problem.message))
         for row in sorted(validated):
             if row not in failures and row not in layout:
                 self._run_validator(row, modules, specs, shardings, failures)
