@@ -6,6 +6,8 @@
 //! A row's "module" may stand for many modules whose rows are the same (Python checks such a
 //! unit once and gives its problems to each of them).
 
+use crate::rules::{not_divisible, split_dim};
+
 /// What a placement row is.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum PlacementKind {
@@ -191,7 +193,9 @@ fn indivisible_shards<'r>(
         else {
             continue;
         };
-        let dim = if row.dim < 0 { row.dim + rank } else { row.dim };
+        let Some(dim) = split_dim(row.dim, rank) else {
+            continue; // beyond the rank: reported on its own
+        };
         let key = (row.module, row.label, dim);
         let slot = *seen.entry(key).or_insert_with(|| {
             sharding.push((key, Vec::new()));
@@ -248,10 +252,8 @@ fn expert_problem<'r>(
     let Some(ep_size) = ep_size else {
         return Some("the layout context has no 'ep' axis, which an 'ep' module needs".to_owned());
     };
-    if num_experts % ep_size != 0 {
-        return Some(format!(
-            "num_experts {num_experts} is not divisible by the 'ep' axis size {ep_size}"
-        ));
+    if let Some(problem) = not_divisible("num_experts", num_experts, "ep", ep_size) {
+        return Some(problem);
     }
     let mut owned = rows
         .iter()
@@ -266,10 +268,10 @@ fn expert_problem<'r>(
     }
     for row in owned {
         // Shard(-k) is Shard(rank - k), as torch reads it; without a known rank it stays unproven.
-        let dim = match row.rank {
-            Some(rank) if row.dim < 0 => row.dim + rank,
-            _ => row.dim,
-        };
+        let dim = row
+            .rank
+            .and_then(|rank| split_dim(row.dim, rank))
+            .unwrap_or(row.dim);
         if dim != 0 {
             return Some(format!(
                 "{} is Shard({}) on 'ep'; expert ownership must be Shard(0) over the expert dimension",

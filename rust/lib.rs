@@ -14,6 +14,7 @@ mod named_parameters;
 pub mod names;
 pub mod pattern;
 mod python;
+pub mod rules;
 pub mod same_keys;
 pub mod selection;
 pub mod sequence;

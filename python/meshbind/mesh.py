@@ -11,6 +11,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshbind.errors import BindingRefusedError
+from meshbind.names import MeshSide
 from meshbind.specs import LayoutContext
 from meshbind.world import AXES, DENSE_AXES, EXPERT_AXES, FSDP_AXES, FSDP_SHARD_AXES, FSDP_SHARD_MESH, World, canonical_axis
 
@@ -64,7 +65,7 @@ class MeshContext:
         object.__setattr__(self, "world", world)
         object.__setattr__(self, "_fsdp_meshes", {})
         if self.dim_name("dp_shard") is not None:
-            self.fsdp_mesh("device")  # FSDP's groups are made with the meshes, not when it is applied
+            self.fsdp_mesh(MeshSide.DEVICE)  # FSDP's groups are made with the meshes, not when it is applied
 
     @classmethod
     def build(
@@ -121,26 +122,26 @@ class MeshContext:
         wanted = canonical_axis(axis)
         return next((name for name in self.device_mesh.mesh_dim_names or () if canonical_axis(name) == wanted), None)
 
-    def fsdp_mesh(self, mesh: str) -> DeviceMesh:
-        """The mesh FSDP shards a unit over: on the ``"device"`` side ``dp_shard x cp`` (flattened
-        when both are above 1), on the ``"expert"`` side ``edp_shard``; with ``dp_replicate`` (or
+    def fsdp_mesh(self, mesh: MeshSide) -> DeviceMesh:
+        """The mesh FSDP shards a unit over: on the device side ``dp_shard x cp`` (flattened
+        when both are above 1), on the expert side ``edp_shard``; with ``dp_replicate`` (or
         ``edp_replicate``) above 1, that replicate dim before it (HSDP). Made once, here."""
         if mesh not in self._fsdp_meshes:
             self._fsdp_meshes[mesh] = self._slice_fsdp_mesh(mesh)
         return self._fsdp_meshes[mesh]
 
-    def _slice_fsdp_mesh(self, mesh: str) -> DeviceMesh:
-        if mesh == "expert":
+    def _slice_fsdp_mesh(self, mesh: MeshSide) -> DeviceMesh:
+        if mesh is MeshSide.EXPERT:
             if self.fsdp_moe_mesh is None:
                 raise BindingRefusedError("mesh", "an FSDP unit holds expert parameters, but the mesh context has no expert mesh")
             names = self.fsdp_moe_mesh.mesh_dim_names or ()
-            replicate_axis, shard_axis = FSDP_AXES["expert"]
+            replicate_axis, shard_axis = FSDP_AXES[MeshSide.EXPERT]
             missing = [axis for axis in (replicate_axis, shard_axis) if axis not in names]
             if missing:
                 raise BindingRefusedError("mesh", f"FSDP of expert parameters needs the expert mesh's {missing} dims")
             dims = (replicate_axis, shard_axis) if self.world.edp_replicate > 1 else (shard_axis,)
             return self.fsdp_moe_mesh[dims]
-        present = {axis: self.dim_name(axis) for axis in FSDP_AXES["device"]}
+        present: dict[str, str | None] = {axis: self.dim_name(axis) for axis in FSDP_AXES[MeshSide.DEVICE]}
         shard = [name for axis in FSDP_SHARD_AXES if (name := present[axis]) is not None and self.world.size_of(axis) > 1]
         dp_shard = present["dp_shard"]
         if len(shard) > 1:

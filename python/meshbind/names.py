@@ -16,6 +16,9 @@ class Name(str, Enum):
     def __str__(self) -> str:
         return str(self.value)
 
+    def __repr__(self) -> str:  # messages quote a name as written: 'tp', not <Axis.TP: 'tp'>
+        return repr(self.value)
+
     @classmethod
     def parse(cls: type[NameT], value: object, what: str) -> NameT:
         """``value`` as a member, or a ValueError naming ``what`` and every choice."""
@@ -27,6 +30,35 @@ class Name(str, Enum):
     @classmethod
     def choices(cls) -> tuple[str, ...]:
         return tuple(member.value for member in cls)
+
+
+class Axis(Name):
+    """The world's axes, as torchtitan names its mesh dims: the device mesh's (outermost first),
+    then ``ep``, and the expert mesh's data-parallel axes derived from them."""
+
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    TP = "tp"
+    EP = "ep"
+    EDP_REPLICATE = "edp_replicate"
+    EDP_SHARD = "edp_shard"
+
+
+class MeshSide(Name):
+    """Which prebuilt mesh a parameter or an FSDP unit lives on: the device mesh, or the expert
+    mesh over the same ranks."""
+
+    DEVICE = "device"
+    EXPERT = "expert"
+
+
+class PlacementKind(Name):
+    """torch's placement kinds, as the Rust checks are told them."""
+
+    SHARD = "shard"
+    REPLICATE = "replicate"
+    PARTIAL = "partial"
 
 
 class Optimizer(Name):

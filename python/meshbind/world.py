@@ -3,7 +3,8 @@ and rules, which prebuilt mesh each lives on, and each rank's coordinates. ``Lay
 ``MeshContext``, resolution, layouts, FSDP and the report read them here; nothing else spells an
 axis name or a mesh order.
 
-The device mesh is ``dp_replicate x dp_shard x cp x tp`` (``tp`` innermost). The expert mesh lays
+The names are ``names.Axis`` and ``names.MeshSide``. The device mesh is ``dp_replicate x dp_shard
+x cp x tp`` (``tp`` innermost). The expert mesh lays
 ``edp_replicate x edp_shard x ep`` over the same ranks (``ep`` innermost): experts borrow their
 ``ep`` ranks from ``dp_shard · cp · tp``, as torchtitan carves them, so ``edp_replicate`` is
 ``dp_replicate`` and ``edp_shard`` is ``dp_shard · cp · tp / ep`` (torchtitan's ``efsdp``).
@@ -15,25 +16,27 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-DENSE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+from meshbind.names import Axis, MeshSide
+
+DENSE_AXES = (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP)
 """The device mesh's dims, outermost first: their product is the world."""
-EXPERT_AXES = ("edp_replicate", "edp_shard", "ep")
+EXPERT_AXES = (Axis.EDP_REPLICATE, Axis.EDP_SHARD, Axis.EP)
 """The expert mesh's dims over the same ranks, outermost first."""
-EXPERT_AXIS = "ep"
+EXPERT_AXIS = Axis.EP
 """The axis that splits the experts (what the Rust checks' rule 5 is told)."""
 AXES = (*DENSE_AXES, EXPERT_AXIS)
 """The axes a world is given; the expert mesh's data-parallel axes are derived from them."""
-ALIASES = {"dp": "dp_replicate"}
+ALIASES = {"dp": Axis.DP_REPLICATE}
 """``dp`` is pure replication, as it always was: another name for ``dp_replicate``."""
-FSDP_SHARD_AXES = ("dp_shard", "cp")
+FSDP_SHARD_AXES = (Axis.DP_SHARD, Axis.CP)
 """The dense axes FSDP shards over, flattened into one (torchtitan's ``dp_shard_cp``): a CP rank
 holds the whole model, so its parameters' gradients are reduced over ``cp`` as over ``dp_shard``."""
 FSDP_SHARD_MESH = "dp_shard_cp"
 """The name of the flattened ``dp_shard x cp`` dim of the device mesh."""
-FSDP_AXES = {"device": ("dp_replicate", *FSDP_SHARD_AXES), "expert": ("edp_replicate", "edp_shard")}
+FSDP_AXES = {MeshSide.DEVICE: (Axis.DP_REPLICATE, *FSDP_SHARD_AXES), MeshSide.EXPERT: (Axis.EDP_REPLICATE, Axis.EDP_SHARD)}
 """Per mesh, the axes FSDP reduces a unit's gradients over: those it shards over, and those HSDP
 replicates over."""
-MODEL_PARALLEL_AXIS = {"device": "tp", "expert": EXPERT_AXIS}
+MODEL_PARALLEL_AXIS = {MeshSide.DEVICE: Axis.TP, MeshSide.EXPERT: EXPERT_AXIS}
 """Per mesh, the one axis a parameter of an FSDP unit may already be placed on."""
 
 _INT64_MAX = 2**63 - 1
@@ -129,9 +132,9 @@ class World:
         """The ranks FSDP splits a dense parameter over: ``dp_shard · cp``."""
         return self.dp_shard * self.cp
 
-    def fsdp_shard_of(self, mesh: str) -> int:
-        """The ranks FSDP splits a parameter over on ``mesh`` (``"device"`` or ``"expert"``)."""
-        return self.edp_shard if mesh == "expert" else self.fsdp_shard
+    def fsdp_shard_of(self, mesh: MeshSide) -> int:
+        """The ranks FSDP splits a parameter over on ``mesh``, the device or the expert side."""
+        return self.edp_shard if mesh == MeshSide.EXPERT else self.fsdp_shard
 
     def axis_sizes(self) -> dict[str, int]:
         """Every given axis and its size, in mesh order."""
@@ -150,8 +153,8 @@ class World:
         coordinates, rest = {}, rank
         for axis in reversed(DENSE_AXES):
             rest, coordinates[axis] = divmod(rest, getattr(self, axis))
-        ordered = {axis: coordinates[axis] for axis in DENSE_AXES}
-        ordered["ep"] = rank % self.ep
+        ordered: dict[str, int] = {axis: coordinates[axis] for axis in DENSE_AXES}
+        ordered[Axis.EP] = rank % self.ep
         return ordered
 
     def text(self) -> str:

@@ -125,6 +125,18 @@ fn modules_lacking(
     crate::layout_reads::modules_lacking(modules, path, rows.as_deref())
 }
 
+/// `rules::split_dim`: the dimension `Shard(dim)` splits in a tensor of rank `rank`, or `None`.
+#[pyfunction]
+fn split_dim(dim: i64, rank: i64) -> Option<i64> {
+    crate::rules::split_dim(dim, rank)
+}
+
+/// `rules::not_divisible`: why `count` cannot be split over the `size` ranks of `axis`, or `None`.
+#[pyfunction]
+fn not_divisible(what: &str, count: i64, axis: &str, size: i64) -> Option<String> {
+    crate::rules::not_divisible(what, count, axis, size)
+}
+
 /// Whether meshbind reads CPython's object layout in place: `"on"`, or `"off: <why>"`
 /// (`MESHBIND_NO_LAYOUT_READS` set, an interpreter whose layout is not known, a failed self-check).
 #[pyfunction]
@@ -161,6 +173,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(index_groups, m)?)?;
     m.add_function(wrap_pyfunction!(same_object_groups, m)?)?;
     m.add_function(wrap_pyfunction!(layout_reads, m)?)?;
+    m.add_function(wrap_pyfunction!(split_dim, m)?)?;
+    m.add_function(wrap_pyfunction!(not_divisible, m)?)?;
     #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(_layout_self_check, m)?)?;
     Ok(())

@@ -28,6 +28,7 @@ from meshbind.fsdp import apply_fully_shard
 from meshbind.launch import run_local_world
 from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshContext
+from meshbind.names import MeshSide
 from meshbind.report import plan_report
 from meshbind.resolution import resolve_plan
 from meshbind.specs import FullyShard
@@ -200,7 +201,7 @@ def _replica_groups(mesh_context: MeshContext, gradient: torch.Tensor, fsdp: boo
     expert = mesh_context.fsdp_moe_mesh is not None and any(name in EXPERT_AXES for name in names)
     whole = mesh_context.fsdp_moe_mesh if expert else mesh_context.device_mesh
     assert whole is not None
-    by_fsdp = set(FSDP_AXES["expert" if expert else "device"]) if fsdp else set()
+    by_fsdp = set(FSDP_AXES[MeshSide.EXPERT if expert else MeshSide.DEVICE]) if fsdp else set()
     dims = whole.mesh_dim_names or ()
     return [
         whole.get_group(dim)

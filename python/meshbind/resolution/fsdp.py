@@ -22,6 +22,7 @@ from torch.distributed.tensor import Placement
 
 from meshbind._core import PatternSet
 from meshbind.errors import PlanProblem, ProblemCode, index_groups
+from meshbind.names import MeshSide
 from meshbind.resolution.unmatched import ModelNames
 from meshbind.specs import FullyShard, ModuleShardingSpec, literal_pattern
 from meshbind.world import EXPERT_AXES, MODEL_PARALLEL_AXIS, canonical_axis
@@ -32,8 +33,8 @@ class FSDPUnit:
     """One ``fully_shard`` call: the module's FQN (``""``: the root) and its mesh side."""
 
     fqn: str
-    mesh: str
-    """``"device"`` (sharded over ``dp_shard · cp``) or ``"expert"`` (over ``edp_shard``)."""
+    mesh: MeshSide
+    """The device mesh (sharded over ``dp_shard · cp``) or the expert mesh (over ``edp_shard``)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def default_fully_shard(model: nn.Module | Sequence[str], sharding: Mapping[str,
     units = []
     if blocks is not None:
         units.append(f"{literal_pattern(blocks)}.*" if blocks else "*")
-    expert_axis = MODEL_PARALLEL_AXIS["expert"]
+    expert_axis = MODEL_PARALLEL_AXIS[MeshSide.EXPERT]
     for module_fqn, spec in sharding.items():
         # The root is always the last unit: an expert root needs no pattern of its own.
         if module_fqn and any(canonical_axis(axis) == expert_axis for named in spec.params.values() for axis in named):
@@ -122,7 +123,7 @@ def fsdp_units(
     ordered = sorted(dict.fromkeys(fqns), key=lambda fqn: -fqn.count(".") - 1 if fqn else 0)
     ordered = [fqn for fqn in ordered if fqn] + [""]
     if not isinstance(model, nn.Module):
-        units_offline = tuple(FSDPUnit(fqn, "device") for fqn in ordered)
+        units_offline = tuple(FSDPUnit(fqn, MeshSide.DEVICE) for fqn in ordered)
         return FSDPPlan(units_offline, request.reshard_after_forward, by_default), problems
     units = set(ordered)
     placed = _placements(sharding)
@@ -189,7 +190,7 @@ def _innermost(parameter_fqn: str, units: Container[str]) -> str:
 
 def _unit_side(
     fqn: str, module: nn.Module, members: list[tuple[str, nn.Parameter]], placed: Mapping[str, Mapping[str, Placement]]
-) -> tuple[str, list[PlanProblem]]:
+) -> tuple[MeshSide, list[PlanProblem]]:
     """The unit's mesh side and the problems of its module and own parameters."""
     problems = []
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -201,8 +202,8 @@ def _unit_side(
             )
         )
     sides = {name: _side(placed.get(name)) for name, _ in members}
-    expert = [name for name, side in sides.items() if side == "expert"]
-    device = [name for name, side in sides.items() if side == "device"]
+    expert = [name for name, side in sides.items() if side is MeshSide.EXPERT]
+    device = [name for name, side in sides.items() if side is MeshSide.DEVICE]
     if expert and device:
         # Named from the unit, so that alike units give one message (one line for every layer).
         inside = [name.removeprefix(f"{fqn}.") if fqn else name for name in (expert[0], device[0])]
@@ -213,7 +214,7 @@ def _unit_side(
                 "shards over one mesh; make the expert module a unit of its own, as torchtitan wraps moe.experts",
             )
         )
-    side = "expert" if expert and not device else "device"
+    side = MeshSide.EXPERT if expert and not device else MeshSide.DEVICE
     for name, parameter in members:
         problems += _parameter_problems(name, parameter, placed.get(name), sides[name])
     dtypes = sorted({str(parameter.dtype).removeprefix("torch.") for _, parameter in members})
@@ -224,12 +225,12 @@ def _unit_side(
     return side, problems
 
 
-def _side(named: Mapping[str, Placement] | None) -> str:
-    return "expert" if named and any(canonical_axis(axis) in EXPERT_AXES for axis in named) else "device"
+def _side(named: Mapping[str, Placement] | None) -> MeshSide:
+    return MeshSide.EXPERT if named and any(canonical_axis(axis) in EXPERT_AXES for axis in named) else MeshSide.DEVICE
 
 
 def _parameter_problems(
-    fqn: str, parameter: nn.Parameter, named: Mapping[str, Placement] | None, side: str
+    fqn: str, parameter: nn.Parameter, named: Mapping[str, Placement] | None, side: MeshSide
 ) -> Iterator[PlanProblem]:
     if parameter.dim() == 0:
         yield _problem(fqn, "is a 0-d parameter: FSDP shards dim 0, which it does not have")
