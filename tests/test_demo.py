@@ -113,12 +113,12 @@ def test_torchrun_runs_the_distributed_half() -> None:
     ("flags", "message"),
     [
         (["--dp", "1", "--cp", "2", "--tp", "1"], "--dp-replicate 1 x --dp-shard 1 x --cp 2 x --tp 1 = 2, not the world size 4"),
-        (["--experts", "6", "--ep", "4", "--tp", "2"], "--experts 6 is not divisible by --ep 4"),
+        (["--experts", "6", "--ep", "4", "--tp", "2"], "--experts 6 is not divisible by the 'ep' axis size 4"),
         (["--ep", "3"], "ep=3 does not divide dp_shard * cp * tp = 1 * 2 * 2 = 4"),
         (["--dp", "2", "--cp", "2", "--tp", "1", "--ep", "4"], "dp_replicate=2 replicates the experts, it lends them no ranks"),
         (
             ["--world-size", "3", "--cp", "1", "--tp", "3", "--ep", "1", "--experts", "6"],
-            "--tp 3 does not divide the 4 attention heads",
+            "the model's attention heads 4 is not divisible by the 'tp' axis size 3",
         ),
         (["--seq-len", "30"], "--seq-len 30 is not divisible by 2 x --cp = 4"),
         (["--world-size", "4096", "--dp", "1024", "--cp", "2", "--tp", "2"], "more than this machine can sensibly run"),

@@ -5,6 +5,8 @@ from typing import Any, Literal, final
 
 from typing_extensions import Self
 
+from meshbind.names import PlacementKind
+
 __all__ = [
     "IndexMatches",
     "ModuleTree",
@@ -18,7 +20,9 @@ __all__ = [
     "index_groups",
     "layout_reads",
     "modules_lacking",
+    "not_divisible",
     "same_object_groups",
+    "split_dim",
 ]
 
 # Malformed patterns raise meshbind.errors.PatternError (a MeshbindError and a ValueError).
@@ -180,7 +184,7 @@ class PlacementTable:
         unit: int,
         label: int,
         axis: int,
-        kind: Literal["shard", "replicate", "partial"],
+        kind: Literal["shard", "replicate", "partial"] | PlacementKind,
         dim: int = 0,
         rank: int | None = None,
         first_dim: int | None = None,
@@ -192,6 +196,14 @@ class PlacementTable:
         """Every ``layout`` problem (an axis the context lacks, ``Shard(d)``
         beyond the rank or over a dimension its axes do not divide, ``Partial`` on a parameter) and
         each unit's first ``expert`` problem."""
+
+def split_dim(dim: int, rank: int) -> int | None:
+    """The dimension ``Shard(dim)`` splits in a tensor of rank ``rank``, from 0 (``Shard(-1)`` of a
+    matrix is 1); ``None`` when the tensor has no such dimension."""
+
+def not_divisible(what: str, count: int, axis: str, size: int) -> str | None:
+    """Why ``count`` (called ``what``) cannot be split evenly over the ``size`` ranks of ``axis``,
+    or ``None`` when it can."""
 
 def check_patterns(patterns: Sequence[str]) -> None:
     """Parse every pattern without building a set; raises ``PatternError`` for the first malformed one."""

@@ -1,7 +1,8 @@
 """Placement arithmetic in one place: which dimension a placement splits (a negative ``Shard(d)``
 counted from the end, as torch counts it), each rank's local shape under balanced shards, and how a
 named placement reads in a message. Resolution, layouts, the report and the Hugging Face plans all
-use these; the Rust checks (``rust/checks.rs``) mirror them and are tested against them."""
+use these; which dimension a ``Shard`` splits is decided once, in ``rust/rules.rs``, for them and
+for the Rust checks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+import meshbind._core as _core
 from meshbind.world import canonical_axis
 
 
@@ -24,9 +26,7 @@ def split_dim(placement: Placement | None, ndim: int) -> int | None:
     """The dimension ``placement`` splits in a tensor of rank ``ndim``, from 0 (``Shard(-1)`` of a
     matrix is dimension 1); ``None`` when it splits none, or names a dimension the rank lacks."""
     dim = shard_dim(placement)
-    if dim is None or not -ndim <= dim < ndim:
-        return None
-    return dim % ndim
+    return None if dim is None else _core.split_dim(dim, ndim)
 
 
 def local_shape(shape: Sequence[int], named: Mapping[str, Placement], axes: Mapping[str, int]) -> tuple[int, ...]:

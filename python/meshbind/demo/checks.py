@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 
+from meshbind._core import not_divisible
 from meshbind.checkpoints import save_target_problem
 from meshbind.demo.config import DemoConfig
 from meshbind.world import DENSE_AXES
@@ -51,14 +52,14 @@ def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
     if world.size != config.world_size:
         product = " x ".join(f"--{axis.replace('_', '-')} {getattr(config, axis)}" for axis in DENSE_AXES)
         raise FlagError(f"{product} = {world.size}, not the world size {config.world_size}")
-    if config.experts % config.ep:
-        raise FlagError(f"--experts {config.experts} is not divisible by --ep {config.ep}")
+    if (problem := not_divisible("--experts", config.experts, "ep", config.ep)) is not None:
+        raise FlagError(problem)
     if config.experts < config.transformer.top_k:
         raise FlagError(
             f"--experts {config.experts} is fewer than the {config.transformer.top_k} experts each token is routed to"
         )
-    if config.transformer.heads % config.tp:
-        raise FlagError(f"--tp {config.tp} does not divide the {config.transformer.heads} attention heads")
+    if (problem := not_divisible("the model's attention heads", config.transformer.heads, "tp", config.tp)) is not None:
+        raise FlagError(problem)
     if config.seq_len % (2 * config.cp):
         raise FlagError(f"--seq-len {config.seq_len} is not divisible by 2 x --cp = {2 * config.cp} (head-tail CP chunks)")
     if config.batch % config.batch_shards:

@@ -9,6 +9,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
+from meshbind._core import not_divisible
 from meshbind.binding import ParallelBinding
 from meshbind.cp import CPContext
 from meshbind.examples.parallel_parts import local, require_binding
@@ -20,9 +21,8 @@ def _check_attention(*, module: nn.Module, sharding: ModuleShardingSpec, context
     assert isinstance(module, CPAttention)
     if module.hidden % module.heads:
         raise ValueError(f"hidden size {module.hidden} is not divisible by {module.heads} heads")
-    tp = context.axis_sizes.get("tp", 1)
-    if module.heads % tp:
-        raise ValueError(f"{module.heads} heads are not divisible by the 'tp' axis size {tp}")
+    if (problem := not_divisible("heads", module.heads, "tp", context.axis_sizes.get("tp", 1))) is not None:
+        raise ValueError(problem)
 
 
 class _SumOverGroup(torch.autograd.Function):

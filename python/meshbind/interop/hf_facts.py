@@ -13,6 +13,7 @@ from torch.distributed.tensor import Placement
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import PreTrainedModel
 
+from meshbind._core import not_divisible
 from meshbind.placements import split_dim
 from meshbind.specs import LayoutContext
 
@@ -100,7 +101,7 @@ def head_refusals(projection: str, facts: ConfigFacts, context: LayoutContext) -
     checked = [("num_attention_heads", facts.attention_heads)]
     if projection in KEY_VALUE_PROJECTIONS:
         checked.append(("num_key_value_heads", facts.key_value_heads))
-    return [f"{name} {heads} is not divisible by the 'tp' axis size {tp}" for name, heads in checked if heads and heads % tp]
+    return [problem for name, heads in checked if heads and (problem := not_divisible(name, heads, "tp", tp)) is not None]
 
 
 def size_refusals(
@@ -125,7 +126,7 @@ def size_refusals(
         return []
     if kind == "ep" and facts.experts and extent == facts.experts[1]:
         name, experts = facts.experts
-        return [f"{name} {experts} is not divisible by the 'ep' axis size {size}"]
+        return [problem] if (problem := not_divisible(name, experts, "ep", size)) is not None else []
     if embedding:
         names: tuple[str, ...] = (EMBEDDING_FACTS[dim],) if dim < len(EMBEDDING_FACTS) else ()
     elif "shared_expert" in group:
@@ -137,7 +138,8 @@ def size_refusals(
     for name in names:
         if facts.sizes.get(name) == extent:
             hint = f": {PAD_VOCABULARY}" if name == "vocab_size" else ""
-            return [f"{name} {extent} is not divisible by the {kind!r} axis size {size}{hint}"]
+            problem = not_divisible(name, int(extent), kind, size)
+            return [] if problem is None else [problem + hint]
     if split > 1:
         return [
             f"{parameter} packs {split} projections along dimension {dim} (size {shape[dim]}): "

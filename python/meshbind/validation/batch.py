@@ -20,27 +20,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_
-from typing import Any, Literal
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate
 
 import meshbind._core as _core
 from meshbind.errors import ProblemCode
+from meshbind.names import PlacementKind
 from meshbind.placements import shard_dim
 from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure, sharding_failure
 from meshbind.world import EXPERT_AXIS, other_spellings
 
-Kind = Literal["shard", "replicate", "partial"]
-_SHARD: Kind = "shard"
-_REPLICATE: Kind = "replicate"
-_PARTIAL: Kind = "partial"
+_SHARD, _REPLICATE, _PARTIAL = PlacementKind.SHARD, PlacementKind.REPLICATE, PlacementKind.PARTIAL
 _PARAMETERS = attrgetter("_parameters")
 _SHAPE = attrgetter("shape")
 
 
-def _placement_kind(placement: Placement) -> tuple[Kind, int] | None:
+def _placement_kind(placement: Placement) -> tuple[PlacementKind, int] | None:
     # A strided shard (transformers' packed projections) is checked as a shard of its dimension.
     if (dim := shard_dim(placement)) is not None:
         return _SHARD, dim
@@ -56,7 +54,7 @@ class _ShardingTemplate:
     """A sharding flattened once: its §5 failure, and its rows without the module's shapes."""
 
     failure: Failure | None
-    rows: tuple[tuple[int, int, Kind, int, str | None], ...]
+    rows: tuple[tuple[int, int, PlacementKind, int, str | None], ...]
     """``(label, axis, kind, dim, parameter path or None)``."""
     parameters: tuple[tuple[str, bool], ...]
     """Each parameter path it places, and whether some placement of it is ``Shard`` (needs its shape)."""
@@ -249,7 +247,7 @@ class ValidationBatch:
                 failures[row] = (ProblemCode.VALIDATOR, f"{spec.protocol} validate returned {returned!r}: {RAISE_TO_REJECT}")
 
     def _flatten(self, sharding: ModuleShardingSpec) -> _ShardingTemplate:
-        rows: list[tuple[int, int, Kind, int, str | None]] = []
+        rows: list[tuple[int, int, PlacementKind, int, str | None]] = []
         problems: list[str] = []
         fields: list[tuple[str, Mapping[str, Placement] | None, str | None]] = [
             (f"params[{path!r}]", placements, path) for path, placements in sharding.params.items()
