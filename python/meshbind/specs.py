@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from torch.distributed.tensor import Placement
 
 from meshbind._core import check_patterns
+from meshbind.units import is_int_from
 from meshbind.world import World
 
 if TYPE_CHECKING:
@@ -20,13 +21,6 @@ if TYPE_CHECKING:
     from meshbind.errors import PlanProblem
 
 BINDING_KINDS = ("none", "cp", "ep", "mesh")
-INT64_MAX = 2**63 - 1
-"""The largest axis size, expert count or parameter size: what Rust's arithmetic takes."""
-
-
-def is_int_from(value: object, low: int) -> bool:
-    """Whether ``value`` is an int (a bool is not) from ``low`` to ``INT64_MAX``."""
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= INT64_MAX
 
 
 NamedPlacement = Mapping[str, Placement]

@@ -1,8 +1,17 @@
-"""Sizes in bytes, written and read as people write them."""
+"""Sizes: the largest one the Rust side takes, and bytes written and read as people write them."""
 
 from __future__ import annotations
 
 import math
+
+INT64_MAX = 2**63 - 1
+"""The largest axis size, expert count or parameter size: what Rust's arithmetic takes."""
+
+
+def is_int_from(value: object, low: int) -> bool:
+    """Whether ``value`` is an int (a bool is not) from ``low`` to ``INT64_MAX``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= INT64_MAX
+
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 _READ = {"tib": 2**40, "tb": 2**40, "gib": 2**30, "gb": 2**30, "mib": 2**20, "mb": 2**20, "kib": 2**10, "kb": 2**10, "b": 1}

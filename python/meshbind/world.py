@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from meshbind.names import Axis, MeshSide
+from meshbind.units import is_int_from
 
 DENSE_AXES = (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP)
 """The device mesh's dims, outermost first: their product is the world."""
@@ -38,8 +39,6 @@ FSDP_AXES = {MeshSide.DEVICE: (Axis.DP_REPLICATE, *FSDP_SHARD_AXES), MeshSide.EX
 replicates over."""
 MODEL_PARALLEL_AXIS = {MeshSide.DEVICE: Axis.TP, MeshSide.EXPERT: EXPERT_AXIS}
 """Per mesh, the one axis a parameter of an FSDP unit may already be placed on."""
-
-_INT64_MAX = 2**63 - 1
 
 
 def canonical_axis(name: str) -> str:
@@ -73,7 +72,7 @@ class World:
     def __post_init__(self) -> None:
         for axis in AXES:
             size = getattr(self, axis)
-            if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= _INT64_MAX:
+            if not is_int_from(size, 1):
                 raise ValueError(f"the {axis!r} axis size must be an int from 1 to 2**63 - 1, got {size!r}")
         borrowed = self.dp_shard * self.cp * self.tp
         if borrowed % self.ep:

@@ -28,7 +28,8 @@ from meshbind.resolution.providers import Progress, provide_layouts
 from meshbind.resolution.selection import Override, select_modules
 from meshbind.resolution.unmatched import unmatched_problems
 from meshbind.resolution.validate import validation_problems
-from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanSource, SourcedRequests, is_int_from
+from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanSource, SourcedRequests
+from meshbind.units import is_int_from
 
 __all__ = ["ParallelPlan", "PlanError", "PlanProblem", "resolve_plan"]
 

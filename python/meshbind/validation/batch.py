@@ -29,7 +29,8 @@ import meshbind._core as _core
 from meshbind.errors import ProblemCode
 from meshbind.names import PlacementKind
 from meshbind.placements import shard_dim
-from meshbind.specs import INT64_MAX, LayoutContext, ModuleShardingSpec, ParallelModuleSpec
+from meshbind.specs import LayoutContext, ModuleShardingSpec, ParallelModuleSpec
+from meshbind.units import is_int_from
 from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure, sharding_failure
 from meshbind.world import EXPERT_AXIS, other_spellings
 
@@ -278,7 +279,7 @@ def _expert_count(spec: ParallelModuleSpec) -> int | Failure | None:
     value = spec.options["num_experts"]
     if not isinstance(value, int) or isinstance(value, bool):
         return (ProblemCode.EXPERT, f"options['num_experts'] must be an int, got {type(value).__name__} {value!r}")
-    if not 1 <= value <= INT64_MAX:
+    if not is_int_from(value, 1):
         return (ProblemCode.EXPERT, f"num_experts must be at least 1 and at most 2**63 - 1, got {value}")
     return value
 
