@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
 import meshbind.binding
+import meshbind.validation.rules
 from meshbind import (
     BindingError,
     BindingRefusedError,
@@ -480,13 +481,13 @@ def check_binding_is_all_or_nothing(context: MeshContext) -> None:
     # every class of this model: binding does not check one again.
     model.blocks[1].mlp.fail_bind = None
     checked: list[type] = []
-    original = meshbind.binding.class_failure
-    meshbind.binding.class_failure = lambda cls, spec: checked.append(cls)  # type: ignore[assignment,func-returns-value]
+    original = meshbind.validation.rules.class_failure
+    meshbind.validation.rules.class_failure = lambda cls, spec: checked.append(cls)  # type: ignore[assignment,func-returns-value]
     try:
         if len(bind_parallel_modules(model, plan, context)) != 4:
             raise AssertionError("the restored model did not bind")
     finally:
-        meshbind.binding.class_failure = original
+        meshbind.validation.rules.class_failure = original
     if checked:
         raise AssertionError(f"binding checked the classes resolution proved: {checked}")
 

@@ -508,13 +508,13 @@ def test_class_checks_run_once_per_class_and_spec(monkeypatch: pytest.MonkeyPatc
     model = nn.Module()
     model.leaves = nn.ModuleList(classes[i % 5]() for i in range(2000))
     calls: list[type] = []
-    real_class_failure = meshbind.validation.batch.class_failure
+    real_class_failure = meshbind.validation.rules.class_failure
 
     def counting_class_failure(cls: type, spec: ParallelModuleSpec) -> Any:
         calls.append(cls)
         return real_class_failure(cls, spec)
 
-    monkeypatch.setattr(meshbind.validation.batch, "class_failure", counting_class_failure)
+    monkeypatch.setattr(meshbind.validation.rules, "class_failure", counting_class_failure)
     request = NativeParallelBindingRequest(("leaves.*",), LINEAR_SPEC, lambda m, f, c: ModuleShardingSpec())
     assert len(resolve_plan(model, [request], CONTEXT).parallel_modules) == 2000
     assert sorted(cls.__name__ for cls in calls) == [cls.__name__ for cls in classes]

@@ -21,7 +21,7 @@ from meshbind.mesh import MeshBinding, MeshContext, check_resolved_for
 from meshbind.modules import submodule, unwrapped
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import ModuleShardingSpec, ParallelModuleSpec
-from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure
+from meshbind.validation.rules import RAISE_TO_REJECT, ClassFailures
 
 _OWNER = "_meshbind_owner"
 _RECORDS = "_meshbind_records"
@@ -104,7 +104,7 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
     ep_contexts: dict[int, EPContext] = {}
     # Rules 1 and 2 only where resolution did not prove them: a plan resolved offline, or over a
     # model whose module here has another class. Once per (class, spec).
-    class_failures: dict[tuple[type, int], Failure | None] = {}
+    class_failures = ClassFailures()
     prepared: list[_Prepared] = []
     unchanged: list[_Prepared] = []
     proved = plan.classes or (None,) * len(plan.parallel_modules)
@@ -122,9 +122,7 @@ def _prepare(model: nn.Module, plan: ParallelPlan, mesh_binding: MeshBinding) ->
         cls = type(module)
         failure = None
         if proved_class is not cls:
-            if (cls, id(spec)) not in class_failures:
-                class_failures[cls, id(spec)] = class_failure(cls, spec)
-            failure = class_failures[cls, id(spec)]
+            failure = class_failures(cls, spec)
         if failure is not None:
             code, message = failure
             message = f"{fqn!r} ({cls.__qualname__}) cannot be bound as {spec.describe()}: [{code}] {message}"

@@ -31,7 +31,7 @@ from meshbind.names import PlacementKind
 from meshbind.placements import shard_dim
 from meshbind.specs import LayoutContext, ModuleShardingSpec, ParallelModuleSpec
 from meshbind.units import is_int_from
-from meshbind.validation.rules import RAISE_TO_REJECT, Failure, class_failure, sharding_failure
+from meshbind.validation.rules import RAISE_TO_REJECT, ClassFailures, Failure, sharding_failure
 from meshbind.world import EXPERT_AXIS, other_spellings
 
 _SHARD, _REPLICATE, _PARTIAL = PlacementKind.SHARD, PlacementKind.REPLICATE, PlacementKind.PARTIAL
@@ -107,7 +107,7 @@ class ValidationBatch:
         row_classes = (list(map(type, modules)) if classes is None else classes) if online else []
         keys: list[list[Any]] = [list(specs), list(shardings), list(row_classes)] if online else [list(specs), list(shardings)]
         templates: dict[int, _ShardingTemplate] = {}
-        class_failures: dict[tuple[type, int], Failure | None] = {}
+        class_failures = ClassFailures()
         units: list[_Unit] = []
         validated: list[int] = []
         for rows in _core.same_object_groups(keys):
@@ -118,10 +118,7 @@ class ValidationBatch:
                 template = templates[id(sharding)] = self._flatten(sharding)
             failure = None  # the group's first failure: rules 1-2, then the expert count, then 3-4
             if online:
-                key = (row_classes[first], id(spec))
-                if key not in class_failures:
-                    class_failures[key] = class_failure(row_classes[first], spec)
-                failure = class_failures[key]
+                failure = class_failures(row_classes[first], spec)
             experts = _expert_count(spec)
             if isinstance(experts, tuple):
                 failure, experts = failure or experts, None

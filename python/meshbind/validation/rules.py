@@ -35,6 +35,20 @@ def bound_signature(cls: type, name: str) -> inspect.Signature:
     return signature
 
 
+class ClassFailures:
+    """``class_failure`` once per (class, spec) a caller meets: a plan's modules are mostly alike,
+    and both rules inspect signatures. Keyed by the spec's identity, which the caller keeps alive."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple[type, int], Failure | None] = {}
+
+    def __call__(self, cls: type, spec: ParallelModuleSpec) -> Failure | None:
+        key = (cls, id(spec))
+        if key not in self._found:
+            self._found[key] = class_failure(cls, spec)
+        return self._found[key]
+
+
 def class_failure(cls: type, spec: ParallelModuleSpec) -> Failure | None:
     """Rule 1 (every stage a callable of the class accepting its keywords) and rule 2
     (``bind_parallel(binding)`` unless the kind is ``none``)."""
