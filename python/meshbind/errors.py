@@ -253,3 +253,9 @@ class StepMemoryError(MeshbindError, RuntimeError):
     setting that stops it. No figure is given."""
 
     code = "step_memory"
+
+
+def did_you_mean(candidates: Sequence[str]) -> str:
+    """The end of a message about a name that selects nothing: ``; did you mean 'a', 'b'?``, or
+    nothing without candidates. Each candidate as the caller writes it (quoted, or saying what it is)."""
+    return f"; did you mean {', '.join(candidates)}?" if candidates else ""

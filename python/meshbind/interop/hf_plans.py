@@ -27,7 +27,7 @@ from transformers.distributed.tensor_parallel import (
 
 from meshbind._core import PatternSet
 from meshbind.agreement import check_ranks_agree, mesh_entries, model_entries, plan_entries
-from meshbind.errors import PlanProblem, ProblemCode
+from meshbind.errors import PlanProblem, ProblemCode, did_you_mean
 from meshbind.interop import HF_PROTOCOL
 from meshbind.interop.hf_facts import ConfigFacts
 from meshbind.interop.hf_styles import PLANS, GroupLayout, Rules
@@ -143,7 +143,7 @@ class HFPlan:
             else:
                 keys = keys or _PlanKeys.of(self.model)
                 nearest = keys.nearest(key)
-                hint = f"; did you mean {', '.join(map(repr, nearest))}?" if nearest else ""
+                hint = did_you_mean([repr(name) for name in nearest])
             message = f"key {key!r} ({style}) selects no module or parameter{hint}"
             problems.append(PlanProblem(ProblemCode.UNMATCHED, None, f"{kind}_plan[{key!r}]", message, about="key"))
         return problems

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import Placement
 
 from meshbind._core import PatternSet
-from meshbind.errors import PlanProblem, ProblemCode, index_groups
+from meshbind.errors import PlanProblem, ProblemCode, did_you_mean, index_groups
 from meshbind.names import MeshSide
 from meshbind.resolution.unmatched import ModelNames
 from meshbind.specs import FullyShard, ModuleShardingSpec, literal_pattern
@@ -162,7 +162,7 @@ def _selected(model: nn.Module | Sequence[str], request: FullyShard) -> tuple[li
         if count == 0:
             names = names or ModelNames.of(model)
             nearest = names.nearest(pattern)
-            hint = f"; did you mean {', '.join(nearest)}?" if nearest else ""
+            hint = did_you_mean(nearest)
             message = f"pattern {pattern!r} does not select any module{hint}"
             problems.append(PlanProblem(ProblemCode.UNMATCHED, None, "fully_shard", message, about="pattern"))
     return [fqn for fqn, _ in tree.matches()], problems

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from meshbind._core import ModuleTree, PatternSet
-from meshbind.errors import PlanProblem, ProblemCode
+from meshbind.errors import PlanProblem, ProblemCode, did_you_mean
 from meshbind.resolution.selection import Selection
 
 
@@ -37,7 +37,7 @@ def unmatched_problems(selection: Selection, model: nn.Module | Sequence[str]) -
             source, what = f"overrides[{pattern!r}]", "any planned module"
         else:
             continue
-        hint = f"; did you mean {', '.join(nearest)}?" if nearest else ""
+        hint = did_you_mean(nearest)
         found = PlanProblem(
             ProblemCode.UNMATCHED, None, source, f"pattern {pattern!r} does not select {what}{hint}", about="pattern"
         )

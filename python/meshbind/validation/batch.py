@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate
 
 import meshbind._core as _core
-from meshbind.errors import ProblemCode
+from meshbind.errors import ProblemCode, did_you_mean
 from meshbind.names import PlacementKind
 from meshbind.placements import shard_dim
 from meshbind.specs import LayoutContext, ModuleShardingSpec, ParallelModuleSpec
@@ -223,7 +223,7 @@ class ValidationBatch:
         if module is None:
             return f"params[{path!r}]: no shape was given for parameter {f'{fqn}.{path}' if fqn else path!r}"
         nearest = _nearest_parameters(module, path)
-        hint = f"; did you mean {', '.join(map(repr, nearest))}?" if nearest else ""
+        hint = did_you_mean([repr(name) for name in nearest])
         return f"params[{path!r}] names a parameter the module ({type(module).__qualname__}) lacks{hint}"
 
     def _run_validator(
