@@ -14,6 +14,8 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from meshbind import LayoutContext, ModuleShardingSpec, ParallelModuleSpec, _core, validate_parallel_module
+from meshbind.errors import ProblemCode
+from meshbind.names import PlacementKind
 from meshbind.validation import ValidationBatch, rules
 
 CONTEXT = LayoutContext({"dp_shard": 2, "ep": 2, "tp": 1})
@@ -290,8 +292,8 @@ def test_the_expert_rule_reads_the_axis_the_world_names() -> None:
         table = _core.PlacementTable([("ep", 3), ("experts", 4)], expert_axis)
         unit = table.unit(8)
         label = table.label("params['w']", True)
-        table.row(unit, label, table.axis(expert_axis), "shard", dim=0, rank=2, first_dim=8, dim_size=8)
-        problems_found = [problem.message for problem in table.check() if problem.code == "expert"]
+        table.row(unit, label, table.axis(expert_axis), PlacementKind.SHARD, dim=0, rank=2, first_dim=8, dim_size=8)
+        problems_found = [problem.message for problem in table.check() if problem.code is ProblemCode.EXPERT]
         assert len(problems_found) == problems, problems_found
 
 
@@ -305,7 +307,6 @@ def test_the_placement_table_rejects_a_size_it_cannot_divide_by(ep_size: int) ->
 @pytest.mark.parametrize(
     ("row", "message"),
     [
-        ({"kind": "sharded"}, 'unknown placement kind "sharded"'),
         ({"label": 4}, "no label 4"),
         ({"axis": 4}, "no axis 4"),
         ({"unit": 5}, "no unit 5"),
@@ -314,9 +315,16 @@ def test_the_placement_table_rejects_a_size_it_cannot_divide_by(ep_size: int) ->
 def test_the_placement_table_refuses_rows_it_cannot_index(row: dict[str, Any], message: str) -> None:
     """A row naming what the table lacks is a ValueError, never a panic from an index."""
     table = _core.PlacementTable([("ep", 2)], "ep")
-    fields = {"unit": table.unit(8), "label": table.label("params['w']", True), "axis": table.axis("ep"), "kind": "shard"}
+    fields = {
+        "unit": table.unit(8),
+        "label": table.label("params['w']", True),
+        "axis": table.axis("ep"),
+        "kind": PlacementKind.SHARD,
+    }
     with pytest.raises(ValueError, match=message):
         table.row(**{**fields, **row}, dim=0, rank=3, first_dim=8)
+    with pytest.raises(TypeError, match="kind"):  # a kind crosses as the enum's member, never as text
+        table.row(**{**fields, "kind": "shard"}, dim=0, rank=3, first_dim=8)
     with pytest.raises(ValueError, match="num_experts 0 must be at least 1"):
         table.unit(0)
     table.row(**fields, dim=0, rank=3, first_dim=8)

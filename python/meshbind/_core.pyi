@@ -1,17 +1,18 @@
 """Type stubs of the Rust extension (rust/python.rs)."""
 
 from collections.abc import Sequence
-from typing import Any, Literal, final
+from typing import Any, ClassVar, final
 
 from typing_extensions import Self
 
-from meshbind.names import PlacementKind
+from meshbind.errors import ProblemCode
 
 __all__ = [
     "IndexMatches",
     "ModuleTree",
     "NamedParameters",
     "PatternSet",
+    "PlacementKind",
     "PlacementProblem",
     "PlacementTable",
     "SelectedModules",
@@ -154,13 +155,24 @@ class NamedParameters:
     def samples(self) -> list[Any]: ...
 
 @final
+class PlacementKind:
+    """torch's placement kinds, as ``PlacementTable.row`` takes them."""
+
+    SHARD: ClassVar[PlacementKind]
+    REPLICATE: ClassVar[PlacementKind]
+    PARTIAL: ClassVar[PlacementKind]
+    def __eq__(self, value: object, /) -> bool: ...
+    def __int__(self) -> int: ...
+
+@final
 class PlacementProblem:
     """A problem ``PlacementTable.check`` found: the unit it is about, its code and its message."""
 
     @property
     def unit(self) -> int: ...
     @property
-    def code(self) -> Literal["layout", "expert"]: ...
+    def code(self) -> ProblemCode:
+        """``ProblemCode.LAYOUT`` or ``ProblemCode.EXPERT``."""
     @property
     def message(self) -> str: ...
 
@@ -184,7 +196,7 @@ class PlacementTable:
         unit: int,
         label: int,
         axis: int,
-        kind: Literal["shard", "replicate", "partial"] | PlacementKind,
+        kind: PlacementKind,
         dim: int = 0,
         rank: int | None = None,
         first_dim: int | None = None,

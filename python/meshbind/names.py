@@ -1,11 +1,14 @@
 """meshbind's vocabulary: each closed set of names that crosses a boundary (the command line's
 choices, the JSON, the report, the trace) as one enum. A member is its own text (``str``), so
-JSON, messages and comparisons with plain strings read it as written."""
+JSON, messages and comparisons with plain strings read it as written. ``PlacementKind`` is the
+Rust core's own enum: the checks take its members as they are, never text parsed again."""
 
 from __future__ import annotations
 
 from enum import Enum
 from typing import TypeVar
+
+from meshbind._core import PlacementKind as PlacementKind
 
 NameT = TypeVar("NameT", bound="Name")
 
@@ -51,14 +54,6 @@ class MeshSide(Name):
 
     DEVICE = "device"
     EXPERT = "expert"
-
-
-class PlacementKind(Name):
-    """torch's placement kinds, as the Rust checks are told them."""
-
-    SHARD = "shard"
-    REPLICATE = "replicate"
-    PARTIAL = "partial"
 
 
 class Optimizer(Name):

@@ -15,7 +15,7 @@ use crate::layout_reads::list_strs;
 use crate::matcher::MatchError;
 use crate::walk::WalkError;
 use patterns::{IndexMatches, PyPatternSet};
-use table::{PlacementProblem, PyPlacementTable};
+use table::{PlacementProblem, PyPlacementKind, PyPlacementTable};
 use tree::{ModuleTree, NamedParameters, SelectedModules};
 
 /// `meshbind.errors.PatternError`: the error family is defined once, on the Python side.
@@ -166,6 +166,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<IndexMatches>()?;
     m.add_class::<PyPlacementTable>()?;
     m.add_class::<PlacementProblem>()?;
+    m.add_class::<PyPlacementKind>()?;
     m.add_class::<SelectedModules>()?;
     m.add_class::<NamedParameters>()?;
     m.add_function(wrap_pyfunction!(check_patterns, m)?)?;

@@ -2,15 +2,49 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
 
 use crate::checks::{PlacementKind, PlacementRow, PlacementTable, TableError};
 
-/// A problem `PlacementTable.check` found: the unit it is about, its code (`layout` or
-/// `expert`) and its message.
+/// torch's placement kinds, as `PlacementTable.row` takes them (`meshbind.names.PlacementKind`).
+#[pyclass(
+    name = "PlacementKind",
+    module = "meshbind._core",
+    eq,
+    eq_int,
+    frozen,
+    from_py_object
+)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum PyPlacementKind {
+    #[pyo3(name = "SHARD")]
+    Shard,
+    #[pyo3(name = "REPLICATE")]
+    Replicate,
+    #[pyo3(name = "PARTIAL")]
+    Partial,
+}
+
+impl From<PyPlacementKind> for PlacementKind {
+    fn from(kind: PyPlacementKind) -> Self {
+        match kind {
+            PyPlacementKind::Shard => PlacementKind::Shard,
+            PyPlacementKind::Replicate => PlacementKind::Replicate,
+            PyPlacementKind::Partial => PlacementKind::Partial,
+        }
+    }
+}
+
+/// `meshbind.errors.ProblemCode`: a problem's code crosses as the Python enum member, never as text.
+static PROBLEM_CODE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// A problem `PlacementTable.check` found: the unit it is about, its `ProblemCode` (`LAYOUT` or
+/// `EXPERT`) and its message.
 #[pyclass(name = "PlacementProblem", module = "meshbind._core", frozen, get_all)]
 pub struct PlacementProblem {
     unit: u32,
-    code: &'static str,
+    code: Py<PyAny>,
     message: String,
 }
 
@@ -48,7 +82,7 @@ impl PyPlacementTable {
         self.inner.unit(num_experts).map_err(table_error)
     }
 
-    /// One row: `kind` is `"shard"`, `"replicate"` or `"partial"`; `rank`, `first_dim` and (for a
+    /// One row of a `PlacementKind`; `rank`, `first_dim` and (for a
     /// `Shard(dim)`) `dim_size` give the parameter's shape where it is known.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (unit, label, axis, kind, dim = 0, rank = None, first_dim = None, dim_size = None))]
@@ -57,27 +91,17 @@ impl PyPlacementTable {
         unit: u32,
         label: u32,
         axis: u32,
-        kind: &str,
+        kind: PyPlacementKind,
         dim: i64,
         rank: Option<i64>,
         first_dim: Option<i64>,
         dim_size: Option<i64>,
     ) -> PyResult<()> {
-        let kind = match kind {
-            "shard" => PlacementKind::Shard,
-            "replicate" => PlacementKind::Replicate,
-            "partial" => PlacementKind::Partial,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "unknown placement kind {other:?} (shard, replicate or partial)"
-                )))
-            }
-        };
         let row = PlacementRow {
             module: unit,
             label,
             axis,
-            kind,
+            kind: kind.into(),
             dim,
             rank,
             first_dim,
@@ -88,14 +112,17 @@ impl PyPlacementTable {
     }
 
     /// Every problem.
-    fn check(&self) -> Vec<PlacementProblem> {
+    fn check(&self, py: Python<'_>) -> PyResult<Vec<PlacementProblem>> {
+        let code_class = PROBLEM_CODE.import(py, "meshbind.errors", "ProblemCode")?;
         self.inner
             .check()
             .into_iter()
-            .map(|p| PlacementProblem {
-                unit: p.module,
-                code: p.code.as_str(),
-                message: p.message,
+            .map(|p| {
+                Ok(PlacementProblem {
+                    unit: p.module,
+                    code: code_class.call1((p.code.as_str(),))?.unbind(),
+                    message: p.message,
+                })
             })
             .collect()
     }

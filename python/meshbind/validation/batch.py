@@ -133,12 +133,11 @@ class ValidationBatch:
                 validated += rows
         self._fill_table(units)
         for problem in self._table.check():
-            code = ProblemCode(problem.code)  # the Rust checks name their codes as text
             for row in units[problem.unit].rows:
-                if code is ProblemCode.LAYOUT:
+                if problem.code is ProblemCode.LAYOUT:
                     layout.setdefault(row, []).append(problem.message)
                 else:
-                    failures.setdefault(row, (code, problem.message))
+                    failures.setdefault(row, (problem.code, problem.message))
         for row in sorted(validated):
             if row not in failures and row not in layout:
                 self._run_validator(row, modules, specs, shardings, failures)
