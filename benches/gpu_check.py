@@ -74,10 +74,10 @@ STEP_BATCH, STEP_SEQ = 4, 256
 
 def estimate_step(device: torch.device) -> int:
     """The traced peak of one demo step on one rank (no process group may exist yet)."""
-    answer = step_memory(
-        lambda: MoETransformer(STEP), [loss_head_request()], LayoutContext({"cp": 1, "tp": 1, "ep": 1}), batch=STEP_BATCH,
-        seq_len=STEP_SEQ, device=device.type,
-    )  # fmt: skip
+    with torch.device("meta"):
+        model = MoETransformer(STEP)
+    plan = resolve_plan(model, [loss_head_request()], LayoutContext({"cp": 1, "tp": 1, "ep": 1}), index=True)
+    answer = step_memory(lambda: MoETransformer(STEP), plan, batch=STEP_BATCH, seq_len=STEP_SEQ, device=device.type)
     return answer.peak_bytes
 
 

@@ -142,14 +142,14 @@ def anchors(config: Config, checkpointing: str) -> tuple[int, int]:
 
 def run(config: Config, checkpointing: str) -> dict[str, int]:
     with torch.device("meta"):
-        requests = config.requests(config.build())
+        model = config.build()
+    units = FullyShard(config.units) if config.units else None
+    plan = resolve_plan(model, config.requests(model), LayoutContext(config.axes), fully_shard=units, index=True)
     estimate = step_memory(
         config.build,
-        requests,
-        LayoutContext(config.axes),
+        plan,
         batch=config.batch,
         seq_len=config.seq_len,
-        fully_shard=FullyShard(config.units) if config.units else None,
         activation_checkpointing=checkpointing,
         device="cpu",
     ).peak_bytes

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from meshbind import FullyShard, LayoutContext, step_memory
+from meshbind import FullyShard, LayoutContext, resolve_plan, step_memory
 from meshbind.interop.hf_plans import from_hf_plan
 from meshbind.units import size_text
 
@@ -61,18 +61,16 @@ def main() -> None:
                 model = build(name)
             builds.append(time.perf_counter() - started)
         built = statistics.median(builds)
-        plan_source = from_hf_plan(model)
         for checkpointing in ("none", "full"):
             runs = []
             for _ in range(args.repeat):
                 started = time.perf_counter()
+                plan = resolve_plan(model, from_hf_plan(model), LayoutContext(axes), fully_shard=units, index=True)
                 answer = step_memory(
                     lambda name=name: build(name),
-                    plan_source,
-                    LayoutContext(axes),
+                    plan,
                     batch=1,
                     seq_len=args.seq_len,
-                    fully_shard=units,
                     activation_checkpointing=checkpointing,
                 )
                 runs.append(time.perf_counter() - started)

@@ -9,7 +9,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 use crate::names::NameTable;
 
@@ -24,11 +24,13 @@ struct Kind {
     requires_grad: bool,
 }
 
-/// The parameters found: `fqns[i]` and `kinds[i]` for each, and one parameter per kind.
+/// The parameters found: `fqns[i]` and `kinds[i]` for each, one parameter per kind, and each
+/// later FQN of a parameter met before (a tie, or a shared module's alias) with its first FQN.
 pub struct NamedParameters<'t> {
     pub fqns: Vec<&'t str>,
     pub kinds: Vec<u32>,
     pub samples: Vec<Py<PyAny>>,
+    pub ties: Vec<(&'t str, &'t str)>,
 }
 
 /// The distinct parameters among `names[i]`, `objects[i]` (a full walk's, in walk order: a
@@ -43,15 +45,18 @@ pub fn named_parameters<'t>(
         fqns: Vec::new(),
         kinds: Vec::new(),
         samples: Vec::new(),
+        ties: Vec::new(),
     };
-    let mut seen = FxHashSet::default();
+    let mut first_name: FxHashMap<usize, &'t str> = FxHashMap::default();
     let mut kinds: FxHashMap<Kind, u32> = FxHashMap::default();
     // Kinds compare dtypes by address: each one read is kept alive, so no address is reused.
     let mut dtypes = Vec::new();
     for (fqn, parameter) in names.iter().zip(objects) {
-        if !seen.insert(parameter.as_ptr() as usize) {
+        if let Some(&first) = first_name.get(&(parameter.as_ptr() as usize)) {
+            found.ties.push((fqn, first));
             continue;
         }
+        first_name.insert(parameter.as_ptr() as usize, fqn);
         let parameter = parameter.bind(py);
         let kind = kind_of(parameter, &mut dtypes)
             .map_err(|e| PyTypeError::new_err(format!("parameter '{fqn}' is not a tensor: {e}")))?;

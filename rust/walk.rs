@@ -125,6 +125,10 @@ struct Walker<'m, 'a> {
     scratch: Vec<u32>,
 }
 
+/// How many walks this process made: the tests hold a whole `meshbind check` to one.
+#[cfg(feature = "test-hooks")]
+pub static WALKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Walks the tree under `root`, matching every FQN it reaches.
 pub fn walk_tree(
     root: &Bound<'_, PyAny>,
@@ -132,6 +136,8 @@ pub fn walk_tree(
     mode: WalkMode,
     parameters: bool,
 ) -> Result<TreeIndex, WalkError> {
+    #[cfg(feature = "test-hooks")]
+    WALKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut walker = Walker {
         matcher,
         mode,

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from meshbind import FullyShard, LayoutContext, MeshContext, resolve_plan
+from meshbind import FullyShard, LayoutContext, MeshContext, StepMemory, resolve_plan, step_memory
 from meshbind.examples.moe_layer import MoELayer
 from meshbind.examples.moe_transformer import (
     MoETransformer,
@@ -25,6 +26,25 @@ from meshbind.world import DENSE_AXES, EXPERT_AXES
 from step_memory_truth import count_every_thread, measured_step_peak
 
 DEMO_UNITS = FullyShard(("blocks.*.moe", "blocks.*"))
+
+
+def traced(
+    build: Callable[[], nn.Module],
+    requests: Any,
+    context: LayoutContext,
+    *,
+    fully_shard: FullyShard | None = None,
+    **settings: Any,
+) -> StepMemory:
+    """``step_memory`` under the plan resolved, with its index, on a model ``build()`` makes on meta
+    (as ``meshbind check --memory`` runs it); a transformers plan is read from that model."""
+    with torch.device("meta"):
+        model = build()
+    if type(requests).__name__ == "HFPlan":
+        from meshbind.interop.hf_plans import from_hf_plan
+
+        requests = from_hf_plan(model, strict=requests.strict)
+    return step_memory(build, resolve_plan(model, requests, context, fully_shard=fully_shard, index=True), **settings)
 
 
 def balanced_route(layer: MoELayer) -> Any:
@@ -138,3 +158,11 @@ def balanced_hf_route(router: nn.Module) -> Any:
         return logits, weights.to(logits.dtype), indices
 
     return forward
+
+
+def deep_demo() -> MoETransformer:
+    """The demo's model with eight blocks: more alike ones than step memory's deepest trace."""
+    return MoETransformer(TransformerConfig(layers=8, experts=EXPERTS_OF_DEEP_DEMO))
+
+
+EXPERTS_OF_DEEP_DEMO = 8

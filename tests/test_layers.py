@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "meshbind.specs": 0,
     "meshbind.placements": 0,
     "meshbind.modules": 0,
+    "meshbind.model_index": 0,
     "meshbind.launch": 0,
     # the meshes and contexts a module binds to, and the per-module rules
     "meshbind.mesh": 1,

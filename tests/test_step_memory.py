@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 from browser_pages import opened_page
-from step_memory_checks import DEMO_UNITS, hf_transformer
+from step_memory_checks import DEMO_UNITS, hf_transformer, traced
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from meshbind import LayoutContext, Routing, StepMemory, StepMemoryError, step_memory
+from meshbind import LayoutContext, Routing, StepMemory, StepMemoryError
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
 from meshbind.units import parse_bytes
@@ -32,7 +32,7 @@ DEMO_WORLDS = {
 
 
 def demo_estimate(axes: dict[str, int], batch: int, checkpointing: str, optimizer: str = "adam", dtype: str = "float32") -> int:
-    estimate = step_memory(
+    estimate = traced(
         lambda: MoETransformer(TransformerConfig(layers=LAYERS, experts=EXPERTS)).to(getattr(torch, dtype)),
         [loss_head_request()],
         LayoutContext(axes),
@@ -71,7 +71,7 @@ def test_demo_estimate_is_within_a_hundredth_of_every_rank_measured(world: str, 
 
 
 def small_estimate(axes: dict[str, int], **settings: object) -> StepMemory:
-    return step_memory(
+    return traced(
         lambda: MoETransformer(TransformerConfig(layers=LAYERS, experts=EXPERTS)),
         [loss_head_request()],
         LayoutContext(axes),
@@ -131,7 +131,7 @@ class DataDependent(nn.Module):
 
 def test_a_model_that_cannot_be_traced_is_refused_with_the_module_and_the_reason() -> None:
     with pytest.raises(StepMemoryError) as refused:
-        step_memory(DataDependent, [], LayoutContext({"tp": 2}), batch=1, seq_len=4, device="cpu")
+        traced(DataDependent, [], LayoutContext({"tp": 2}), batch=1, seq_len=4, device="cpu")
     message = str(refused.value)
     assert "cannot be traced with fake tensors" in message and "forward" in message
     assert "DataDependent" in message or "<root>" in message
@@ -148,7 +148,9 @@ def test_bad_settings_are_refused_before_any_trace() -> None:
         ({"device": "tpu"}, "device must be one of"),
     ]:
         with pytest.raises(ValueError, match=words):
-            step_memory(build, [loss_head_request()], LayoutContext({"tp": 2}), **{"batch": 1, "seq_len": 8, **settings})  # type: ignore[arg-type]
+            traced(
+                build, [loss_head_request()], LayoutContext({"cp": 1, "tp": 2, "ep": 1}), **{"batch": 1, "seq_len": 8, **settings}
+            )  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"capacity factor must be a number from 1\.0"):
         Routing(0.5)
 
@@ -176,7 +178,7 @@ def test_hf_estimate_is_within_a_hundredth_of_every_rank_measured(world: str, ch
     name, axes, units = HF_WORLDS[world]
     with torch.device("meta"):
         plan_source = from_hf_plan(hf_transformer(name))
-    estimate = step_memory(
+    estimate = traced(
         lambda: hf_transformer(name),
         plan_source,
         LayoutContext(axes),
@@ -235,7 +237,7 @@ def test_meshbind_check_memory_refuses_what_it_cannot_trace(
 
 def _both_ways(build: Any, requests: Any, axes: dict[str, int], **settings: Any) -> tuple[Any, Any]:
     return tuple(  # type: ignore[return-value]
-        step_memory(build, requests, LayoutContext(axes), alike_layers=alike, **settings).classes[0] for alike in (True, False)
+        traced(build, requests, LayoutContext(axes), alike_layers=alike, **settings).classes[0] for alike in (True, False)
     )
 
 
@@ -280,6 +282,7 @@ def test_alike_layers_traced_at_three_depths_give_the_whole_models_answer(checkp
 
 def test_the_alike_run_is_the_last_blocks_that_are_alike_and_steps_must_be_equal() -> None:
     from meshbind.memory.depth import alike_run, extrapolated
+    from meshbind.model_index import ModelIndex
 
     class Block(nn.Module):
         def __init__(self, width: int) -> None:
@@ -291,9 +294,9 @@ def test_the_alike_run_is_the_last_blocks_that_are_alike_and_steps_must_be_equal
             super().__init__()
             self.layers = nn.ModuleList(Block(width) for width in widths)
 
-    run = alike_run(Model([4, 4, 8, 8, 8, 8, 8, 8]))  # dense blocks first, as DeepSeek-V3's
+    run = alike_run(ModelIndex.of(Model([4, 4, 8, 8, 8, 8, 8, 8])))  # dense blocks first, as DeepSeek-V3's
     assert run is not None and (run.list_fqn, run.first, run.count) == ("layers", 2, 6)
-    assert alike_run(Model([8] * 5)) is None  # no more blocks than the deepest trace
+    assert alike_run(ModelIndex.of(Model([8] * 5))) is None  # no more blocks than the deepest trace
     assert extrapolated([{"peak": 10}, {"peak": 13}, {"peak": 16}], 8) == {"peak": 25}
     assert extrapolated([{"peak": 10}, {"peak": 13}, {"peak": 17}], 8) is None
 
@@ -326,8 +329,8 @@ class NarrowValues(nn.Module):
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_a_cuda_target_keeps_no_attention_probabilities(checkpointing: str) -> None:
-    def traced(device: str) -> int:
-        answer = step_memory(
+    def peak(device: str) -> int:
+        answer = traced(
             NarrowValues,
             [],
             LayoutContext({"tp": 1}),
@@ -340,7 +343,7 @@ def test_a_cuda_target_keeps_no_attention_probabilities(checkpointing: str) -> N
         return answer.classes[0].peak_bytes
 
     probabilities = NarrowAttention.HEADS * NarrowAttention.SEQ**2 * 4
-    assert traced("cpu") - traced("cuda") >= probabilities
+    assert peak("cpu") - peak("cuda") >= probabilities
 
 
 def test_deepseek_v3_671b_at_256_ranks_is_traced_at_three_depths() -> None:
@@ -360,7 +363,7 @@ def test_deepseek_v3_671b_at_256_ranks_is_traced_at_three_depths() -> None:
 
     with torch.device("meta"):
         plan_source = from_hf_plan(build())
-    answer = step_memory(
+    answer = traced(
         build,
         plan_source,
         LayoutContext(FSDP_WORLDS["deepseek_v3"]),
@@ -419,7 +422,7 @@ def test_a_torch_plan_is_applied_by_torch_and_tp_halves_the_projections_state() 
     plan = from_torch_plan({"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()})
 
     def peak(tp: int) -> dict[str, int]:
-        answer = step_memory(WideMLP, plan, LayoutContext({"tp": tp}), batch=1, seq_len=8, device="cpu")
+        answer = traced(WideMLP, plan, LayoutContext({"tp": tp}), batch=1, seq_len=8, device="cpu")
         return dict(answer.classes[0].live_at_peak)
 
     whole, halved = peak(1), peak(2)
@@ -471,7 +474,7 @@ def test_the_trace_calls_sdpa_as_a_real_step_does(name: str) -> None:
     with AttentionCalls() as real_calls:
         training_step(real, None, args, kwargs)
     with AttentionCalls() as traced_calls:
-        step_memory(sdpa_model, [], LayoutContext({}), batch=2, seq_len=16, optimizer="none", device="cpu", alike_layers=False)
+        traced(sdpa_model, [], LayoutContext({}), batch=2, seq_len=16, optimizer="none", device="cpu", alike_layers=False)
     assert real_calls.calls and traced_calls.calls == real_calls.calls, (real_calls.calls, traced_calls.calls)
     if name != "gemma3_text":
         assert all(call[3] is None and call[4] for call in real_calls.calls)
@@ -496,7 +499,7 @@ class TinyLM(nn.Module):
 
 def test_meta_tensors_hold_no_memory_in_the_estimate() -> None:
     def peak(meta_bytes: int) -> StepMemory:
-        return step_memory(lambda: TinyLM(meta_bytes), [], LayoutContext({}), batch=2, seq_len=8, device="cpu")
+        return traced(lambda: TinyLM(meta_bytes), [], LayoutContext({}), batch=2, seq_len=8, device="cpu")
 
     without, with_meta = peak(0), peak(2**30)
     assert with_meta.peak_bytes == without.peak_bytes
@@ -538,8 +541,8 @@ def test_the_truth_counts_a_free_on_another_thread_and_returns_to_its_start_afte
 def test_a_world_of_a_million_ranks_is_traced_from_the_ranks_own_groups_and_chunks() -> None:
     """Only the traced rank's groups and the parameter chunks it reads are made: a million ranks
     trace in seconds, with FSDP's padding as torch makes it (every rank's chunk as long as the first)."""
-    small = step_memory(lambda: TinyLM(), [], LayoutContext({"dp_shard": 2}), batch=1, seq_len=8, device="cpu")
-    large = step_memory(lambda: TinyLM(), [], LayoutContext({"dp_shard": 10**6}), batch=1, seq_len=8, device="cpu")
+    small = traced(lambda: TinyLM(), [], LayoutContext({"dp_shard": 2}), batch=1, seq_len=8, device="cpu")
+    large = traced(lambda: TinyLM(), [], LayoutContext({"dp_shard": 10**6}), batch=1, seq_len=8, device="cpu")
     assert large.classes[0].ranks == 10**6
     parameter_elements = sum(p.numel() for p in TinyLM().parameters())
     parameter_tensors = len(list(TinyLM().parameters()))
@@ -586,7 +589,7 @@ def test_a_cuda_target_traces_flash_attention_where_cuda_runs_it() -> None:
             self.names.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
-    def traced(dtype: torch.dtype) -> list[str]:
+    def operators(dtype: torch.dtype) -> list[str]:
         with FakeTensorMode(), CudaAttention():
             query = torch.empty(1, 16, 64, 32, dtype=dtype)
             key, value = torch.empty(1, 4, 64, 32, dtype=dtype), torch.empty(1, 4, 64, 32, dtype=dtype)
@@ -594,7 +597,7 @@ def test_a_cuda_target_traces_flash_attention_where_cuda_runs_it() -> None:
                 nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
         return ops.names
 
-    half = traced(torch.bfloat16)  # repeat_interleave runs as expand, then clone (the copy)
+    half = operators(torch.bfloat16)  # repeat_interleave runs as expand, then clone (the copy)
     assert "_scaled_dot_product_flash_attention.default" in half and "clone.default" not in half
-    float32 = traced(torch.float32)
+    float32 = operators(torch.float32)
     assert "_scaled_dot_product_efficient_attention.default" in float32 and "clone.default" in float32

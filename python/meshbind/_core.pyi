@@ -17,6 +17,7 @@ __all__ = [
     "PlacementTable",
     "SelectedModules",
     "_layout_self_check",
+    "_walk_count",
     "check_patterns",
     "index_groups",
     "layout_reads",
@@ -145,7 +146,8 @@ class SelectedModules:
 @final
 class NamedParameters:
     """Each parameter once, under its first FQN, in ``named_parameters()`` order: parameters of
-    one kind share shape, dtype and ``requires_grad``, and ``samples[k]`` is the first of kind ``k``."""
+    one kind share shape, dtype, device type and ``requires_grad``, and ``samples[k]`` is the
+    first of kind ``k``."""
 
     @property
     def fqns(self) -> list[str]: ...
@@ -153,6 +155,10 @@ class NamedParameters:
     def kinds(self) -> list[int]: ...
     @property
     def samples(self) -> list[Any]: ...
+    @property
+    def ties(self) -> list[tuple[str, str]]:
+        """``(later FQN, first FQN)`` for each FQN ``named_parameters(remove_duplicate=False)``
+        gives a parameter met under an earlier one (a tie, or a shared module's alias)."""
 
 @final
 class PlacementKind:
@@ -239,3 +245,7 @@ def layout_reads() -> str:
 def _layout_self_check(field: str | None) -> str | None:
     """For the tests: the self-check with one offset moved by a word; what it found wrong, or ``None``.
     Only in a build with the ``test-hooks`` feature (the test command's), never in a wheel."""
+
+def _walk_count() -> int:
+    """For the tests: how many module trees this process has walked (``PatternSet.walk`` calls).
+    Only in a build with the ``test-hooks`` feature."""

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshbind._core import PatternSet
 from meshbind.errors import RankMismatchError
 from meshbind.mesh import MeshContext
+from meshbind.model_index import ModelIndex, index_of
 from meshbind.placements import placements_text
 from meshbind.resolution.plan import ParallelPlan
 
@@ -44,17 +44,15 @@ Entry = tuple[str, str]
 """What a rank is about to do, one thing at a time: ``("parameter layers.0.weight", "(16, 16) float32")``."""
 
 
-def model_entries(model: nn.Module) -> list[Entry]:
+def model_entries(model: nn.Module, known: ModelIndex | None = None) -> list[Entry]:
     """Each parameter once, as ``named_parameters()`` gives it: FQN, global shape, dtype, device
-    type and whether it is frozen (a frozen weight has no gradient to reduce)."""
-    named = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
-    fqns, kinds, samples = named.fqns, named.kinds, named.samples
+    type and whether it is frozen (a frozen weight has no gradient to reduce). Read from
+    ``known`` when it is the model's own index (as resolved), else from a walk."""
+    index = index_of(model, known)
     described = [
-        f"{tuple(sample.shape)} {str(sample.dtype).removeprefix('torch.')} on {sample.device.type}"
-        + ("" if sample.requires_grad else ", frozen")
-        for sample in samples
+        f"{kind.shape} {kind.dtype_name} on {kind.device}" + ("" if kind.requires_grad else ", frozen") for kind in index.kinds
     ]
-    return [(f"parameter {fqn}", described[kind]) for fqn, kind in zip(fqns, kinds, strict=True)]
+    return [(f"parameter {fqn}", described[kind]) for fqn, kind in zip(index.parameter_fqns, index.parameter_kinds, strict=True)]
 
 
 def plan_entries(plan: ParallelPlan) -> list[Entry]:
@@ -80,7 +78,7 @@ def mesh_entries(*meshes: DeviceMesh | None) -> list[Entry]:
 def plan_agreement(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext) -> list[Entry]:
     """What ranks applying or binding ``plan`` over ``mesh_context`` must agree on."""
     return [
-        *model_entries(model),
+        *model_entries(model, plan.index),
         *plan_entries(plan),
         *mesh_entries(mesh_context.device_mesh, mesh_context.fsdp_moe_mesh),
     ]
@@ -89,7 +87,8 @@ def plan_agreement(model: nn.Module, plan: ParallelPlan, mesh_context: MeshConte
 def check_ranks_agree(what: str, entries: Callable[[], Sequence[Entry]], *, model: nn.Module | None = None) -> None:
     """Raise ``RankMismatchError`` on every rank unless every rank's ``entries()`` are the same;
     nothing else happens first, so nothing has changed when it raises. A no-op outside a world of
-    several ranks, and under ``MESHBIND_NO_RANK_CHECK=1``.
+    several ranks, under torch's fake group (a trace: one process stands for every rank), and
+    under ``MESHBIND_NO_RANK_CHECK=1``.
 
     With ``model``, an agreement is remembered: a later call on that model whose entries this rank
     digests exactly as the ranks last agreed (the plan's steps in turn: layouts, binding, FSDP)
@@ -97,6 +96,8 @@ def check_ranks_agree(what: str, entries: Callable[[], Sequence[Entry]], *, mode
     entries changed since compares again; if only some ranks changed, those wait for the others
     and are told within ``MESHBIND_RANK_CHECK_TIMEOUT`` which ranks did not come."""
     if os.environ.get(SWITCH) == "1" or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if dist.get_backend() == "fake":
         return
     check_timeout()
     mine = list(entries())

@@ -21,6 +21,7 @@ from meshbind.agreement import check_ranks_agree, plan_agreement
 from meshbind.errors import LayoutError
 from meshbind.family import family_spec, record_family_distribution
 from meshbind.mesh import MeshContext, check_resolved_for
+from meshbind.model_index import ModelIndex
 from meshbind.modules import submodule, unwrapped
 from meshbind.placements import placements_text, split_dim
 from meshbind.resolution.plan import ParallelPlan
@@ -112,13 +113,28 @@ def _planned_parameters(model: nn.Module, plan: ParallelPlan, mesh_context: Mesh
             )
     if problems:
         raise LayoutError(problems)
-    # Every attribute holding a planned parameter, so ties survive as one parameter.
-    for module in unwrapped(model).modules():
-        for name, parameter in module._parameters.items():
-            holder = by_identity.get(id(parameter)) if parameter is not None else None
-            if holder is not None:
-                holder.holders.append((module, name))
+    _find_holders(model, plan.index, by_identity)
     return list(by_identity.values())
+
+
+def _find_holders(model: nn.Module, known: ModelIndex | None, by_identity: dict[int, _Planned]) -> None:
+    """Every attribute holding a planned parameter, so ties survive as one parameter: each FQN
+    of it the model's own index knows, else every module's ``_parameters``, walked."""
+    if known is None or not known.is_of(model):
+        for module in unwrapped(model).modules():
+            for name, parameter in module._parameters.items():
+                holder = by_identity.get(id(parameter)) if parameter is not None else None
+                if holder is not None:
+                    holder.holders.append((module, name))
+        return
+    later: dict[str, list[str]] = {}
+    for alias, first in known.ties.items():
+        later.setdefault(first, []).append(alias)
+    for entry in by_identity.values():
+        first = known.ties.get(entry.fqn, entry.fqn)
+        for fqn in (first, *later.get(first, ())):
+            module_fqn, _, name = fqn.rpartition(".")
+            entry.holders.append((submodule(model, module_fqn), name))
 
 
 def _distributed(entry: _Planned) -> DTensor:

@@ -159,6 +159,13 @@ fn _layout_self_check(py: Python<'_>, field: Option<&str>) -> PyResult<Option<St
     Ok(crate::layout_reads::self_check(py, &layout).err())
 }
 
+/// How many module trees this process has walked (`PatternSet.walk` calls).
+#[cfg(feature = "test-hooks")]
+#[pyfunction]
+fn _walk_count() -> usize {
+    crate::walk::WALKS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPatternSet>()?;
@@ -178,5 +185,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(not_divisible, m)?)?;
     #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(_layout_self_check, m)?)?;
+    #[cfg(feature = "test-hooks")]
+    m.add_function(wrap_pyfunction!(_walk_count, m)?)?;
     Ok(())
 }

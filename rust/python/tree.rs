@@ -29,13 +29,16 @@ pub struct SelectedModules {
 
 /// Each parameter once, under its first FQN, in `named_parameters()` order
 /// (`ModuleTree.named_parameters`): parameters of one kind share shape, dtype and
-/// `requires_grad`, and `samples[k]` is the first of kind `k`.
+/// `requires_grad`, and `samples[k]` is the first of kind `k`; `ties` maps each later FQN of a
+/// parameter (`named_parameters(remove_duplicate=False)`'s) to its first.
 #[pyclass(name = "NamedParameters", module = "meshbind._core", frozen, get_all)]
 pub struct NamedParameters {
     /// A `list[str]`.
     fqns: Py<PyList>,
     kinds: Vec<u32>,
     samples: Vec<Py<PyAny>>,
+    /// `(later FQN, first FQN)`, in walk order.
+    ties: Vec<(String, String)>,
 }
 
 /// What a walk saw: every FQN, the module and class behind it, and every match.
@@ -141,6 +144,11 @@ impl ModuleTree {
             fqns: PyList::new(py, found.fqns)?.unbind(),
             kinds: found.kinds,
             samples: found.samples,
+            ties: found
+                .ties
+                .iter()
+                .map(|&(later, first)| (later.to_owned(), first.to_owned()))
+                .collect(),
         })
     }
 

@@ -17,7 +17,7 @@ from meshbind.errors import PlanError, index_groups
 from meshbind.memory.result import StepMemory
 from meshbind.report import plan_report
 from meshbind.report_page import report_page
-from meshbind.resolution import resolve_plan
+from meshbind.resolution import ParallelPlan, resolve_plan
 from meshbind.routing import Routing
 from meshbind.specs import FullyShard, LayoutContext
 
@@ -55,7 +55,8 @@ def check(args: argparse.Namespace) -> int:
     model, requests = model_and_plan(args)
     started = time.perf_counter()
     try:
-        plan = resolve_plan(model, requests, context, progress=_ProgressBar(), fully_shard=fully_shard)
+        # One walk of the model: the report and step memory read its index.
+        plan = resolve_plan(model, requests, context, progress=_ProgressBar(), fully_shard=fully_shard, index=True)
     except PlanError as error:
         if args.json:
             problems = [p.to_dict() for p in error.problems]
@@ -73,7 +74,7 @@ def check(args: argparse.Namespace) -> int:
         except CheckpointError as error:
             print(str(error), file=sys.stderr)
             return 1
-    memory = _step_memory(args, requests, context, fully_shard) if args.memory else None
+    memory = _step_memory(args, plan) if args.memory else None
     if args.html:
         try:
             with open(args.html, "w", encoding="utf-8") as page:
@@ -144,8 +145,9 @@ def _layout_context(axes: list[tuple[str, int]]) -> LayoutContext:
         raise UsageError(f"--axis: {error}") from None
 
 
-def _step_memory(args: argparse.Namespace, requests: Any, context: LayoutContext, fully_shard: FullyShard | None) -> StepMemory:
-    """--memory: one training step traced on each class of ranks (the model built again for it)."""
+def _step_memory(args: argparse.Namespace, plan: ParallelPlan) -> StepMemory:
+    """--memory: one training step traced on each class of ranks under the plan resolved (the
+    model built again for it)."""
     from meshbind.errors import StepMemoryError
     from meshbind.memory.trace import step_memory
 
@@ -154,11 +156,9 @@ def _step_memory(args: argparse.Namespace, requests: Any, context: LayoutContext
     try:
         return step_memory(
             args.build,
-            requests,
-            context,
+            plan,
             batch=args.batch,
             seq_len=args.seq_len,
-            fully_shard=fully_shard,
             optimizer=args.optimizer,
             activation_checkpointing=args.activation_checkpointing,
             device=args.device,

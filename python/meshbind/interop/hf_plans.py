@@ -216,7 +216,9 @@ def apply_hf_plan(
     A tied parameter (``lm_head.weight`` holding the embedding's) is sharded under its first FQN
     only, then tied again, as transformers' own loading does: one tensor, placed alike on both
     sides (resolution refuses a tie whose sides the plan places differently)."""
-    check_ranks_agree("apply_hf_plan", lambda: [*model_entries(model), *plan_entries(plan), *mesh_entries(tp_mesh, ep_mesh)])
+    check_ranks_agree(
+        "apply_hf_plan", lambda: [*model_entries(model, plan.index), *plan_entries(plan), *mesh_entries(tp_mesh, ep_mesh)]
+    )
     ties = tied_parameters(model)
     exact = {
         kind: {name: style for name, style in rules.items() if name not in ties}

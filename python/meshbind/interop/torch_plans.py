@@ -136,7 +136,7 @@ def parallelize_checked(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMes
     # The ranks agree on the mesh tp_mesh is cut from, as apply_fully_shard does on the same plan.
     root = tp_mesh._get_root_mesh()
     check_ranks_agree(
-        "parallelize_checked", lambda: [*model_entries(model), *plan_entries(plan), *mesh_entries(root)], model=model
+        "parallelize_checked", lambda: [*model_entries(model, plan.index), *plan_entries(plan), *mesh_entries(root)], model=model
     )
     styled = [
         (submodule(model, fqn), spec.options["style"]) for fqn, spec in plan.parallel_modules.items() if spec.protocol == PROTOCOL

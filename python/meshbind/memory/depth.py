@@ -13,10 +13,12 @@ last blocks' edges make the steps differ. Where the steps differ, the whole mode
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
+
+from meshbind.model_index import ModelIndex, ParameterKind
 
 TRACED_DEPTHS = (3, 4, 5)
 """Blocks of the alike run kept in the three traces."""
@@ -50,24 +52,54 @@ def _block_index(module: str, prefix: str) -> int | None:
     return int(index) if index.isdigit() else None
 
 
-def alike_run(model: nn.Module) -> AlikeRun | None:
+def alike_run(index: ModelIndex) -> AlikeRun | None:
     """The run of alike blocks worth tracing at three depths (more blocks than the deepest), or ``None``."""
-    lists = [(fqn, module) for fqn, module in model.named_modules() if isinstance(module, nn.ModuleList) and len(module)]
-    if not lists:
+    list_fqn = index.layer_list()
+    if list_fqn is None:
         return None
-    fqn, blocks = max(lists, key=lambda item: len(item[1]))
-    signatures = [_signature(block) for block in blocks]
+    signatures = _signatures(index, list_fqn)
     first = len(signatures) - 1
     while first > 0 and signatures[first - 1] == signatures[-1]:
         first -= 1
     count = len(signatures) - first
-    return AlikeRun(fqn, first, count) if count > TRACED_DEPTHS[-1] else None
+    return AlikeRun(list_fqn, first, count) if count > TRACED_DEPTHS[-1] else None
 
 
-def _signature(block: nn.Module) -> tuple[object, ...]:
-    """Blocks are alike when their classes and parameters (names, shapes, dtypes) are."""
-    parameters = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters())
-    return (type(block), parameters, tuple(type(module) for module in block.modules()))
+def _signatures(index: ModelIndex, list_fqn: str) -> list[tuple[object, ...]]:
+    """Each block of the list, told apart by what makes blocks alike: the classes of its modules
+    and its parameters (names within the block, shapes, dtypes, ``requires_grad``), in order.
+    One pass over the index's modules and one over its parameters."""
+    prefix = f"{list_fqn}." if list_fqn else ""
+    length = dict(index.module_lists)[list_fqn]
+    classes: list[list[type]] = [[] for _ in range(length)]
+    parameters: list[list[tuple[str, ParameterKind]]] = [[] for _ in range(length)]
+    for fqn, cls in zip(index.module_fqns, index.module_classes, strict=True):
+        if (block := _block_of(fqn, prefix, length)) is not None:
+            classes[block[0]].append(cls)
+    for fqn, kind in index.parameters():
+        if (block := _block_of(fqn, prefix, length)) is not None:
+            parameters[block[0]].append((block[1], kind))
+    return [(tuple(c), tuple(p)) for c, p in zip(classes, parameters, strict=True)]
+
+
+def _block_of(fqn: str, prefix: str, length: int) -> tuple[int, str] | None:
+    """The block ``fqn`` lies in and its name within the block, ``None`` outside the list."""
+    if not fqn.startswith(prefix) or fqn == prefix.rstrip("."):
+        return None
+    number, _, rest = fqn[len(prefix) :].partition(".")
+    return (int(number), rest) if number.isdigit() and int(number) < length else None
+
+
+def kept_modules(run: AlikeRun, kept: int) -> Callable[[str], bool]:
+    """Whether a module of the whole model is in its copy keeping ``kept`` blocks of the run."""
+    prefix = f"{run.list_fqn}." if run.list_fqn else ""
+    end = run.first + kept
+
+    def keep(fqn: str) -> bool:
+        block = _block_of(fqn, prefix, run.first + run.count)
+        return block is None or block[0] < end
+
+    return keep
 
 
 def truncated(model: nn.Module, run: AlikeRun, kept: int) -> nn.Module:

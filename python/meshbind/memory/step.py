@@ -18,9 +18,9 @@ from meshbind.fsdp import apply_fully_shard
 from meshbind.interop import HF_PROTOCOL, torch_plans
 from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshContext
+from meshbind.model_index import index_of
 from meshbind.modules import submodule
 from meshbind.names import ActivationCheckpointing, Device, Optimizer
-from meshbind.resolution.fsdp import layer_list
 from meshbind.resolution.plan import ParallelPlan
 
 StepInputs = Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
@@ -78,7 +78,7 @@ def checkpoint_units(model: nn.Module, plan: ParallelPlan) -> list[str]:
                 outermost.append(fqn)
         if outermost:
             return outermost
-    blocks = layer_list(model)
+    blocks = index_of(model, plan.index).layer_list()
     if blocks is None:
         raise StepMemoryError(
             "activation checkpointing full wraps the FSDP units or the blocks of a ModuleList: "

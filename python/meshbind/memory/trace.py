@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,18 +27,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshbind.errors import StepMemoryError
 from meshbind.memory.attention import CudaAttention, real_step_masks
-from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, truncated
+from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, kept_modules, truncated
 from meshbind.memory.fsdp_chunks import chunks_for_traced_rank
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.step import StepInputs, apply_plan, default_inputs, make_optimizer, make_optimizer_state, training_step
 from meshbind.memory.trackers import Peak, step_tracker
 from meshbind.mesh import MeshContext
+from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Device, Optimizer
 from meshbind.report import RankGroup, plan_report
-from meshbind.resolution import resolve_plan
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing, assuming
-from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanSource
 from meshbind.world import DENSE_AXES, EXPERT_AXES, World
 
 TRACED_OPTIMIZERS = (Optimizer.NONE, Optimizer.SGD_MOMENTUM, Optimizer.ADAM)
@@ -47,12 +46,10 @@ TRACED_OPTIMIZERS = (Optimizer.NONE, Optimizer.SGD_MOMENTUM, Optimizer.ADAM)
 
 def step_memory(
     build: Callable[[], nn.Module],
-    requests: Sequence[NativeParallelBindingRequest] | PlanSource,
-    context: LayoutContext,
+    plan: ParallelPlan,
     *,
     batch: int,
     seq_len: int,
-    fully_shard: FullyShard | None = None,
     optimizer: str = Optimizer.ADAM,
     activation_checkpointing: str = ActivationCheckpointing.NONE,
     device: str = Device.CUDA,
@@ -65,18 +62,20 @@ def step_memory(
     ranks, with what is live at the peak and where it falls.
 
     ``build()`` makes the model (called under ``torch.device("meta")``, once per traced rank);
-    ``requests``, ``context`` and ``fully_shard`` are ``resolve_plan``'s (a transformers model's own
-    plans, ``from_hf_plan``, are read again from each model built). ``batch`` is the
-    sequences of one data-parallel rank, ``seq_len`` their length. ``inputs(batch, seq_len)``
-    gives one forward call's arguments; by default token ids ``[batch, seq_len]`` are passed as
-    ``input_ids=`` and ``labels=`` (with ``use_cache=False``) when ``forward`` takes ``input_ids``,
-    else as two positional arguments (the ids and the targets). The output is the loss, or has a ``.loss``.
+    ``plan`` is ``resolve_plan``'s for a model ``build()`` makes, applied to each traced model as
+    it is: never resolved again, and its index (``resolve_plan(..., index=True)``; else one walk
+    of the first model built) stands for every model built, and is cut to each shallower copy.
+    ``batch`` is the sequences of one data-parallel rank, ``seq_len`` their length.
+    ``inputs(batch, seq_len)`` gives one forward call's arguments; by default token ids
+    ``[batch, seq_len]`` are passed as ``input_ids=`` and ``labels=`` (with ``use_cache=False``)
+    when ``forward`` takes ``input_ids``, else as two positional arguments (the ids and the
+    targets). The output is the loss, or has a ``.loss``.
 
     The step is traced with no weights and no collectives; it needs no process group of its own
     and refuses to run inside one (a fake group takes the default group's place while tracing).
     With ``alike_layers`` (the default), a model whose blocks end in more than five alike ones is
-    traced at three, four and five of them and extrapolated where that is exact
-    (``memory/depth.py``), else traced whole.
+    traced at three, four and five of them, under the plan of the modules each copy keeps, and
+    extrapolated where that is exact (``memory/depth.py``), else traced whole.
     """
     settings = StepSettings(
         batch=batch,
@@ -88,31 +87,31 @@ def step_memory(
         routing=routing if routing is not None else Routing(),
     )
     _check_settings(settings)
-    if not isinstance(context, LayoutContext):
-        raise TypeError(f"context must be a LayoutContext, got {type(context).__name__}")
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
     if dist.is_available() and dist.is_initialized():
         raise StepMemoryError(
             "step_memory traces over torch's fake process group and cannot while a process group is "
             "initialised: call it before init_process_group, or in a process of its own"
         )
     started = time.perf_counter()
-    models = _Models(build, alike_layers)
-    assert models.unused is not None
-    groups = plan_report(models.unused, _resolved(models.unused, requests, context, fully_shard), optimizer="none").rank_groups
-    classes = [_trace_class(models, (requests, context, fully_shard), group, settings, inputs) for group in groups]
-    return StepMemory(settings, context.world, tuple(classes), time.perf_counter() - started)
+    models = _Models(build, plan, alike_layers)
+    groups = plan_report(models.index, plan, optimizer="none").rank_groups
+    classes = [_trace_class(models, plan, group, settings, inputs) for group in groups]
+    return StepMemory(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
 
 
 class _Models:
     """The models the traces apply the plan to, each its own: the model first built (once), a
-    copy of it at each traced depth, and a new build where a whole model is traced again. The
-    copies are taken from the model as built, before resolution marks it."""
+    copy of it at each traced depth, and a new build where a whole model is traced again."""
 
-    def __init__(self, build: Callable[[], nn.Module], alike_layers: bool) -> None:
+    def __init__(self, build: Callable[[], nn.Module], plan: ParallelPlan, alike_layers: bool) -> None:
         self.build = build
         with torch.device("meta"):
             self.unused: nn.Module | None = build()
-        self.run = alike_run(self.unused) if alike_layers else None
+        assert self.unused is not None
+        self.index = plan.index if plan.index is not None else ModelIndex.of(self.unused)
+        self.run = alike_run(self.index) if alike_layers else None
         self.deepest = truncated(self.unused, self.run, TRACED_DEPTHS[-1]) if self.run is not None else None
 
     def kept(self, blocks: int) -> nn.Module:
@@ -127,21 +126,8 @@ class _Models:
             return self.build()
 
 
-Planning = tuple[Any, LayoutContext, "FullyShard | None"]
-"""``resolve_plan``'s requests, context and FSDP units."""
-
-
-def _resolved(model: nn.Module, requests: Any, context: LayoutContext, fully_shard: FullyShard | None) -> ParallelPlan:
-    """The plan for ``model``. A transformers model's own plans (``from_hf_plan``) are read again
-    from each model: each traced model is a copy of its own."""
-    hf_plans = sys.modules.get("meshbind.interop.hf_plans")  # loaded when a plan was read from transformers
-    if hf_plans is not None and isinstance(requests, hf_plans.HFPlan):
-        requests = hf_plans.from_hf_plan(model, strict=requests.strict)
-    return resolve_plan(model, requests, context, fully_shard=fully_shard)
-
-
 def _trace_class(
-    models: _Models, planning: Planning, group: RankGroup, settings: StepSettings, inputs: StepInputs | None
+    models: _Models, plan: ParallelPlan, group: RankGroup, settings: StepSettings, inputs: StepInputs | None
 ) -> RankClassMemory:
     """One rank of ``group`` traced: at three depths of the alike run when that is exact, else whole."""
     started = time.perf_counter()
@@ -149,8 +135,9 @@ def _trace_class(
     if run is not None:
         traced = []
         for kept in TRACED_DEPTHS:
-            model = models.kept(kept)
-            traced.append(_trace_rank(model, _resolved(model, *planning), group.first, settings, inputs))
+            model, keep = models.kept(kept), kept_modules(run, kept)
+            shallower = replace(plan.only(keep), index=models.index.restricted(model, keep))
+            traced.append(_trace_rank(model, shallower, group.first, settings, inputs))
         figures = [{"peak": peak.total, **peak.kinds} for peak in traced]
         full = extrapolated(figures, run.count)
         if full is not None:
@@ -167,7 +154,7 @@ def _trace_class(
                 seconds=time.perf_counter() - started,
             )
     model = models.whole()
-    peak = _trace_rank(model, _resolved(model, *planning), group.first, settings, inputs)
+    peak = _trace_rank(model, replace(plan, index=models.index.restricted(model)), group.first, settings, inputs)
     return RankClassMemory(
         first_rank=group.first,
         ranks=group.count,

@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.tensor import Placement
 
 import meshbind._core as _core
-from meshbind._core import PatternSet
+from meshbind.model_index import ModelIndex, ParameterKind, index_of
 from meshbind.names import Optimizer
 from meshbind.placements import fsdp_chunk_shape, local_shape
 from meshbind.report.rows import ParameterRow, RankGroup, RankRows, WholeGroup
@@ -158,17 +157,19 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def plan_report(model: nn.Module, plan: ParallelPlan, *, optimizer: str = Optimizer.ADAM) -> PlanReport:
+def plan_report(model: nn.Module | ModelIndex, plan: ParallelPlan, *, optimizer: str = Optimizer.ADAM) -> PlanReport:
     """What each rank holds under ``plan``: every parameter's local shape and bytes, each rank's
-    parameter, gradient and optimizer-state bytes, and what stays whole on every rank."""
+    parameter, gradient and optimizer-state bytes, and what stays whole on every rank. ``model``
+    is the model, or its index; the plan's own index (``resolve_plan(..., index=True)``) is read
+    when it is this model's, else the model is walked."""
     chosen = Optimizer.parse(optimizer, "optimizer")
-    if not isinstance(model, nn.Module):
+    if not isinstance(model, (nn.Module, ModelIndex)):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
     axes = plan.context.axis_sizes
-    named = PatternSet([]).walk(model, prune=False, parameters=True).named_parameters()
-    fqns, kinds, samples = named.fqns, named.kinds, named.samples
+    index = model if isinstance(model, ModelIndex) else index_of(model, plan.index)
+    fqns, kinds, samples = index.parameter_fqns, index.parameter_kinds, index.kinds
     placings, placed = _placings(plan)
     # One computation per (kind, placing): a model's layers are mostly alike.
     fsdp, world = plan.fsdp, plan.context.world
@@ -239,16 +240,14 @@ def _placings(plan: ParallelPlan) -> tuple[list[tuple[Mapping[str, Placement], s
 
 
 def _fields(
-    sample: torch.Tensor, named: Mapping[str, Placement], protocol: str | None, axes: Mapping[str, int], fsdp_shards: int
+    kind: ParameterKind, named: Mapping[str, Placement], protocol: str | None, axes: Mapping[str, int], fsdp_shards: int
 ) -> tuple[Any, ...]:
-    """A row's fields but its FQN, for every parameter like ``sample`` placed by ``named``, and
-    split by FSDP over ``fsdp_shards`` ranks."""
-    shape = tuple(sample.shape)
-    local = fsdp_chunk_shape(local_shape(shape, named, axes), fsdp_shards)
+    """A row's fields but its FQN, for every parameter of ``kind`` placed by ``named``, and split
+    by FSDP over ``fsdp_shards`` ranks."""
+    local = fsdp_chunk_shape(local_shape(kind.shape, named, axes), fsdp_shards)
     placements = MappingProxyType({axis: str(p) for axis, p in named.items()})
-    dtype = str(sample.dtype).removeprefix("torch.")
-    size = math.prod(local) * sample.element_size()
-    return shape, dtype, placements, local, size, sample.requires_grad, protocol, fsdp_shards
+    size = math.prod(local) * kind.dtype.itemsize
+    return kind.shape, kind.dtype_name, placements, local, size, kind.requires_grad, protocol, fsdp_shards
 
 
 _NOTHING: Mapping[str, Placement] = MappingProxyType({})

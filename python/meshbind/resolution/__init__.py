@@ -43,6 +43,7 @@ def resolve_plan(
     param_shapes: Mapping[str, Sequence[int]] | None = None,
     progress: Progress | None = None,
     fully_shard: FullyShard | None = None,
+    index: bool = False,
 ) -> ParallelPlan:
     """Resolve and validate a plan over a module tree or, offline, a sequence of FQNs.
 
@@ -60,6 +61,10 @@ def resolve_plan(
     ``fully_shard`` names the FSDP units (``plan.fsdp``), checked with the rest. With none named and
     ``dp_shard`` above 1, the units are torchtitan's defaults (each block of the model's layer list,
     each module holding parameters placed on ``ep``, then the root; ``plan.fsdp.by_default``).
+    ``index``: walk the whole tree once, parameters included, and keep what it found on the plan
+    (``plan.index``) for the report, the ranks' agreement and step memory to read instead of
+    walking the model again; FSDP units need the index and build it whether asked or not. A
+    pruned walk (the default otherwise) enters only the subtrees a pattern can reach.
     Raises ``PlanError`` listing every problem.
     """
     if not isinstance(context, LayoutContext):
@@ -69,7 +74,9 @@ def resolve_plan(
     shapes = _checked_param_shapes(param_shapes, model)
     if fully_shard is not None and not isinstance(fully_shard, FullyShard):
         raise TypeError(f"fully_shard must be a FullyShard, got {type(fully_shard).__name__}")
-    return _resolve(model, checked, context, checked_overrides(overrides), shapes, progress, fully_shard)
+    if not isinstance(index, bool):
+        raise TypeError(f"index must be a bool, got {type(index).__name__}")
+    return _resolve(model, checked, context, checked_overrides(overrides), shapes, progress, fully_shard, index)
 
 
 def _resolve(
@@ -80,10 +87,13 @@ def _resolve(
     shapes: dict[str, tuple[int, ...]] | None,
     progress: Progress | None,
     fully_shard: FullyShard | None,
+    index: bool,
 ) -> ParallelPlan:
     """``resolve_plan`` on checked arguments."""
     phase_done = progress or _silent  # the providers' loop hears nothing unless a caller asked
-    selection = select_modules(model, sourced.requests, overrides)
+    by_default = fully_shard is None and context.world.dp_shard > 1  # dp_shard shards, as in torchtitan
+    wants_fsdp = fully_shard is not None or by_default
+    selection = select_modules(model, sourced.requests, overrides, indexed=index or wants_fsdp)
     phase_done("walk", 1, 1)
     planned = selection.planned
     problems = [*selection.problems, *sourced.problems]
@@ -100,20 +110,20 @@ def _resolve(
     problems += validation_problems(laid_out, context, shapes, overrides, selection.offline)
     phase_done("validation", 1, 1)
     fsdp: FSDPPlan | None = None
-    by_default = fully_shard is None and context.world.dp_shard > 1  # dp_shard shards, as in torchtitan
-    if fully_shard is not None or by_default:
+    if wants_fsdp:
         layouts = dict(zip(laid_out.fqns, laid_out.shardings, strict=True))
-        request = default_fully_shard(model, layouts) if fully_shard is None else fully_shard  # type: ignore[arg-type]
-        fsdp, found = fsdp_units(model, request, layouts, by_default=by_default)  # type: ignore[arg-type]
+        indexed = selection.index if selection.index is not None else model  # offline: the FQNs
+        request = default_fully_shard(indexed, layouts) if fully_shard is None else fully_shard  # type: ignore[arg-type]
+        fsdp, found = fsdp_units(indexed, request, layouts, by_default=by_default)  # type: ignore[arg-type]
         problems += found
     if problems:
         raise PlanError(problems)
-    plan = build_plan(laid_out, context, (*sourced.warnings, *warnings), fsdp, selection.offline)
+    plan = build_plan(laid_out, context, (*sourced.warnings, *warnings), fsdp, selection.offline, selection.index)
     if family_members:
-        for index, module, fqn, spec, sharding in zip(
+        for tree_index, module, fqn, spec, sharding in zip(
             laid_out.indices, laid_out.modules, laid_out.fqns, laid_out.specs, laid_out.shardings, strict=True
         ):
-            if index in family_members:
+            if tree_index in family_members:
                 record_family_layout(module, fqn, spec, sharding)  # type: ignore[arg-type]
     return plan
 

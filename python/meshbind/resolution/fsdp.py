@@ -22,6 +22,7 @@ from torch.distributed.tensor import Placement
 
 from meshbind._core import PatternSet
 from meshbind.errors import PlanProblem, ProblemCode, did_you_mean, index_groups
+from meshbind.model_index import ModelIndex, ParameterKind
 from meshbind.names import MeshSide
 from meshbind.resolution.unmatched import ModelNames
 from meshbind.specs import FullyShard, ModuleShardingSpec, literal_pattern
@@ -75,11 +76,11 @@ DEFAULT_UNITS_SOURCE = "fully_shard (default units)"
 """The request a problem of default units names."""
 
 
-def default_fully_shard(model: nn.Module | Sequence[str], sharding: Mapping[str, ModuleShardingSpec]) -> FullyShard:
+def default_fully_shard(model: ModelIndex | Sequence[str], sharding: Mapping[str, ModuleShardingSpec]) -> FullyShard:
     """torchtitan's units: each block of the model's layer list (its longest ``ModuleList``, or
     offline the FQN with the most numbered children), each planned module that places a parameter
     on ``ep`` (its experts), then the root. A model with neither is one unit, the root."""
-    blocks = layer_list(model) if isinstance(model, nn.Module) else _numbered_list(model)
+    blocks = model.layer_list() if isinstance(model, ModelIndex) else _numbered_list(model)
     units = []
     if blocks is not None:
         units.append(f"{literal_pattern(blocks)}.*" if blocks else "*")
@@ -89,14 +90,6 @@ def default_fully_shard(model: nn.Module | Sequence[str], sharding: Mapping[str,
         if module_fqn and any(canonical_axis(axis) == expert_axis for named in spec.params.values() for axis in named):
             units.append(literal_pattern(module_fqn))
     return FullyShard(tuple(dict.fromkeys(units)))
-
-
-def layer_list(model: nn.Module) -> str | None:
-    """The FQN of the model's blocks: its longest non-empty ``ModuleList`` (torchtitan's
-    ``model.layers``), ``None`` when it has none. FSDP's default units and activation
-    checkpointing both wrap its members."""
-    lists = [(len(module), fqn) for fqn, module in model.named_modules() if isinstance(module, nn.ModuleList) and len(module)]
-    return max(lists, key=lambda item: item[0])[1] if lists else None
 
 
 def _numbered_list(model: Sequence[str]) -> str | None:
@@ -110,42 +103,39 @@ def _numbered_list(model: Sequence[str]) -> str | None:
 
 
 def fsdp_units(
-    model: nn.Module | Sequence[str],
+    model: ModelIndex | Sequence[str],
     request: FullyShard,
     sharding: Mapping[str, ModuleShardingSpec],
     *,
     by_default: bool = False,
 ) -> tuple[FSDPPlan | None, list[PlanProblem]]:
-    """The units ``request`` names on ``model`` and every problem of them. Offline (a sequence of
-    FQNs) only the patterns are matched: the parameters are not known. ``by_default``: the units
-    are ``default_fully_shard``'s, and their problems say so."""
+    """The units ``request`` names on the indexed model and every problem of them. Offline (a
+    sequence of FQNs) only the patterns are matched: the parameters are not known. ``by_default``:
+    the units are ``default_fully_shard``'s, and their problems say so."""
     fqns, problems = _selected(model, request)
     ordered = sorted(dict.fromkeys(fqns), key=lambda fqn: -fqn.count(".") - 1 if fqn else 0)
     ordered = [fqn for fqn in ordered if fqn] + [""]
-    if not isinstance(model, nn.Module):
+    if not isinstance(model, ModelIndex):
         units_offline = tuple(FSDPUnit(fqn, MeshSide.DEVICE) for fqn in ordered)
         return FSDPPlan(units_offline, request.reshard_after_forward, by_default), problems
     units = set(ordered)
     placed = _placements(sharding)
-    members: dict[str, list[tuple[str, nn.Parameter]]] = {fqn: [] for fqn in ordered}
-    unit_of_parameter: dict[int, tuple[str, str]] = {}
-    for fqn, parameter in model.named_parameters(remove_duplicate=False):
-        unit = _innermost(fqn, units)
-        seen = unit_of_parameter.setdefault(id(parameter), (unit, fqn))
-        if seen[0] != unit:
+    members: dict[str, list[tuple[str, ParameterKind]]] = {fqn: [] for fqn in ordered}
+    for fqn, kind in model.parameters():
+        members[_innermost(fqn, units)].append((fqn, kind))
+    for later, first in model.ties.items():
+        unit, first_unit = _innermost(later, units), _innermost(first, units)
+        if unit != first_unit:
             problems.append(
                 _problem(
-                    fqn,
-                    f"is tied to {seen[1]!r}, which the FSDP unit {_unit_name(seen[0])} holds, while the unit "
+                    later,
+                    f"is tied to {first!r}, which the FSDP unit {_unit_name(first_unit)} holds, while the unit "
                     f"{_unit_name(unit)} holds it: FSDP shards a parameter in one unit; make both one unit",
                 )
             )
-        elif seen[1] == fqn:
-            members[unit].append((fqn, parameter))
     sides = {}
     for fqn in ordered:
-        module = model.get_submodule(fqn) if fqn else model
-        sides[fqn], unit_problems = _unit_side(fqn, module, members[fqn], placed)
+        sides[fqn], unit_problems = _unit_side(fqn, model.class_of(fqn), members[fqn], placed)
         problems += unit_problems
     plan = FSDPPlan(tuple(FSDPUnit(fqn, sides[fqn]) for fqn in ordered), request.reshard_after_forward, by_default)
     if by_default:
@@ -153,9 +143,9 @@ def fsdp_units(
     return plan, problems
 
 
-def _selected(model: nn.Module | Sequence[str], request: FullyShard) -> tuple[list[str], list[PlanProblem]]:
+def _selected(model: ModelIndex | Sequence[str], request: FullyShard) -> tuple[list[str], list[PlanProblem]]:
     patterns = PatternSet(list(request.units))
-    tree = patterns.walk(model) if isinstance(model, nn.Module) else patterns.index_names(list(model))
+    tree = patterns.index_names(list(model.names if isinstance(model, ModelIndex) else model))
     problems = []
     names: ModelNames | None = None
     for pattern, count in zip(request.units, tree.hit_counts(), strict=True):
@@ -189,15 +179,15 @@ def _innermost(parameter_fqn: str, units: Container[str]) -> str:
 
 
 def _unit_side(
-    fqn: str, module: nn.Module, members: list[tuple[str, nn.Parameter]], placed: Mapping[str, Mapping[str, Placement]]
+    fqn: str, cls: type, members: list[tuple[str, ParameterKind]], placed: Mapping[str, Mapping[str, Placement]]
 ) -> tuple[MeshSide, list[PlanProblem]]:
-    """The unit's mesh side and the problems of its module and own parameters."""
+    """The unit's mesh side and the problems of its module (of class ``cls``) and own parameters."""
     problems = []
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+    if issubclass(cls, (nn.ModuleList, nn.ModuleDict)):
         problems.append(
             _problem(
                 fqn,
-                f"is a {type(module).__name__}, which fully_shard refuses (it has no forward to hook): "
+                f"is a {cls.__name__}, which fully_shard refuses (it has no forward to hook): "
                 f"name its members as units ({fqn + '.*' if fqn else '*'})",
             )
         )
@@ -215,9 +205,9 @@ def _unit_side(
             )
         )
     side = MeshSide.EXPERT if expert and not device else MeshSide.DEVICE
-    for name, parameter in members:
-        problems += _parameter_problems(name, parameter, placed.get(name), sides[name])
-    dtypes = sorted({str(parameter.dtype).removeprefix("torch.") for _, parameter in members})
+    for name, kind in members:
+        problems += _parameter_problems(name, kind, placed.get(name), sides[name])
+    dtypes = sorted({kind.dtype_name for _, kind in members})
     if len(dtypes) > 1:
         problems.append(
             _problem(fqn, f"holds parameters of {len(dtypes)} dtypes ({', '.join(dtypes)}): FSDP all-gathers a unit in one dtype")
@@ -230,9 +220,9 @@ def _side(named: Mapping[str, Placement] | None) -> MeshSide:
 
 
 def _parameter_problems(
-    fqn: str, parameter: nn.Parameter, named: Mapping[str, Placement] | None, side: MeshSide
+    fqn: str, kind: ParameterKind, named: Mapping[str, Placement] | None, side: MeshSide
 ) -> Iterator[PlanProblem]:
-    if parameter.dim() == 0:
+    if kind.ndim == 0:
         yield _problem(fqn, "is a 0-d parameter: FSDP shards dim 0, which it does not have")
     if named is None:
         return

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
 from meshbind.errors import PlanProblem
+from meshbind.model_index import ModelIndex
 from meshbind.resolution.fsdp import FSDPPlan
 from meshbind.resolution.selection import PlannedModules
 from meshbind.specs import LayoutContext, ModuleShardingSpec, ParallelModuleSpec
@@ -30,6 +31,31 @@ class ParallelPlan:
     """The class of each planned module, in ``parallel_modules``' order, as resolution checked its
     class rules; ``None`` for a plan resolved offline, which checked none. Binding checks a
     module only when its class is not this one."""
+    index: ModelIndex | None = field(default=None, compare=False, repr=False)
+    """The model index resolution walked (``resolve_plan(..., index=True)``, or for FSDP units);
+    ``None`` otherwise. It answers for the model it was walked from only."""
+
+    def only(self, keep: Callable[[str], bool]) -> ParallelPlan:
+        """The plan of a model holding only the modules whose FQN ``keep`` admits (step memory's
+        shallower copies of a model): the planned modules and FSDP units kept, the root's unit
+        always; no index (``ModelIndex.restricted`` makes the copy's)."""
+        kept = [fqn for fqn in self.parallel_modules if keep(fqn)]
+        classes = self.classes
+        if classes is not None:
+            class_of = dict(zip(self.parallel_modules, classes, strict=True))
+            classes = tuple(class_of[fqn] for fqn in kept)
+        fsdp = self.fsdp
+        if fsdp is not None:
+            fsdp = replace(fsdp, units=tuple(unit for unit in fsdp.units if not unit.fqn or keep(unit.fqn)))
+        return ParallelPlan(
+            parallel_modules=MappingProxyType({fqn: self.parallel_modules[fqn] for fqn in kept}),
+            sharding=MappingProxyType({fqn: self.sharding[fqn] for fqn in kept}),
+            context=self.context,
+            sources=MappingProxyType({fqn: self.sources[fqn] for fqn in kept}),
+            warnings=self.warnings,
+            fsdp=fsdp,
+            classes=classes,
+        )
 
     def explain(self) -> str:
         """A table: FQN, protocol, binding kind, source and parameter placements."""
@@ -83,6 +109,7 @@ def build_plan(
     warnings: tuple[PlanProblem, ...],
     fsdp: FSDPPlan | None,
     offline: bool,
+    index: ModelIndex | None,
 ) -> ParallelPlan:
     """The plan of modules that all have their layout."""
 
@@ -97,4 +124,5 @@ def build_plan(
         warnings=warnings,
         fsdp=fsdp,
         classes=None if offline else tuple(laid_out.classes),  # type: ignore[arg-type]
+        index=index,
     )

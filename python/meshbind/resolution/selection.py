@@ -5,7 +5,8 @@ Requests and override patterns are compiled into one ``PatternSet`` and matched 
 member (when a family class is declared), or an alias of a selected module (which keys it when it
 comes first, and may place it inside another bound module). A request pattern that selects no
 module but selects parameters plans the modules holding them: the requests are rewritten to name
-those modules, and the tree walked again.
+those modules, and the tree walked again. An indexed selection walks the whole tree once, parameters
+included, and keeps what it met as the model index (``model_index.ModelIndex``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from meshbind._core import ModuleTree, PatternSet
 from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.family import family_classes_declared
+from meshbind.model_index import ModelIndex
 from meshbind.specs import ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, literal_pattern
 
 
@@ -142,25 +144,36 @@ class Selection:
     """Module index → the overrides selecting a module no request selects (a family member may
     still join with them)."""
     problems: list[PlanProblem]
+    index: ModelIndex | None
+    """The model index, when the selection was asked to keep one (a module tree only)."""
 
 
 def select_modules(
-    model: nn.Module | Sequence[str], requests: Sequence[NativeParallelBindingRequest], overrides: Sequence[Override]
+    model: nn.Module | Sequence[str],
+    requests: Sequence[NativeParallelBindingRequest],
+    overrides: Sequence[Override],
+    *,
+    indexed: bool = False,
 ) -> Selection:
-    """The walk, parameter-selecting patterns resolved to their modules, and the planned modules."""
+    """The walk, parameter-selecting patterns resolved to their modules, and the planned modules.
+    ``indexed``: walk the whole tree with its parameters, and keep the model index."""
     patterns = PlanPatterns.of(requests, overrides)
-    tree, offline = _walk(patterns.pattern_set, model)
-    if owners := _parameter_owners(model, patterns, tree):
+    indexed = indexed and isinstance(model, nn.Module)
+    tree, offline = _walk(patterns.pattern_set, model, indexed)
+    index = ModelIndex.of_tree(model, tree) if indexed else None  # type: ignore[arg-type]
+    if owners := _parameter_owners(model, patterns, tree, indexed):
         requests = _selecting_owners(requests, patterns, owners)
         patterns = PlanPatterns.of(requests, overrides)
-        tree, offline = _walk(patterns.pattern_set, model)
+        tree, offline = _walk(patterns.pattern_set, model, False)  # the index already holds every name
     planned, override_only = _planned(tree, patterns, requests)
-    return Selection(list(requests), patterns, tree, offline, planned, override_only, _cycle_problems(tree))
+    return Selection(list(requests), patterns, tree, offline, planned, override_only, _cycle_problems(tree), index)
 
 
-def _walk(pattern_set: PatternSet, model: object) -> tuple[ModuleTree, bool]:
+def _walk(pattern_set: PatternSet, model: object, indexed: bool) -> tuple[ModuleTree, bool]:
     """The matches over the model, and whether it is offline (a sequence of FQNs)."""
     if isinstance(model, nn.Module):
+        if indexed:
+            return pattern_set.walk(model, prune=False, parameters=True), False
         if not family_classes_declared():
             tree = pattern_set.walk(model, prune=True, modules=True)
             if not tree.may_share_matches:
@@ -210,20 +223,27 @@ def _planned(
     return planned, override_only
 
 
-def _parameter_owners(model: object, patterns: PlanPatterns, tree: ModuleTree) -> dict[int, list[str]]:
+def _parameter_owners(model: object, patterns: PlanPatterns, tree: ModuleTree, read: bool) -> dict[int, list[str]]:
     """Request patterns that select no module but select parameters, by pattern index:
-    the FQNs of the modules holding those parameters, in walk order. One pruned walk of just those
-    patterns, only when there are some."""
+    the FQNs of the modules holding those parameters, in walk order. A walk that ``read`` the
+    parameters matched them already; else one pruned walk of just those patterns, only when
+    there are some."""
     counts = tree.hit_counts()
     silent = [index for index in range(len(patterns.request_of)) if counts[index] == 0]
     if not silent or not isinstance(model, nn.Module):
         return {}
-    texts = patterns.pattern_set.patterns
-    parameters = PatternSet([texts[index] for index in silent]).walk(model, prune=True, parameters=True)
+    if read:
+        pattern_of = {pattern: pattern for pattern in silent}
+        matches = tree.parameter_matches()
+    else:
+        pattern_of = dict(enumerate(silent))
+        texts = patterns.pattern_set.patterns
+        matches = PatternSet([texts[index] for index in silent]).walk(model, prune=True, parameters=True).parameter_matches()
     owners: dict[int, dict[str, None]] = {}
-    for name, hits in parameters.parameter_matches():
+    for name, hits in matches:
         for hit in hits:
-            owners.setdefault(silent[hit], {})[name.rpartition(".")[0]] = None
+            if hit in pattern_of:
+                owners.setdefault(pattern_of[hit], {})[name.rpartition(".")[0]] = None
     return {index: list(modules) for index, modules in owners.items()}
 
 

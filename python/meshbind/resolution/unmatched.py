@@ -14,6 +14,7 @@ from torch import nn
 
 from meshbind._core import ModuleTree, PatternSet
 from meshbind.errors import PlanProblem, ProblemCode, did_you_mean
+from meshbind.model_index import ModelIndex
 from meshbind.resolution.selection import Selection
 
 
@@ -28,7 +29,7 @@ def unmatched_problems(selection: Selection, model: nn.Module | Sequence[str]) -
     for index, (pattern, request, override) in enumerate(selection.patterns.owned()):
         if request is not None and counts[index] == 0:
             if every_name is None:
-                every_name = ModelNames.of(model)
+                every_name = ModelNames.of(selection.index or model)
             nearest, source, what = every_name.nearest(pattern), f"requests[{request}]", "any module"
         elif override is not None and override not in overrides_used:
             if planned_names is None:
@@ -53,8 +54,11 @@ class ModelNames:
         self.index, self.parameters = index, parameters
 
     @staticmethod
-    def of(model: nn.Module | Sequence[str]) -> ModelNames:
+    def of(model: nn.Module | Sequence[str] | ModelIndex) -> ModelNames:
         every = PatternSet([])
+        if isinstance(model, ModelIndex):
+            parameters = [*model.parameter_fqns, *model.ties]
+            return ModelNames(every.index_names([*model.names, *parameters], prune=False), frozenset(parameters))
         if not isinstance(model, nn.Module):
             return ModelNames(every.index_names(model, prune=False), frozenset())
         tree = every.walk(model, prune=False, parameters=True)
