@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "meshbind.binding": 3,
     "meshbind.checkpoints": 3,
     "meshbind.interop": 3,
+    "meshbind.appliers": 3,
     # what reads a resolved plan and an applied model
     "meshbind.report": 4,
     "meshbind.report_page": 4,

@@ -456,3 +456,21 @@ def test_rows_group_by_the_identity_of_their_objects_in_every_column() -> None:
     assert _core.same_object_groups([specs, shardings, classes]) == [[0, 2], [1], [3]]
     with pytest.raises(ValueError, match="column 1 has 3 rows, not 4"):
         _core.same_object_groups([specs, shardings[:3]])
+
+
+def test_validate_parallel_module_runs_the_class_rules_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rules 1-4 run before the layout checks, and the bulk pass that runs those does not run them again."""
+    import meshbind.validation as validation
+    import meshbind.validation.rules as rules
+
+    calls: list[type] = []
+    original = rules.class_failure
+
+    def counted(cls: type, spec: ParallelModuleSpec) -> object:
+        calls.append(cls)
+        return original(cls, spec)
+
+    monkeypatch.setattr(rules, "class_failure", counted)
+    monkeypatch.setattr(validation, "class_failure", counted)
+    validate_parallel_module(Experts(), ep_spec(), OWNED, CONTEXT)
+    assert calls == [Experts]

@@ -9,7 +9,7 @@ so a failure leaves every parameter as it was.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from meshbind.agreement import check_ranks_agree, plan_agreement
-from meshbind.errors import LayoutError
+from meshbind.errors import BindingRefusedError, LayoutError
 from meshbind.family import family_spec, record_family_distribution
 from meshbind.mesh import MeshContext, check_resolved_for
 from meshbind.model_index import ModelIndex
@@ -118,23 +118,44 @@ def _planned_parameters(model: nn.Module, plan: ParallelPlan, mesh_context: Mesh
 
 
 def _find_holders(model: nn.Module, known: ModelIndex | None, by_identity: dict[int, _Planned]) -> None:
-    """Every attribute holding a planned parameter, so ties survive as one parameter: each FQN
-    of it the model's own index knows, else every module's ``_parameters``, walked."""
-    if known is None or not known.is_of(model):
-        for module in unwrapped(model).modules():
-            for name, parameter in module._parameters.items():
-                holder = by_identity.get(id(parameter)) if parameter is not None else None
-                if holder is not None:
-                    holder.holders.append((module, name))
+    """Every attribute holding a planned parameter, so ties survive as one parameter: each FQN of
+    it the plan's index of this model knows, when each holds it still; else every module's
+    ``_parameters``, walked (another model, or one wrapped since it was resolved)."""
+    found = _indexed_holders(model, known, by_identity.values()) if known is not None and known.is_of(model) else None
+    if found is not None:
+        for entry, holders in zip(by_identity.values(), found, strict=True):
+            entry.holders += holders
         return
+    for module in unwrapped(model).modules():
+        for name, parameter in module._parameters.items():
+            holder = by_identity.get(id(parameter)) if parameter is not None else None
+            if holder is not None:
+                holder.holders.append((module, name))
+
+
+def _indexed_holders(
+    model: nn.Module, index: ModelIndex, entries: Iterable[_Planned]
+) -> list[list[tuple[nn.Module, str]]] | None:
+    """The holders of each entry's parameter by the index's FQNs of it, ``None`` when one of them
+    no longer holds it."""
     later: dict[str, list[str]] = {}
-    for alias, first in known.ties.items():
+    for alias, first in index.ties.items():
         later.setdefault(first, []).append(alias)
-    for entry in by_identity.values():
-        first = known.ties.get(entry.fqn, entry.fqn)
+    found = []
+    for entry in entries:
+        first = index.ties.get(entry.fqn, entry.fqn)
+        holders = []
         for fqn in (first, *later.get(first, ())):
             module_fqn, _, name = fqn.rpartition(".")
-            entry.holders.append((submodule(model, module_fqn), name))
+            try:
+                module = submodule(model, module_fqn)
+            except BindingRefusedError:
+                return None
+            if module._parameters.get(name) is not entry.parameter:
+                return None
+            holders.append((module, name))
+        found.append(holders)
+    return found
 
 
 def _distributed(entry: _Planned) -> DTensor:

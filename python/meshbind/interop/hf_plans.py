@@ -31,7 +31,8 @@ from meshbind.errors import PlanProblem, ProblemCode, did_you_mean
 from meshbind.interop import HF_PROTOCOL
 from meshbind.interop.hf_facts import ConfigFacts
 from meshbind.interop.hf_styles import PLANS, GroupLayout, Rules
-from meshbind.interop.hf_ties import tie_problems, tied_parameters
+from meshbind.interop.hf_ties import tie_problems
+from meshbind.model_index import index_of
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.specs import (
     LayoutContext,
@@ -219,7 +220,7 @@ def apply_hf_plan(
     check_ranks_agree(
         "apply_hf_plan", lambda: [*model_entries(model, plan.index), *plan_entries(plan), *mesh_entries(tp_mesh, ep_mesh)]
     )
-    ties = tied_parameters(model)
+    ties = index_of(model, plan.index).ties
     exact = {
         kind: {name: style for name, style in rules.items() if name not in ties}
         for kind, rules in expanded_plans(model, plan).items()

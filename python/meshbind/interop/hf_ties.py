@@ -1,5 +1,6 @@
-"""Tied parameters of a transformers model (``lm_head.weight`` holding the embedding's): found,
-and a tie whose two sides a plan places differently refused."""
+"""Tied parameters of a transformers model (``lm_head.weight`` holding the embedding's): a tie
+whose two sides a plan places differently refused. The ties a model holds are the model index's
+(``ModelIndex.ties``)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,6 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace
 
 from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.interop.hf_styles import PLANS, Rules, style_placement
-
-
-def tied_parameters(model: nn.Module) -> dict[str, str]:
-    """Every FQN of a parameter that ``named_parameters()`` also yields under an earlier FQN (a tie:
-    ``lm_head.weight`` holding ``model.embed_tokens.weight``), mapped to that earlier FQN."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        canonical = first.setdefault(id(parameter), name)
-        if canonical != name:
-            aliases[name] = canonical
-    return aliases
 
 
 def tie_problems(model: PreTrainedModel, groups: Mapping[str, Mapping[str, Rules]]) -> list[PlanProblem]:

@@ -12,11 +12,9 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor
 
-from meshbind.binding import bind_parallel_modules
+from meshbind.appliers import apply_parallelism
 from meshbind.errors import StepMemoryError
 from meshbind.fsdp import apply_fully_shard
-from meshbind.interop import HF_PROTOCOL, torch_plans
-from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshContext
 from meshbind.model_index import index_of
 from meshbind.modules import submodule
@@ -34,23 +32,12 @@ def apply_plan(
     activation_checkpointing: ActivationCheckpointing,
     recompute_context: Callable[[], Any] | None = None,
 ) -> None:
-    """The plan applied as a training job applies it: layouts, binding, activation checkpointing
+    """The plan applied as a training job applies it: layouts and binding by the applier of the
+    plan's source (``appliers.apply_parallelism``), activation checkpointing
     (``checkpoint_units``), then FSDP. ``recompute_context()``, when given, is entered around each
     checkpointed block's forward and its recomputation (torch's ``context_fn``): the backward does
     not run under the modes the step was started in."""
-    protocols = {spec.protocol for spec in plan.parallel_modules.values()}
-    if HF_PROTOCOL in protocols:
-        from meshbind.interop import hf_plans, hf_routing  # transformers, loaded only for its own plans
-
-        world = mesh_context.world
-        ep_mesh = mesh_context.fsdp_moe_mesh["ep"] if mesh_context.fsdp_moe_mesh is not None and world.ep > 1 else None
-        tp_mesh = mesh_context.device_mesh["tp"]
-        hf_plans.apply_hf_plan(model, plan, tp_mesh=tp_mesh, ep_mesh=ep_mesh, ep_implementation=hf_routing.ASSUMED_ROUTING_EP)
-    elif torch_plans.PROTOCOL in protocols:
-        torch_plans.parallelize_checked(model, plan, mesh_context.device_mesh["tp"])
-    else:
-        apply_layouts(model, plan, mesh_context)
-        bind_parallel_modules(model, plan, mesh_context)
+    apply_parallelism(model, plan, mesh_context)
     if activation_checkpointing == ActivationCheckpointing.FULL:
         wrapping: dict[str, Any] = {}
         if recompute_context is not None:

@@ -25,7 +25,7 @@ def validate_parallel_module(
     _require(context, LayoutContext, "context")
     failure = class_failure(type(module), parallel) or sharding_failure(sharding)
     if failure is None:
-        problems = ValidationBatch(context).check([module], [""], [parallel], [sharding])
+        problems = ValidationBatch(context).check([module], [""], [parallel], [sharding], rules_1_to_4_passed=True)
         failure = (problems[0][1], problems[0][2]) if problems else None
     if failure is not None:
         code, message = failure

@@ -90,12 +90,15 @@ class ValidationBatch:
         specs: Sequence[ParallelModuleSpec],
         shardings: Sequence[ModuleShardingSpec],
         classes: Sequence[type] | None = None,
+        *,
+        rules_1_to_4_passed: bool = False,
     ) -> list[tuple[int, ProblemCode, str]]:
         """Every problem as ``(index, code, message)``: each module's ``layout`` problems, then its
         first §5 failure (``validate`` runs last, only for modules with no other problem).
 
         Modules are ``None`` offline: the class rules and ``validate`` then do not run. ``classes``
         (each module's class, when the caller knows them) spares reading every module's type.
+        ``rules_1_to_4_passed``: the caller checked rules 1-4 already, which are then not run again.
         """
         # Every axis of the context is in the table, so messages can list them and rule 5 finds 'ep'.
         self._table = _core.PlacementTable(list(self.context.axis_sizes.items()), EXPERT_AXIS)
@@ -117,12 +120,13 @@ class ValidationBatch:
             if template is None:
                 template = templates[id(sharding)] = self._flatten(sharding)
             failure = None  # the group's first failure: rules 1-2, then the expert count, then 3-4
-            if online:
+            if online and not rules_1_to_4_passed:
                 failure = class_failures(row_classes[first], spec)
             experts = _expert_count(spec)
             if isinstance(experts, tuple):
                 failure, experts = failure or experts, None
-            failure = failure or template.failure
+            if not rules_1_to_4_passed:
+                failure = failure or template.failure
             if failure is not None:
                 failures.update(zip(rows, repeat(failure)))
             if template.problems:
