@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyType};
 use rustc_hash::FxHashMap;
 
-use crate::layout_reads::{has_other_holders, Children, Lookahead, WIDE};
+use crate::layout_reads::{has_other_holders, Children, Lookahead, Step, WIDE};
 use crate::matcher::{DfaState, MatchError, Matcher};
 use crate::names::NameTable;
 use crate::step_memo::StepMemo;
@@ -165,7 +165,7 @@ impl Walker<'_, '_> {
         let mut fqn = String::new();
         let start = self.matcher.start()?;
         let root_identity = root.as_ptr() as usize;
-        self.record(root_identity, root, &fqn, start)?;
+        self.record(root_identity, Some(root), &fqn, start)?;
         // The root's children follow no separator: their names start the FQN.
         let mut lookahead = match self.mode {
             WalkMode::Pruned => Lookahead::new(py),
@@ -185,29 +185,38 @@ impl Walker<'_, '_> {
         let mut on_path = rustc_hash::FxHashSet::default();
         on_path.insert(root_identity);
         let mut memo = StepMemo::default();
-        while let Some(frame) = stack.last_mut() {
+        loop {
+            let depth = stack.len();
+            let Some(frame) = stack.last_mut() else {
+                break;
+            };
             let wide = frame.children.size() >= WIDE;
             if wide {
                 let children = &frame.children;
                 lookahead.ahead(children.dict(), children.position(), frame.entering);
             }
-            let Some((key, child)) = frame.children.next_entry() else {
-                if let Some(done) = stack.pop() {
-                    on_path.remove(&done.identity);
+            let (name_end, parent_state) = (frame.name_end, frame.child_state);
+            // The entry is lent by the frame: until it is dropped no Python code runs, and what
+            // the walk keeps of the child (its identity, an owned reference) is taken before.
+            let (key, child) = match frame.children.next_entry() {
+                Step::Entry(key, child) => (key, child),
+                Step::Changed => {
+                    return Err(PyRuntimeError::new_err(format!(
+                        "the children of '{}' changed during the walk",
+                        &fqn[..name_end]
+                    ))
+                    .into())
                 }
-                continue;
+                Step::End => {
+                    if let Some(done) = stack.pop() {
+                        on_path.remove(&done.identity);
+                    }
+                    continue;
+                }
             };
-            if frame.children.changed() {
-                return Err(PyRuntimeError::new_err(format!(
-                    "the children of '{}' changed during the walk",
-                    &fqn[..frame.name_end]
-                ))
-                .into());
-            }
             if child.is_none() {
                 continue;
             }
-            let (name_end, parent_state) = (frame.name_end, frame.child_state);
             let key = key.cast::<PyString>().map_err(|_| {
                 PyTypeError::new_err(format!(
                     "module '{}' has a child whose name is not a str",
@@ -220,7 +229,7 @@ impl Walker<'_, '_> {
             })?;
             let mut state = parent_state;
             fqn.truncate(name_end);
-            if stack.len() > 1 {
+            if depth > 1 {
                 fqn.push('.');
             }
             if !self.matcher.is_current(state) {
@@ -239,9 +248,7 @@ impl Walker<'_, '_> {
             };
             let identity = child.as_ptr() as usize;
             let descend = self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, below, true);
-            if let Some(frame) = stack.last_mut() {
-                frame.entering = descend;
-            }
+            frame.entering = descend;
             let recorded =
                 self.mode == WalkMode::Full || self.matcher.may_reach(&fqn, state, false);
             if self.mode == WalkMode::PrunedModules
@@ -250,8 +257,11 @@ impl Walker<'_, '_> {
             {
                 self.index.may_share_matches = has_other_holders(&child);
             }
+            // A pruned walk records a child's name alone: its object is read only when kept or entered.
+            let kept = (recorded && self.mode != WalkMode::Pruned) || descend;
+            let child = kept.then(|| child.to_owned());
             if recorded {
-                self.record(identity, &child, &fqn, state)?;
+                self.record(identity, child.as_ref(), &fqn, state)?;
             }
             if on_path.contains(&identity) {
                 let ancestor = stack
@@ -263,7 +273,7 @@ impl Walker<'_, '_> {
                     .push((fqn.clone(), fqn[..ancestor].to_owned()));
                 continue;
             }
-            if descend {
+            if let (true, Some(child)) = (descend, child) {
                 let frame = enter(&child, modules_attr, &mut lookahead, &fqn, identity, below)?;
                 stack.push(frame);
                 if self.parameters {
@@ -339,7 +349,7 @@ impl Walker<'_, '_> {
     fn record(
         &mut self,
         identity: usize,
-        module: &Bound<'_, PyAny>,
+        module: Option<&Bound<'_, PyAny>>,
         fqn: &str,
         state: Option<DfaState>,
     ) -> Result<(), WalkError> {
@@ -352,7 +362,7 @@ impl Walker<'_, '_> {
         self.index
             .hits
             .extend(self.scratch.iter().map(|&p| (name, p)));
-        if self.mode != WalkMode::Pruned {
+        if let (true, Some(module)) = (self.mode != WalkMode::Pruned, module) {
             let next = self.index.modules.len() as u32;
             let module_index = *self.module_ids.entry(identity).or_insert(next);
             if module_index == next {

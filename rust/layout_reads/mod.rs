@@ -15,7 +15,7 @@ mod lookahead;
 mod offsets;
 mod presence;
 
-pub(crate) use children::{has_other_holders, Children};
+pub(crate) use children::{has_other_holders, Children, Step};
 pub(crate) use list_texts::{list_strs, list_texts, ListTexts, COMPACT_ASCII};
 pub(crate) use lookahead::{DictChain, Lookahead, SlotTable, WIDE};
 pub(crate) use offsets::{DictOffsets, TextOffsets};
