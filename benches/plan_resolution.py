@@ -5,8 +5,10 @@ results section of docs/benchmarks.md.
         --json bench-results/plan_resolution.json --plot docs/plan_resolution.png --docs docs/benchmarks.md
 
 The methods and the way each is timed are in ``resolution_methods.py``; this adds
-``rust_walk_floor`` (a Rust walk over every module that matches nothing) and the
-rewriting of the docs' table between its markers.
+``rust_walk_floor`` (a Rust walk over every module that matches nothing), ``hand_pruned_walk``
+(a walk written by hand for the plan, in Rust: it enters only the modules the patterns' literal
+segments lead to and compares names as strings, sharing nothing with the matcher; plans of
+literals and ``*`` only) and the rewriting of the docs' table between its markers.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 
 import resolution_methods
 
-from meshbind import PatternSet
+from meshbind import PatternSet, _core
 
 DOCS_START, DOCS_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
@@ -29,7 +31,20 @@ def rust_walk_floor(target: resolution_methods.Target, plan: tuple[str, ...]) ->
     return resolution_methods.Outcome(len(PatternSet([]).walk(target, prune=False)), False)
 
 
-METHODS: dict[str, resolution_methods.Method] = {**resolution_methods.METHODS, "rust_walk_floor": rust_walk_floor}
+def hand_pruned_walk(target: resolution_methods.Target, plan: tuple[str, ...]) -> resolution_methods.Outcome:
+    """The plan walked by hand: the floor of a pruned walk (``_core._hand_pruned_walk``)."""
+    if isinstance(target, list):
+        raise resolution_methods.NotExpressible("no tree to walk")
+    if any(part != "*" and not part.replace("_", "").isalnum() for pattern in plan for part in pattern.split(".")):
+        raise resolution_methods.NotExpressible("a hand walk compares literal segments and '*' only")
+    return resolution_methods.Outcome(_core._hand_pruned_walk(target, list(plan)), False)
+
+
+METHODS: dict[str, resolution_methods.Method] = {
+    **resolution_methods.METHODS,
+    "rust_walk_floor": rust_walk_floor,
+    "hand_pruned_walk": hand_pruned_walk,
+}
 
 
 def docs_text(path: str) -> str:

@@ -392,6 +392,8 @@ def summary(rows: Sequence[Row]) -> list[str]:
             parts.append(f"meshbind_validate / meshbind = {group['meshbind_validate'] / ours:.1f}x")  # type: ignore[operator]
         if group.get("rust_walk_floor") and ours:
             parts.append(f"meshbind / rust_walk_floor = {ours / group['rust_walk_floor']:.2f}x")  # type: ignore[operator]
+        if group.get("hand_pruned_walk") and ours:
+            parts.append(f"meshbind / hand_pruned_walk = {ours / group['hand_pruned_walk']:.2f}x")  # type: ignore[operator]
         if parts:
             lines.append(f"{size} {plan}: " + "; ".join(parts))
     trees = [r for r in rows if r.method == "meshbind" and r.median_s and r.tree in ("61x256", "61x1024")]

@@ -6,6 +6,8 @@
 
 pub mod checks;
 pub mod families;
+#[cfg(feature = "test-hooks")]
+mod hand_pruned_walk;
 pub mod hits;
 pub mod index_groups;
 mod layout_reads;

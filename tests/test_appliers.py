@@ -12,7 +12,9 @@ from meshbind.interop import HF_PROTOCOL, torch_plans
 
 
 def _request(pattern: str, protocol: str) -> NativeParallelBindingRequest:
-    return NativeParallelBindingRequest((pattern,), ParallelModuleSpec(protocol), lambda module, fqn, context: ModuleShardingSpec())
+    return NativeParallelBindingRequest(
+        (pattern,), ParallelModuleSpec(protocol), lambda module, fqn, context: ModuleShardingSpec()
+    )
 
 
 def test_each_source_has_its_applier_and_a_plan_of_two_sources_is_refused() -> None:

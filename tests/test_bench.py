@@ -112,11 +112,21 @@ def test_flat_names_are_matched_offline() -> None:
 def test_the_docs_section_is_rewritten_between_its_markers(tmp_path: Path) -> None:
     docs = tmp_path / "benchmarks.md"
     docs.write_text(f"# title\n{plan_resolution.DOCS_START}\nold\n{plan_resolution.DOCS_END}\ntail\n")
-    methods = {name: plan_resolution.METHODS[name] for name in ("one_regex", "meshbind", "rust_walk_floor")}
+    methods = {name: plan_resolution.METHODS[name] for name in ("one_regex", "meshbind", "rust_walk_floor", "hand_pruned_walk")}
     rows = resolution_methods.run([resolution_methods.Size.parse("4x4")], ["deep"], 5, methods)
     plan_resolution.update_docs(str(docs), rows, "python benches/plan_resolution.py --sizes 4x4", None)
     text = docs.read_text()
     assert "old" not in text and text.endswith("tail\n") and "| 4x4 |" in text and "Machine:" in text
+    assert "meshbind / hand_pruned_walk = " in text
+
+
+@pytest.mark.parametrize("plan", ["deep", "per_layer", "typo", "moe"])
+def test_the_hand_pruned_walk_selects_what_meshbind_selects(plan: str) -> None:
+    """The floor of a pruned walk shares no code with the matcher, and counts the same modules."""
+    tree = build_moe_tree(4, 8)
+    patterns = resolution_methods.PLANS[plan](4)
+    walked = plan_resolution.hand_pruned_walk(tree, patterns)
+    assert walked.matches == resolution_methods.meshbind_resolution(tree, patterns).matches > 0
 
 
 @pytest.mark.parametrize("plan, fused", [("moe", True), ("deep", False), ("typo", False)])

@@ -16,6 +16,7 @@ __all__ = [
     "PlacementProblem",
     "PlacementTable",
     "SelectedModules",
+    "_hand_pruned_walk",
     "_layout_self_check",
     "_walk_count",
     "check_patterns",
@@ -249,3 +250,8 @@ def _layout_self_check(field: str | None) -> str | None:
 def _walk_count() -> int:
     """For the tests: how many module trees this process has walked (``PatternSet.walk`` calls).
     Only in a build with the ``test-hooks`` feature."""
+
+def _hand_pruned_walk(root: object, patterns: Sequence[str]) -> int:
+    """For the benchmarks: how many modules under ``root`` the ``patterns`` (literal segments and
+    ``*``) name, walked by hand into only the modules a pattern continues below. Only in a build
+    with the ``test-hooks`` feature."""

@@ -166,6 +166,14 @@ fn _walk_count() -> usize {
     crate::walk::WALKS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// The benchmarks' hand-written pruned walk: how many modules under `root` the `patterns`
+/// (literal segments and `*`) name.
+#[cfg(feature = "test-hooks")]
+#[pyfunction]
+fn _hand_pruned_walk(root: &Bound<'_, PyAny>, patterns: Vec<String>) -> PyResult<usize> {
+    crate::hand_pruned_walk::count_matches(root, &patterns)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPatternSet>()?;
@@ -187,5 +195,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_layout_self_check, m)?)?;
     #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(_walk_count, m)?)?;
+    #[cfg(feature = "test-hooks")]
+    m.add_function(wrap_pyfunction!(_hand_pruned_walk, m)?)?;
     Ok(())
 }
