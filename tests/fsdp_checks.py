@@ -151,11 +151,37 @@ def check_refused_before_anything(context: MeshContext) -> None:
     assert not any(isinstance(module, FSDPModule) for module in model.modules())
 
 
+MIXED = FullyShard(UNITS.units, param_dtype="bf16", reduce_dtype="fp32")
+
+
+def check_mixed_precision(context: MeshContext) -> None:
+    """torch's own policy on every unit: the forward sees bfloat16 weights (gathered and cast),
+    the sharded parameters and their reduced gradients stay float32, the output is bfloat16."""
+    torch.manual_seed(0)
+    model = Model()
+    plan = resolve_plan(model, REQUESTS, context.layout_context(), fully_shard=MIXED)
+    apply_layouts(model, plan, context)
+    apply_fully_shard(model, plan, context)
+    units = [model.blocks[0].experts, model.blocks[1].experts, model.blocks[0], model.blocks[1], model]
+    for unit in units:
+        assert isinstance(unit, FSDPModule)
+        policy = unit._get_fsdp_state()._mp_policy
+        assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16, torch.float32, None), policy
+    seen: list[torch.dtype] = []
+    model.head.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+    output = model(torch.ones(3, 16))
+    assert output.dtype == torch.bfloat16 and seen == [torch.bfloat16], (output.dtype, seen)
+    output.float().sum().backward()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}
+
+
 def run_checks(sizes: dict[str, int]) -> Results:
     context = MeshContext.build(**sizes)
     return attempt_each(
         {
             "bytes": lambda: check_bytes(context),
+            "mixed_precision": lambda: check_mixed_precision(context),
             "no_group_and_twice": lambda: check_no_group_and_twice(context),
             "refused_before_anything": lambda: check_refused_before_anything(context),
         }

@@ -28,6 +28,13 @@ from step_memory_truth import count_every_thread, measured_step_peak
 DEMO_UNITS = FullyShard(("blocks.*.moe", "blocks.*"))
 
 
+def demo_units(dp_shard: int, param_dtype: str | None) -> FullyShard | None:
+    """The demo's FSDP units when ``dp_shard`` shards, in mixed precision with ``param_dtype``."""
+    if dp_shard == 1:
+        return None
+    return FullyShard(DEMO_UNITS.units, param_dtype=param_dtype, reduce_dtype="float32" if param_dtype else None)
+
+
 def traced(
     build: Callable[[], nn.Module],
     requests: Any,
@@ -71,8 +78,10 @@ def demo_step_peak(
     checkpointing: str,
     optimizer_name: str = "adam",
     dtype: str = "float32",
+    param_dtype: str | None = None,
 ) -> int:
-    """This rank's measured peak of one demo training step (the optimizer's state made by a first step)."""
+    """This rank's measured peak of one demo training step (the optimizer's state made by a first
+    step); with ``param_dtype``, FSDP2 mixed precision (gradients reduced in float32)."""
     count_every_thread()  # before anything the step may free exists
     context = LayoutContext(axes)
     world = context.world
@@ -83,7 +92,7 @@ def demo_step_peak(
     config = TransformerConfig(layers=layers, experts=experts)
     with torch.device("meta"):
         model = MoETransformer(config).to(getattr(torch, dtype))
-    plan = resolve_plan(model, [loss_head_request()], context, fully_shard=DEMO_UNITS if world.dp_shard > 1 else None)
+    plan = resolve_plan(model, [loss_head_request()], context, fully_shard=demo_units(world.dp_shard, param_dtype))
     apply_plan(model, plan, mesh_context, checkpointing)
     model.to_empty(device="cpu")
     initialize(model, seed=0)

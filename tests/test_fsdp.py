@@ -11,7 +11,7 @@ WORLDS = {
     "4 ranks dp_shard2 tp2 ep2 (15 rows split 8 / 7)": (4, {"dp_shard": 2, "tp": 2, "ep": 2}),
     "4 ranks HSDP dp_replicate2 dp_shard2 ep2": (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}),
 }
-CHECKS = ("bytes", "no_group_and_twice", "refused_before_anything")
+CHECKS = ("bytes", "mixed_precision", "no_group_and_twice", "refused_before_anything")
 
 world_results = world_results_fixture(WORLDS, "fsdp_checks:run_checks")
 
@@ -192,7 +192,7 @@ def test_dp_shard_alone_shards_over_torchtitans_default_units() -> None:
     report = plan_report(demo_model(), defaulted)
     assert report.totals() == plan_report(demo_model(), named).totals()
     assert report.totals()["total_bytes_per_rank"] < replicated.totals()["total_bytes_per_rank"] / 3
-    line = "FSDP units (none named: torchtitan's default units for dp_shard above 1), in the order fully_shard takes them: "
+    line = "FSDP units (none named: torchtitan's default units), in the order fully_shard takes them: "
     assert line + "blocks.<0-1>.moe (expert), blocks.<0-1> (device), <root> (device)" in defaulted.explain()
     assert line in report.text() and report.to_dict()["fsdp_units"].startswith(line)
     assert defaulted.to_dict()["fsdp"]["by_default"] is True
@@ -226,3 +226,47 @@ def test_meshbind_check_report_at_dp_shard_alone_shards_a_transformers_model(
     assert main(["check", "--hf-config", str(config), "--axis", "dp_shard=4", "--report"]) == 0
     out = capsys.readouterr().out
     assert "fsdp/4" in out and "torchtitan's default units" in out and "model.layers.<0-1> (device)" in out
+
+
+def test_mixed_precision_is_torchs_policy_on_every_unit_and_a_dtype_that_is_not_floating_is_named() -> None:
+    import torch
+    from fsdp_checks import REQUESTS, Model
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from meshbind import FullyShard, LayoutContext, resolve_plan
+
+    plan = resolve_plan(
+        Model(),
+        REQUESTS,
+        LayoutContext({"dp_shard": 2, "tp": 2, "ep": 2}),
+        fully_shard=FullyShard(None, param_dtype="bf16", reduce_dtype=torch.float32),
+    )
+    assert plan.fsdp is not None and plan.fsdp.by_default  # FullyShard(None): torchtitan's default units
+    assert plan.fsdp.policy == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert plan.fsdp.to_dict()["mixed_precision"] == {
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+        "output_dtype": None,
+        "cast_forward_inputs": True,
+    }
+    assert "mixed precision param_dtype bfloat16, reduce_dtype float32" in plan.fsdp.describe()
+    assert resolve_plan(Model(), REQUESTS, LayoutContext({"dp_shard": 2, "tp": 2, "ep": 2})).fsdp.policy is None  # type: ignore[union-attr]
+    for field, value in [("param_dtype", torch.int8), ("reduce_dtype", "bf32"), ("output_dtype", 16)]:
+        with pytest.raises(ValueError, match=rf"FullyShard\.{field} must be a floating torch\.dtype or one of bf16, bfloat16"):
+            FullyShard(("blocks.*",), **{field: value})
+
+
+def test_meshbind_check_takes_the_mixed_precision_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from meshbind.cli import main
+
+    model = ["meshbind.examples.moe_transformer:MoETransformer", "meshbind.examples.moe_transformer:loss_head_request"]
+    axes = ["--axis", "dp_shard=2", "--axis", "cp=1", "--axis", "tp=1", "--axis", "ep=2"]
+    assert main(["check", *model, *axes, "--param-dtype", "bf16", "--reduce-dtype", "float32", "--json"]) == 0
+    fsdp = json.loads(capsys.readouterr().out)["plan"]["fsdp"]
+    assert fsdp["by_default"] and fsdp["mixed_precision"]["param_dtype"] == "bfloat16"
+    with pytest.raises(SystemExit) as exited:
+        main(["check", *model, *axes, "--param-dtype", "int8"])
+    assert (
+        exited.value.code == 2
+        and "--param-dtype: invalid choice: 'int8' (choose from 'bf16', 'bfloat16'" in capsys.readouterr().err
+    )

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from browser_pages import opened_page
-from step_memory_checks import DEMO_UNITS, hf_transformer, traced
+from step_memory_checks import DEMO_UNITS, demo_units, hf_transformer, traced
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -28,17 +28,31 @@ DEMO_WORLDS = {
     "4 ranks HSDP": ({"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 2}, 2, "adam", "float32"),
     "4 ranks cp2 tp2 ep2, sgd with momentum": ({"cp": 2, "tp": 2, "ep": 2}, 4, "sgd-momentum", "float32"),
     "4 ranks dp_shard2 tp2 ep2, bfloat16": ({"dp_shard": 2, "cp": 1, "tp": 2, "ep": 2}, 2, "adam", "bfloat16"),
+    "4 ranks dp_shard2 tp2 ep2, bf16/fp32 mixed precision": (
+        {"dp_shard": 2, "cp": 1, "tp": 2, "ep": 2},
+        2,
+        "adam",
+        "float32",
+        "bfloat16",
+    ),
 }
 
 
-def demo_estimate(axes: dict[str, int], batch: int, checkpointing: str, optimizer: str = "adam", dtype: str = "float32") -> int:
+def demo_estimate(
+    axes: dict[str, int],
+    batch: int,
+    checkpointing: str,
+    optimizer: str = "adam",
+    dtype: str = "float32",
+    param_dtype: str | None = None,
+) -> int:
     estimate = traced(
         lambda: MoETransformer(TransformerConfig(layers=LAYERS, experts=EXPERTS)).to(getattr(torch, dtype)),
         [loss_head_request()],
         LayoutContext(axes),
         batch=batch,
         seq_len=SEQ_LEN,
-        fully_shard=DEMO_UNITS if axes.get("dp_shard", 1) > 1 else None,
+        fully_shard=demo_units(axes.get("dp_shard", 1), param_dtype),
         activation_checkpointing=checkpointing,
         optimizer=optimizer,
         device="cpu",
@@ -50,8 +64,9 @@ def demo_estimate(axes: dict[str, int], batch: int, checkpointing: str, optimize
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 @pytest.mark.parametrize("world", list(DEMO_WORLDS))
 def test_demo_estimate_is_within_a_hundredth_of_every_rank_measured(world: str, checkpointing: str) -> None:
-    axes, batch, optimizer, dtype = DEMO_WORLDS[world]
-    estimate = demo_estimate(axes, batch, checkpointing, optimizer, dtype)
+    axes, batch, optimizer, dtype, *mixed = DEMO_WORLDS[world]
+    param_dtype = mixed[0] if mixed else None
+    estimate = demo_estimate(axes, batch, checkpointing, optimizer, dtype, param_dtype)
     size = LayoutContext(axes).world.size
     measured = run_local_world(
         size,
@@ -64,6 +79,7 @@ def test_demo_estimate_is_within_a_hundredth_of_every_rank_measured(world: str, 
         checkpointing,
         optimizer,
         dtype,
+        param_dtype,
         timeout=240,
     )
     errors = {rank: estimate / peak - 1 for rank, peak in enumerate(measured)}
@@ -601,3 +617,22 @@ def test_a_cuda_target_traces_flash_attention_where_cuda_runs_it() -> None:
     assert "_scaled_dot_product_flash_attention.default" in half and "clone.default" not in half
     float32 = operators(torch.float32)
     assert "_scaled_dot_product_efficient_attention.default" in float32 and "clone.default" in float32
+
+
+def test_mixed_precision_is_traced_at_the_dtypes_torch_uses() -> None:
+    """Under bf16/fp32 mixed precision the sharded float32 parameters and Adam's state stay as they
+    are, while the gathered copies, the all-gather buffers and the activations are bfloat16 (half)."""
+    axes = {"dp_shard": 2, "cp": 1, "tp": 2, "ep": 2}
+
+    def live(param_dtype: str | None) -> dict[str, int]:
+        build = lambda: MoETransformer(TransformerConfig(layers=LAYERS, experts=EXPERTS))  # noqa: E731
+        fully_shard = demo_units(2, param_dtype)
+        answer = traced(
+            build, [loss_head_request()], LayoutContext(axes), fully_shard=fully_shard, batch=2, seq_len=SEQ_LEN, device="cpu"
+        )
+        return dict(answer.classes[0].live_at_peak)
+
+    full, mixed = live(None), live("bfloat16")
+    assert mixed["parameters"] == full["parameters"] and mixed["optimizer_state"] == full["optimizer_state"]
+    assert 2 * mixed["unsharded_parameters"] == full["unsharded_parameters"] and 2 * mixed["all_gather"] == full["all_gather"]
+    assert 0.45 * full["activations"] < mixed["activations"] < 0.55 * full["activations"]

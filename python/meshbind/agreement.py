@@ -64,6 +64,7 @@ def plan_entries(plan: ParallelPlan) -> list[Entry]:
         entries.append((f"plan {fqn or '<root>'}", f"{spec.protocol} v{spec.version} {placed}"))
     if plan.fsdp is not None:
         entries.append(("fsdp reshard_after_forward", str(plan.fsdp.reshard_after_forward)))
+        entries.append(("fsdp mixed precision", str(plan.fsdp.to_dict()["mixed_precision"])))
         entries += [(f"fsdp unit {unit.fqn or '<root>'}", unit.mesh) for unit in plan.fsdp.units]
     return entries
 

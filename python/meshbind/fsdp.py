@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from meshbind.agreement import check_ranks_agree, plan_agreement
@@ -45,8 +45,9 @@ def apply_fully_shard(model: nn.Module, plan: ParallelPlan, mesh_context: MeshCo
         problems += _undistributed(model, plan)
     if problems:
         raise LayoutError(problems)
+    policy = plan.fsdp.policy or MixedPrecisionPolicy()  # torch's default: every parameter's own dtype
     for _, module, mesh in pending:
-        fully_shard(module, mesh=mesh, reshard_after_forward=plan.fsdp.reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=plan.fsdp.reshard_after_forward, mp_policy=policy)
     return [unit.fqn or "<root>" for unit, _, _ in pending]
 
 

@@ -5,7 +5,9 @@ Rust core's own enum: the checks take its members as they are, never text parsed
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
+from types import MappingProxyType
 from typing import TypeVar
 
 from meshbind._core import PlacementKind as PlacementKind
@@ -78,3 +80,10 @@ class Device(Name):
 
     CUDA = "cuda"
     CPU = "cpu"
+
+
+DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
+    {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "fp32": "float32", "float32": "float32"}
+)
+"""The dtypes mixed precision takes by name (``FullyShard``, ``--param-dtype``), as torchtitan and
+people write them, each to its ``torch`` attribute."""

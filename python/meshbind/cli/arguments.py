@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from meshbind.demo import config as demo_config
-from meshbind.names import ActivationCheckpointing, Device, Optimizer
+from meshbind.names import DTYPE_NAMES, ActivationCheckpointing, Device, Optimizer
 from meshbind.units import parse_bytes
 
 
@@ -96,6 +96,13 @@ def command_parser() -> argparse.ArgumentParser:
         help="an FSDP2 unit per module PATTERN selects (repeatable; the root is the last unit); "
         "the report counts the padded chunks FSDP allocates",
     )
+    for flag, what in (("--param-dtype", "gathered and computed in"), ("--reduce-dtype", "whose gradients are reduced in")):
+        check.add_argument(
+            flag,
+            choices=list(DTYPE_NAMES),
+            help=f"FSDP2 mixed precision: the dtype each unit is {what} (torch's MixedPrecisionPolicy; "
+            "without --fully-shard, torchtitan's default units)",
+        )
     check.add_argument("--json", action="store_true", help="one JSON object on stdout")
     check.add_argument(
         "--report", action="store_true", help="print what each rank holds (local shapes, bytes) instead of the plan table"

@@ -47,7 +47,7 @@ def demo(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
     context = _layout_context(args.axis)
-    fully_shard = FullyShard(tuple(args.fully_shard)) if args.fully_shard is not None else None
+    fully_shard = _fully_shard(args)
     if args.memory:
         _check_step_sizes(args)
     if args.html is not None:
@@ -131,6 +131,14 @@ def bench(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(times.to_dict()) if args.json else times.text())
     return 0
+
+
+def _fully_shard(args: argparse.Namespace) -> FullyShard | None:
+    """--fully-shard's units and the mixed-precision flags; with a dtype but no unit, the default units."""
+    units = tuple(args.fully_shard) if args.fully_shard is not None else None
+    if units is None and args.param_dtype is None and args.reduce_dtype is None:
+        return None
+    return FullyShard(units, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
 
 
 def _layout_context(axes: list[tuple[str, int]]) -> LayoutContext:

@@ -12,6 +12,7 @@ inside another (``nesting``), the layout providers (``providers``), overrides me
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -58,8 +59,9 @@ def resolve_plan(
     (user code, possibly slow) have come (``"layout providers"``) and when validation starts and
     ends (``"validation"``, 0 then 1 of 1); a library call is silent otherwise (``meshbind check``
     shows a bar after two seconds, ``meshbind bench`` tells the phases apart).
-    ``fully_shard`` names the FSDP units (``plan.fsdp``), checked with the rest. With none named and
-    ``dp_shard`` above 1, the units are torchtitan's defaults (each block of the model's layer list,
+    ``fully_shard`` names the FSDP units (``plan.fsdp``) and their mixed precision, checked with
+    the rest. With none named (``fully_shard=None`` and ``dp_shard`` above 1, or ``FullyShard(None)``),
+    the units are torchtitan's defaults (each block of the model's layer list,
     each module holding parameters placed on ``ep``, then the root; ``plan.fsdp.by_default``).
     ``index``: walk the whole tree once, parameters included, and keep what it found on the plan
     (``plan.index``) for the report, the ranks' agreement and step memory to read instead of
@@ -91,7 +93,8 @@ def _resolve(
 ) -> ParallelPlan:
     """``resolve_plan`` on checked arguments."""
     phase_done = progress or _silent  # the providers' loop hears nothing unless a caller asked
-    by_default = fully_shard is None and context.world.dp_shard > 1  # dp_shard shards, as in torchtitan
+    # dp_shard shards, as in torchtitan; FullyShard(None) asks for the default units outright.
+    by_default = context.world.dp_shard > 1 if fully_shard is None else fully_shard.units is None
     wants_fsdp = fully_shard is not None or by_default
     selection = select_modules(model, sourced.requests, overrides, indexed=index or wants_fsdp)
     phase_done("walk", 1, 1)
@@ -113,7 +116,9 @@ def _resolve(
     if wants_fsdp:
         layouts = dict(zip(laid_out.fqns, laid_out.shardings, strict=True))
         indexed = selection.index if selection.index is not None else model  # offline: the FQNs
-        request = default_fully_shard(indexed, layouts) if fully_shard is None else fully_shard  # type: ignore[arg-type]
+        request = fully_shard or FullyShard(None)
+        if by_default:  # the default units, with the request's options
+            request = replace(request, units=default_fully_shard(indexed, layouts).units)  # type: ignore[arg-type]
         fsdp, found = fsdp_units(indexed, request, layouts, by_default=by_default)  # type: ignore[arg-type]
         problems += found
     if problems:

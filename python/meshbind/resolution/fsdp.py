@@ -18,6 +18,7 @@ from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Placement
 
 from meshbind._core import PatternSet
@@ -47,6 +48,8 @@ class FSDPPlan:
     by_default: bool = False
     """Whether the units are torchtitan's defaults, chosen because ``dp_shard`` is above 1 and the
     plan named none."""
+    policy: MixedPrecisionPolicy | None = None
+    """torch's mixed-precision policy of every unit (``None``: each parameter's own dtype)."""
 
     def unit_of(self, parameter_fqn: str) -> FSDPUnit:
         """The innermost unit holding a parameter (the root holds what no other does)."""
@@ -62,14 +65,34 @@ class FSDPPlan:
             "units": [{"fqn": unit.fqn, "mesh": unit.mesh} for unit in self.units],
             "reshard_after_forward": self.reshard_after_forward,
             "by_default": self.by_default,
+            "mixed_precision": None if self.policy is None else policy_fields(self.policy),
         }
 
     def describe(self) -> str:
         """One line: the units in the order ``fully_shard`` takes them, and who chose them."""
         grouped = index_groups([(unit.fqn or "<root>", unit.mesh) for unit in self.units])
         units = ", ".join(f"{fqn} ({self.units[members[0]].mesh})" for fqn, members in grouped)
-        chosen = " (none named: torchtitan's default units for dp_shard above 1)" if self.by_default else ""
-        return f"FSDP units{chosen}, in the order fully_shard takes them: {units}"
+        chosen = " (none named: torchtitan's default units)" if self.by_default else ""
+        described = f"FSDP units{chosen}, in the order fully_shard takes them: {units}"
+        if self.policy is not None:
+            described += "; mixed precision " + ", ".join(f"{name} {value}" for name, value in policy_fields(self.policy).items())
+        return described
+
+
+def policy_fields(policy: MixedPrecisionPolicy) -> dict[str, str | bool | None]:
+    """The policy's fields as text: dtypes by name (``None`` keeps the parameter's)."""
+    dtypes = {name: getattr(policy, name) for name in ("param_dtype", "reduce_dtype", "output_dtype")}
+    named: dict[str, str | bool | None] = {
+        name: None if dtype is None else str(dtype).removeprefix("torch.") for name, dtype in dtypes.items()
+    }
+    return {**named, "cast_forward_inputs": policy.cast_forward_inputs}
+
+
+def mixed_precision_policy(request: FullyShard) -> MixedPrecisionPolicy | None:
+    """torch's policy for the request's dtypes, ``None`` when it sets none."""
+    if not request.mixed_precision:
+        return None
+    return MixedPrecisionPolicy(request.param_dtype, request.reduce_dtype, request.output_dtype, request.cast_forward_inputs)
 
 
 DEFAULT_UNITS_SOURCE = "fully_shard (default units)"
@@ -112,12 +135,14 @@ def fsdp_units(
     """The units ``request`` names on the indexed model and every problem of them. Offline (a
     sequence of FQNs) only the patterns are matched: the parameters are not known. ``by_default``:
     the units are ``default_fully_shard``'s, and their problems say so."""
+    assert request.units is not None  # resolution replaces "the default units" by them first
     fqns, problems = _selected(model, request)
     ordered = sorted(dict.fromkeys(fqns), key=lambda fqn: -fqn.count(".") - 1 if fqn else 0)
     ordered = [fqn for fqn in ordered if fqn] + [""]
+    policy = mixed_precision_policy(request)
     if not isinstance(model, ModelIndex):
         units_offline = tuple(FSDPUnit(fqn, MeshSide.DEVICE) for fqn in ordered)
-        return FSDPPlan(units_offline, request.reshard_after_forward, by_default), problems
+        return FSDPPlan(units_offline, request.reshard_after_forward, by_default, policy), problems
     units = set(ordered)
     placed = _placements(sharding)
     members: dict[str, list[tuple[str, ParameterKind]]] = {fqn: [] for fqn in ordered}
@@ -137,13 +162,14 @@ def fsdp_units(
     for fqn in ordered:
         sides[fqn], unit_problems = _unit_side(fqn, model.class_of(fqn), members[fqn], placed)
         problems += unit_problems
-    plan = FSDPPlan(tuple(FSDPUnit(fqn, sides[fqn]) for fqn in ordered), request.reshard_after_forward, by_default)
+    plan = FSDPPlan(tuple(FSDPUnit(fqn, sides[fqn]) for fqn in ordered), request.reshard_after_forward, by_default, policy)
     if by_default:
         problems = [dataclasses.replace(problem, request=DEFAULT_UNITS_SOURCE) for problem in problems]
     return plan, problems
 
 
 def _selected(model: ModelIndex | Sequence[str], request: FullyShard) -> tuple[list[str], list[PlanProblem]]:
+    assert request.units is not None
     patterns = PatternSet(list(request.units))
     tree = patterns.index_names(list(model.names if isinstance(model, ModelIndex) else model))
     problems = []
