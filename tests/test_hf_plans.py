@@ -14,8 +14,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.distributed.configuration_utils import DistributedConfig
 
 from meshbind import LayoutContext, PatternSet, PlanError, plan_report, resolve_plan
-from meshbind.interop.hf_plans import expanded_plans, from_hf_plan, hf_key_pattern, tied_parameters
+from meshbind.interop.hf_plans import expanded_plans, from_hf_plan, hf_key_pattern
 from meshbind.launch import run_local_world
+from meshbind.model_index import ModelIndex
 
 from hf_models import SMALL, THREE_KV_HEADS, hf_model
 from rank_checks import failures_of
@@ -186,7 +187,7 @@ def test_tied_embeddings_are_expanded_under_both_names_and_counted_once() -> Non
     plan = resolve_plan(model, from_hf_plan(model), LayoutContext({"tp": 2}))
     exact = expanded_plans(model, plan)["tp"]
     assert exact["lm_head.weight"] == "colwise_gather_output" and exact["model.embed_tokens.weight"] == "embedding_rowwise"
-    assert tied_parameters(model) == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert dict(ModelIndex.of(model).ties) == {"lm_head.weight": "model.embed_tokens.weight"}
     report = plan_report(model, plan, optimizer="none")
     assert report.parameter_count == sum(p.numel() for p in model.parameters())  # one tensor, not two
     assert "lm_head.weight" not in {row.fqn for row in report.params}
