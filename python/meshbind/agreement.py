@@ -31,6 +31,7 @@ from meshbind.errors import RankMismatchError
 from meshbind.mesh import MeshContext
 from meshbind.model_index import ModelIndex, index_of
 from meshbind.placements import placements_text
+from meshbind.resolution.fsdp import policy_fields
 from meshbind.resolution.plan import ParallelPlan
 
 SWITCH = "MESHBIND_NO_RANK_CHECK"
@@ -64,7 +65,8 @@ def plan_entries(plan: ParallelPlan) -> list[Entry]:
         entries.append((f"plan {fqn or '<root>'}", f"{spec.protocol} v{spec.version} {placed}"))
     if plan.fsdp is not None:
         entries.append(("fsdp reshard_after_forward", str(plan.fsdp.reshard_after_forward)))
-        entries.append(("fsdp mixed precision", str(plan.fsdp.to_dict()["mixed_precision"])))
+        policy = plan.fsdp.policy
+        entries.append(("fsdp mixed precision", str(None if policy is None else policy_fields(policy))))
         entries += [(f"fsdp unit {unit.fqn or '<root>'}", unit.mesh) for unit in plan.fsdp.units]
     return entries
 

@@ -38,18 +38,11 @@ class AlikeRun:
         index did not move from the trace one block shallower is counted from the start (the peak
         stays with it at any depth); one that moved with the depth, from the end."""
         prefix = f"{self.list_fqn}." if self.list_fqn else ""
-        index, shallower_index = _block_index(deeper, prefix), _block_index(shallower, prefix)
-        if index is None or index == shallower_index:
+        block, shallower_block = _block_of(deeper, prefix), _block_of(shallower, prefix)
+        if block is None or (shallower_block is not None and block[0] == shallower_block[0]):
             return deeper
-        rest = deeper[len(prefix) + len(str(index)) :]
-        return f"{prefix}{index + self.count - TRACED_DEPTHS[-1]}{rest}"
-
-
-def _block_index(module: str, prefix: str) -> int | None:
-    if not module.startswith(prefix):
-        return None
-    index = module[len(prefix) :].partition(".")[0]
-    return int(index) if index.isdigit() else None
+        rest = deeper[len(prefix) + len(str(block[0])) :]
+        return f"{prefix}{block[0] + self.count - TRACED_DEPTHS[-1]}{rest}"
 
 
 def alike_run(index: ModelIndex) -> AlikeRun | None:
@@ -74,20 +67,21 @@ def _signatures(index: ModelIndex, list_fqn: str) -> list[tuple[object, ...]]:
     classes: list[list[type]] = [[] for _ in range(length)]
     parameters: list[list[tuple[str, ParameterKind]]] = [[] for _ in range(length)]
     for fqn, cls in zip(index.module_fqns, index.module_classes, strict=True):
-        if (block := _block_of(fqn, prefix, length)) is not None:
+        if (block := _block_of(fqn, prefix)) is not None and block[0] < length:
             classes[block[0]].append(cls)
     for fqn, kind in index.parameters():
-        if (block := _block_of(fqn, prefix, length)) is not None:
+        if (block := _block_of(fqn, prefix)) is not None and block[0] < length:
             parameters[block[0]].append((block[1], kind))
     return [(tuple(c), tuple(p)) for c, p in zip(classes, parameters, strict=True)]
 
 
-def _block_of(fqn: str, prefix: str, length: int) -> tuple[int, str] | None:
-    """The block ``fqn`` lies in and its name within the block, ``None`` outside the list."""
-    if not fqn.startswith(prefix) or fqn == prefix.rstrip("."):
+def _block_of(fqn: str, prefix: str) -> tuple[int, str] | None:
+    """The index of the block ``fqn`` lies in (the list's FQN and a dot are ``prefix``) and its
+    name within the block, ``None`` outside the list's blocks."""
+    if not fqn.startswith(prefix):
         return None
     number, _, rest = fqn[len(prefix) :].partition(".")
-    return (int(number), rest) if number.isdigit() and int(number) < length else None
+    return (int(number), rest) if number.isdigit() else None
 
 
 def kept_modules(run: AlikeRun, kept: int) -> Callable[[str], bool]:
@@ -96,7 +90,7 @@ def kept_modules(run: AlikeRun, kept: int) -> Callable[[str], bool]:
     end = run.first + kept
 
     def keep(fqn: str) -> bool:
-        block = _block_of(fqn, prefix, run.first + run.count)
+        block = _block_of(fqn, prefix)
         return block is None or block[0] < end
 
     return keep
