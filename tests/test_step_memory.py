@@ -554,6 +554,34 @@ def test_the_truth_counts_a_free_on_another_thread_and_returns_to_its_start_afte
     assert len(totals) > 10 and totals[-1] == totals[0] and max(totals) > totals[0]
 
 
+def test_the_truth_is_not_raised_by_a_buffer_another_thread_frees_late() -> None:
+    """A worker thread that holds a step's buffer past the step's own last use (as a gloo worker
+    scheduled late does) raises that one step's peak; the truth is the lowest of identical steps."""
+    import threading
+
+    from step_memory_truth import count_every_thread, lowest_step_added
+
+    count_every_thread()
+    steps: list[int] = []
+
+    def step() -> None:
+        handed = [torch.empty(2**20)]  # 4 MiB whose last reference a worker holds
+        release = threading.Event()
+        worker = threading.Thread(target=lambda: (release.wait(), handed.clear()))
+        worker.start()
+        if steps:  # every step but the first: the worker lets go before the next buffer
+            release.set()
+            worker.join()
+        steps.append(1)
+        following = torch.empty(2**20)
+        del following
+        release.set()
+        worker.join()
+
+    assert lowest_step_added(step) == 2**22
+    assert len(steps) > 1
+
+
 def test_a_world_of_a_million_ranks_is_traced_from_the_ranks_own_groups_and_chunks() -> None:
     """Only the traced rank's groups and the parameter chunks it reads are made: a million ranks
     trace in seconds, with FSDP's padding as torch makes it (every rank's chunk as long as the first)."""
