@@ -16,6 +16,7 @@ mod named_parameters;
 pub mod names;
 pub mod pattern;
 mod python;
+pub mod rematch;
 pub mod rules;
 pub mod same_keys;
 pub mod selection;

@@ -112,3 +112,45 @@ def test_one_check_with_report_and_memory_walks_the_model_once(
     assert len(resolutions) == 1
     assert {caller for _, caller in model_walks} <= {"meshbind.memory.step"}, model_walks
     assert [name for name, _ in model_walks] == ["parameters"] * len(model_walks)
+
+
+def test_a_hugging_face_check_walks_the_model_once(
+    model_walks: list[tuple[str, str]], tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``check --hf-config --report``: the plan source reads its keys from the index of the one
+    walk, the selection matches that walk again, and "did you mean" for a key that selects nothing
+    (Qwen3-MoE's dense ``mlp.gate_proj`` rule) reads the index too."""
+    import json
+
+    from meshbind.cli import main
+
+    from hf_models import MOE
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 4, **MOE}))
+    before = _core._walk_count()
+    argv = ["check", "--hf-config", str(config), "--axis", "tp=2", "--axis", "ep=2", "--report"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert (
+        "model.layers.<0-1>.mlp.experts.gate_up_proj" in out
+        and "key 'model.layers.*.mlp.gate_proj' (colwise) selects no module" in out
+    )
+    assert _core._walk_count() - before == 1
+    assert model_walks == []
+
+
+def test_a_pattern_set_matches_a_whole_walk_again_as_it_would_walk_the_model() -> None:
+    """``PatternSet.match_tree``: the modules, parameters and matches a walk of the same patterns
+    gives, from the names of one whole walk; a pruned walk, which lacks names, is refused."""
+    model = Tied()
+    whole = _core.PatternSet([]).walk(model, prune=False, parameters=True)
+    patterns = _core.PatternSet(["blocks.*", "again", "**.weight", "head.*", "embed"])
+    walked = patterns.walk(model, prune=False, parameters=True)
+    again = patterns.match_tree(whole)
+    assert again.matches() == walked.matches() and again.parameter_matches() == walked.parameter_matches()
+    assert again.names() == walked.names() and again.name_modules() == walked.name_modules()
+    assert again.modules(list(range(again.module_count))) == walked.modules(list(range(walked.module_count)))
+    assert again.hit_counts() == walked.hit_counts() and again.parameter_hit_counts() == walked.parameter_hit_counts()
+    with pytest.raises(ValueError, match="match_tree needs a tree that recorded every FQN"):
+        patterns.match_tree(patterns.walk(model, prune=True))

@@ -52,6 +52,10 @@ class PatternSet:
         """Match a plain sequence of FQNs (the offline form of ``walk``), each name its own module.
 
         With ``prune`` only matching FQNs are recorded; without it, every one is."""
+    def match_tree(self, tree: ModuleTree) -> ModuleTree:
+        """This set's matches over a tree that recorded every FQN (``walk(root, prune=False)`` or
+        ``index_names(names, prune=False)``), without walking the model again: the same modules,
+        classes and parameters, this set's hits. ``ValueError`` for a pruned tree."""
     def match_indices(self, names: Sequence[str]) -> IndexMatches:
         """The compact form of ``match_many``, for names by the million: flat index arrays.
 

@@ -66,7 +66,7 @@ class ModelIndex:
         """One full walk of ``model``."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        return ModelIndex.of_tree(model, PatternSet([]).walk(model, prune=False, parameters=True))
+        return ModelIndex.of_tree(model, walk_whole(model))
 
     @staticmethod
     def of_tree(model: nn.Module, tree: ModuleTree) -> ModelIndex:
@@ -151,6 +151,12 @@ class ModelIndex:
         units and activation checkpointing both wrap its members."""
         lists = self.module_lists
         return max(lists, key=lambda item: item[1])[0] if lists else None
+
+
+def walk_whole(model: nn.Module) -> ModuleTree:
+    """The one full walk of ``model``, parameters read and nothing matched: an index is made of it,
+    and a plan's patterns are matched over it again (``PatternSet.match_tree``) without walking."""
+    return PatternSet([]).walk(model, prune=False, parameters=True)
 
 
 def _holder(parameter_fqn: str) -> str:

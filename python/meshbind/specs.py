@@ -20,6 +20,7 @@ from meshbind.world import World
 if TYPE_CHECKING:
     from torch import nn
 
+    from meshbind._core import ModuleTree
     from meshbind.errors import PlanProblem
 
 BINDING_KINDS = ("none", "cp", "ep", "mesh")
@@ -323,6 +324,9 @@ class SourcedRequests:
 class PlanSource(Protocol):
     """A plan written for another framework (``from_hf_plan``), turned into requests only once the
     axes are known: which of its rules apply depends on them (Hugging Face drops its EP plan at
-    ``ep=1``, and every TP rule on an expert module at ``ep > 1``)."""
+    ``ep=1``, and every TP rule on an expert module at ``ep > 1``). It reads a module tree through
+    the whole walk ``resolve_plan`` made of it (``model_index.walk_whole``: every FQN and
+    parameter, nothing matched; ``PatternSet.match_tree`` matches its keys over it), offline the
+    sequence of FQNs: the model is walked once for the source, the selection and the index."""
 
-    def requests_for(self, model: nn.Module | Sequence[str], context: LayoutContext) -> SourcedRequests: ...
+    def requests_for(self, model: ModuleTree | Sequence[str], context: LayoutContext) -> SourcedRequests: ...

@@ -8,6 +8,7 @@ use super::{as_list, match_error, pattern_error, walk_error, ModuleTree};
 use crate::hits::distinct_runs;
 use crate::layout_reads::{list_strs, list_texts};
 use crate::matcher::{BuildError, PatternSet};
+use crate::rematch::rematched;
 use crate::sequence::{HitsError, IndexHits, NameIndexer};
 use crate::utf8::not_utf8_error;
 use crate::walk::{walk_tree, TreeIndex, WalkMode};
@@ -113,6 +114,23 @@ impl PyPatternSet {
             }
             Ok(indexer.finish())
         })?;
+        Ok(self.tree(index))
+    }
+
+    /// This set's matches over a tree that recorded every FQN (`walk(root, prune=False)`, or
+    /// `index_names(names, prune=False)`), without walking the model again: the same modules,
+    /// classes and parameters, this set's hits.
+    fn match_tree(&self, py: Python<'_>, tree: &ModuleTree) -> PyResult<ModuleTree> {
+        if !tree.index.complete {
+            return Err(PyValueError::new_err(
+                "match_tree needs a tree that recorded every FQN: walk(root, prune=False) \
+                 or index_names(names, prune=False)",
+            ));
+        }
+        let index = self
+            .inner
+            .with_matcher(|m| rematched(py, &tree.index, m))
+            .map_err(match_error)?;
         Ok(self.tree(index))
     }
 

@@ -94,7 +94,7 @@ def check(args: argparse.Namespace) -> int:
             result["checkpoint_verified"] = verified
         print(json.dumps(result))
     else:
-        print(report.text() if report is not None and args.report else plan.explain())
+        print("\n".join([report.text(), *plan.warning_lines()]) if report is not None and args.report else plan.explain())
         print(f"resolved and validated in {elapsed * 1e3:.1f} ms", file=sys.stderr)
         if memory is not None:
             print()

@@ -25,7 +25,7 @@ from transformers.distributed.tensor_parallel import (
     apply_tensor_parallelism,
 )
 
-from meshbind._core import PatternSet
+from meshbind._core import ModuleTree, PatternSet
 from meshbind.agreement import check_ranks_agree, mesh_entries, model_entries, plan_entries
 from meshbind.errors import PlanProblem, ProblemCode, did_you_mean
 from meshbind.interop import HF_PROTOCOL
@@ -94,19 +94,19 @@ class HFPlan:
         }
         return active
 
-    def requests_for(self, model: nn.Module | Sequence[str], context: LayoutContext) -> SourcedRequests:
-        if model is not self.model:
+    def requests_for(self, model: ModuleTree | Sequence[str], context: LayoutContext) -> SourcedRequests:
+        if not isinstance(model, ModuleTree) or model.modules([0])[0] is not self.model:
             raise ValueError("resolve_plan was given another model than the one from_hf_plan read the plans of")
         active = self.active_plans(context)
         missing = [
             PlanProblem(ProblemCode.LAYOUT, None, f"{kind}_plan", f"the {kind!r} axis has size {context.axis_sizes[kind]}, "
-                        f"but {type(model).__name__} has no {kind}_plan", about="axes")
+                        f"but {type(self.model).__name__} has no {kind}_plan", about="axes")
             for kind in PLANS if context.axis_sizes.get(kind, 1) > 1 and not self.plans[kind]
         ]  # fmt: skip
         # transformers looks names up with their layer indices as '*': a key with an index selects nothing.
         rules = [(kind, key, style) for kind in PLANS for key, style in active[kind].items()]
         lookups = [rule for rule in rules if replace_layer_number_by_wildcard(rule[1]) == rule[1]]
-        tree = PatternSet([hf_key_pattern(key) for _, key, _ in lookups]).walk(model, prune=True, parameters=True)
+        tree = PatternSet([hf_key_pattern(key) for _, key, _ in lookups]).match_tree(model)
         groups: dict[str, dict[str, Rules]] = {}
         found: set[tuple[str, str, str]] = set()
         for rule, modules, parameters in zip(lookups, tree.hit_counts(), tree.parameter_hit_counts(), strict=True):
@@ -129,12 +129,12 @@ class HFPlan:
             for name, group in groups.items()
         ]
         problems = [*missing, *tie_problems(self.model, groups)]
-        unmatched = self._unmatched([rule for rule in rules if rule not in found])
+        unmatched = self._unmatched([rule for rule in rules if rule not in found], model)
         if self.strict:
             return SourcedRequests(requests, [*problems, *unmatched])
         return SourcedRequests(requests, problems, unmatched)
 
-    def _unmatched(self, rules: Sequence[tuple[str, str, str]]) -> list[PlanProblem]:
+    def _unmatched(self, rules: Sequence[tuple[str, str, str]], whole: ModuleTree) -> list[PlanProblem]:
         keys: _PlanKeys | None = None
         problems = []
         for kind, key, style in rules:
@@ -142,7 +142,7 @@ class HFPlan:
             if generic != key:
                 hint = f"; transformers writes layer indices as '*': {generic!r}"
             else:
-                keys = keys or _PlanKeys.of(self.model)
+                keys = keys or _PlanKeys.of(whole)
                 nearest = keys.nearest(key)
                 hint = did_you_mean([repr(name) for name in nearest])
             message = f"key {key!r} ({style}) selects no module or parameter{hint}"
@@ -159,9 +159,8 @@ class _PlanKeys:
         self.index = PatternSet([]).index_names(keys, prune=False)
 
     @staticmethod
-    def of(model: nn.Module) -> _PlanKeys:
-        tree = PatternSet([]).walk(model, prune=False, parameters=True)
-        names = [*tree.names(), *tree.parameter_names()]
+    def of(whole: ModuleTree) -> _PlanKeys:
+        names = [*whole.names(), *whole.parameter_names()]
         return _PlanKeys(list(dict.fromkeys(map(replace_layer_number_by_wildcard, names))))
 
     def nearest(self, key: str) -> list[str]:

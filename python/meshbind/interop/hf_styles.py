@@ -55,7 +55,7 @@ class GroupLayout:
     layout object, which validation then checks once."""
 
     def __call__(self, module: nn.Module | None, fqn: str, context: LayoutContext) -> ModuleShardingSpec:
-        assert module is not None  # requests_for walks a module tree
+        assert module is not None  # from_hf_plan reads a module tree, never FQNs
         shapes = tuple((name, value.shape) for name, value in module._parameters.items() if value is not None)
         embedding = isinstance(module, nn.Embedding) or module is self.output_embeddings
         facts = self.facts.at(self._layer_of(fqn))

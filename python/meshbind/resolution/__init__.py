@@ -17,8 +17,10 @@ from typing import Any
 
 from torch import nn
 
+from meshbind._core import ModuleTree
 from meshbind.errors import PlanError, PlanProblem
 from meshbind.family import record_family_layout
+from meshbind.model_index import ModelIndex, walk_whole
 from meshbind.resolution.families import join_families
 from meshbind.resolution.fsdp import FSDPPlan, default_fully_shard, fsdp_units
 from meshbind.resolution.nesting import nested_problems
@@ -26,7 +28,7 @@ from meshbind.resolution.overrides import checked_overrides, merge_overrides
 from meshbind.resolution.ownership import own_modules
 from meshbind.resolution.plan import ParallelPlan, build_plan
 from meshbind.resolution.providers import Progress, provide_layouts
-from meshbind.resolution.selection import Override, select_modules
+from meshbind.resolution.selection import Override, Selection, select_modules
 from meshbind.resolution.unmatched import unmatched_problems
 from meshbind.resolution.validate import validation_problems
 from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanSource, SourcedRequests
@@ -65,45 +67,72 @@ def resolve_plan(
     each module holding parameters placed on ``ep``, then the root; ``plan.fsdp.by_default``).
     ``index``: walk the whole tree once, parameters included, and keep what it found on the plan
     (``plan.index``) for the report, the ranks' agreement and step memory to read instead of
-    walking the model again; FSDP units need the index and build it whether asked or not. A
-    pruned walk (the default otherwise) enters only the subtrees a pattern can reach.
-    Raises ``PlanError`` listing every problem.
+    walking the model again; FSDP units and a plan source read the index, so either builds it
+    whether asked or not. A pruned walk (the default otherwise) enters only the subtrees a
+    pattern can reach. Raises ``PlanError`` listing every problem.
     """
     if not isinstance(context, LayoutContext):
         raise TypeError(f"context must be a LayoutContext, got {type(context).__name__}")
-    sourced = requests.requests_for(model, context) if isinstance(requests, PlanSource) else SourcedRequests(requests)
-    checked = SourcedRequests(_checked_requests(sourced.requests), sourced.problems, sourced.warnings)
     shapes = _checked_param_shapes(param_shapes, model)
     if fully_shard is not None and not isinstance(fully_shard, FullyShard):
         raise TypeError(f"fully_shard must be a FullyShard, got {type(fully_shard).__name__}")
     if not isinstance(index, bool):
         raise TypeError(f"index must be a bool, got {type(index).__name__}")
-    return _resolve(model, checked, context, checked_overrides(overrides), shapes, progress, fully_shard, index)
+    override_rules = checked_overrides(overrides)
+    # dp_shard shards, as in torchtitan; FullyShard(None) asks for the default units outright.
+    by_default = context.world.dp_shard > 1 if fully_shard is None else fully_shard.units is None
+    indexed = index or fully_shard is not None or by_default
+    selection, sourced, model_index = _select(model, requests, context, override_rules, indexed)
+    return _resolve(model, selection, sourced, context, override_rules, shapes, progress, fully_shard, by_default, model_index)
+
+
+def _select(
+    model: nn.Module | Sequence[str],
+    requests: Sequence[NativeParallelBindingRequest] | PlanSource,
+    context: LayoutContext,
+    overrides: list[Override],
+    indexed: bool,
+) -> tuple[Selection, SourcedRequests, ModelIndex | None]:
+    """The selection, the requests it selected for, and the model index when ``indexed`` (a module
+    tree only). A module tree that is indexed or read by a plan source is walked whole once, and
+    the source, the selection and the index all read that walk."""
+    source = requests if isinstance(requests, PlanSource) else None
+    whole: ModuleTree | None = None
+    if isinstance(model, nn.Module) and (indexed or source is not None):
+        whole = walk_whole(model)
+    model_index = ModelIndex.of_tree(model, whole) if indexed and whole is not None else None  # type: ignore[arg-type]
+    if source is not None:
+        read = whole if whole is not None else model
+        assert not isinstance(read, nn.Module)  # a module tree is walked whole for its source
+        sourced = source.requests_for(read, context)
+    else:
+        sourced = SourcedRequests(requests)  # type: ignore[arg-type]
+    checked = SourcedRequests(_checked_requests(sourced.requests), sourced.problems, sourced.warnings)
+    return select_modules(model, checked.requests, overrides, whole=whole), checked, model_index
 
 
 def _resolve(
     model: nn.Module | Sequence[str],
+    selection: Selection,
     sourced: SourcedRequests,
     context: LayoutContext,
     overrides: list[Override],
     shapes: dict[str, tuple[int, ...]] | None,
     progress: Progress | None,
     fully_shard: FullyShard | None,
-    index: bool,
+    by_default: bool,
+    index: ModelIndex | None,
 ) -> ParallelPlan:
-    """``resolve_plan`` on checked arguments."""
+    """``resolve_plan`` after the walk, on checked arguments."""
     phase_done = progress or _silent  # the providers' loop hears nothing unless a caller asked
-    # dp_shard shards, as in torchtitan; FullyShard(None) asks for the default units outright.
-    by_default = context.world.dp_shard > 1 if fully_shard is None else fully_shard.units is None
     wants_fsdp = fully_shard is not None or by_default
-    selection = select_modules(model, sourced.requests, overrides, indexed=index or wants_fsdp)
     phase_done("walk", 1, 1)
     planned = selection.planned
     problems = [*selection.problems, *sourced.problems]
     problems += own_modules(planned, selection.requests)
     family_members, found = join_families(selection)
     problems += found
-    unmatched, warnings = unmatched_problems(selection, model)
+    unmatched, warnings = unmatched_problems(selection, model, index)
     problems += unmatched
     problems += nested_problems(planned, selection.tree)
     problems += provide_layouts(planned, selection.requests, context, progress)
@@ -115,7 +144,7 @@ def _resolve(
     fsdp: FSDPPlan | None = None
     if wants_fsdp:
         layouts = dict(zip(laid_out.fqns, laid_out.shardings, strict=True))
-        indexed = selection.index if selection.index is not None else model  # offline: the FQNs
+        indexed = index if index is not None else model  # offline: the FQNs
         request = fully_shard or FullyShard(None)
         if by_default:  # the default units, with the request's options
             request = replace(request, units=default_fully_shard(indexed, layouts).units)  # type: ignore[arg-type]
@@ -123,7 +152,7 @@ def _resolve(
         problems += found
     if problems:
         raise PlanError(problems)
-    plan = build_plan(laid_out, context, (*sourced.warnings, *warnings), fsdp, selection.offline, selection.index)
+    plan = build_plan(laid_out, context, (*sourced.warnings, *warnings), fsdp, selection.offline, index)
     if family_members:
         for tree_index, module, fqn, spec, sharding in zip(
             laid_out.indices, laid_out.modules, laid_out.fqns, laid_out.specs, laid_out.shardings, strict=True

@@ -80,8 +80,11 @@ class ParallelPlan:
         lines.append(f"{len(rows)} planned module{'s' if len(rows) != 1 else ''}; layout {axes or '(no axes)'}")
         if self.fsdp is not None:
             lines.append(self.fsdp.describe())
-        lines += [f"warning: {warning.line()}" for warning in self.warnings]
-        return "\n".join(lines)
+        return "\n".join([*lines, *self.warning_lines()])
+
+    def warning_lines(self) -> list[str]:
+        """One ``warning: ...`` line per warning, as ``explain`` and the report's text end."""
+        return [f"warning: {warning.line()}" for warning in self.warnings]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the context and every planned module with its spec and sharding."""

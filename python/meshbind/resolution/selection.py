@@ -5,8 +5,9 @@ Requests and override patterns are compiled into one ``PatternSet`` and matched 
 member (when a family class is declared), or an alias of a selected module (which keys it when it
 comes first, and may place it inside another bound module). A request pattern that selects no
 module but selects parameters plans the modules holding them: the requests are rewritten to name
-those modules, and the tree walked again. An indexed selection walks the whole tree once, parameters
-included, and keeps what it met as the model index (``model_index.ModelIndex``).
+those modules, and the tree walked again. A selection given the model's whole walk
+(``model_index.walk_whole``, which the model index is made of) walks nothing: it matches the
+walk's names again (``PatternSet.match_tree``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from torch import nn
 from meshbind._core import ModuleTree, PatternSet
 from meshbind.errors import PlanProblem, ProblemCode
 from meshbind.family import family_classes_declared
-from meshbind.model_index import ModelIndex
 from meshbind.specs import ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec, literal_pattern
 
 
@@ -144,8 +144,6 @@ class Selection:
     """Module index → the overrides selecting a module no request selects (a family member may
     still join with them)."""
     problems: list[PlanProblem]
-    index: ModelIndex | None
-    """The model index, when the selection was asked to keep one (a module tree only)."""
 
 
 def select_modules(
@@ -153,27 +151,26 @@ def select_modules(
     requests: Sequence[NativeParallelBindingRequest],
     overrides: Sequence[Override],
     *,
-    indexed: bool = False,
+    whole: ModuleTree | None = None,
 ) -> Selection:
     """The walk, parameter-selecting patterns resolved to their modules, and the planned modules.
-    ``indexed``: walk the whole tree with its parameters, and keep the model index."""
+    ``whole``: the model's whole walk, parameters read (``walk_whole``), matched again instead
+    of walking the model."""
     patterns = PlanPatterns.of(requests, overrides)
-    indexed = indexed and isinstance(model, nn.Module)
-    tree, offline = _walk(patterns.pattern_set, model, indexed)
-    index = ModelIndex.of_tree(model, tree) if indexed else None  # type: ignore[arg-type]
-    if owners := _parameter_owners(model, patterns, tree, indexed):
+    tree, offline = _walk(patterns.pattern_set, model, whole)
+    if owners := _parameter_owners(model, patterns, tree, whole is not None):
         requests = _selecting_owners(requests, patterns, owners)
         patterns = PlanPatterns.of(requests, overrides)
-        tree, offline = _walk(patterns.pattern_set, model, False)  # the index already holds every name
+        tree, offline = _walk(patterns.pattern_set, model, whole)
     planned, override_only = _planned(tree, patterns, requests)
-    return Selection(list(requests), patterns, tree, offline, planned, override_only, _cycle_problems(tree), index)
+    return Selection(list(requests), patterns, tree, offline, planned, override_only, _cycle_problems(tree))
 
 
-def _walk(pattern_set: PatternSet, model: object, indexed: bool) -> tuple[ModuleTree, bool]:
+def _walk(pattern_set: PatternSet, model: object, whole: ModuleTree | None) -> tuple[ModuleTree, bool]:
     """The matches over the model, and whether it is offline (a sequence of FQNs)."""
+    if whole is not None:
+        return pattern_set.match_tree(whole), False
     if isinstance(model, nn.Module):
-        if indexed:
-            return pattern_set.walk(model, prune=False, parameters=True), False
         if not family_classes_declared():
             tree = pattern_set.walk(model, prune=True, modules=True)
             if not tree.may_share_matches:

@@ -18,8 +18,11 @@ from meshbind.model_index import ModelIndex
 from meshbind.resolution.selection import Selection
 
 
-def unmatched_problems(selection: Selection, model: nn.Module | Sequence[str]) -> tuple[list[PlanProblem], list[PlanProblem]]:
-    """The unmatched problems, and the warnings of optional requests' patterns that select nothing."""
+def unmatched_problems(
+    selection: Selection, model: nn.Module | Sequence[str], model_index: ModelIndex | None
+) -> tuple[list[PlanProblem], list[PlanProblem]]:
+    """The unmatched problems, and the warnings of optional requests' patterns that select nothing;
+    "did you mean" reads the model index when there is one."""
     counts = selection.tree.hit_counts()
     overrides_used = {index for found in selection.planned.overrides.values() for index in found}
     every_name: ModelNames | None = None
@@ -29,7 +32,7 @@ def unmatched_problems(selection: Selection, model: nn.Module | Sequence[str]) -
     for index, (pattern, request, override) in enumerate(selection.patterns.owned()):
         if request is not None and counts[index] == 0:
             if every_name is None:
-                every_name = ModelNames.of(selection.index or model)
+                every_name = ModelNames.of(model_index or model)
             nearest, source, what = every_name.nearest(pattern), f"requests[{request}]", "any module"
         elif override is not None and override not in overrides_used:
             if planned_names is None:
