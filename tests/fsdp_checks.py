@@ -15,6 +15,7 @@ from meshbind import (
     ModuleShardingSpec,
     NativeParallelBindingRequest,
     ParallelModuleSpec,
+    UnitPrecision,
     apply_fully_shard,
     apply_layouts,
     plan_report,
@@ -151,26 +152,42 @@ def check_refused_before_anything(context: MeshContext) -> None:
     assert not any(isinstance(module, FSDPModule) for module in model.modules())
 
 
-MIXED = FullyShard(UNITS.units, param_dtype="bf16", reduce_dtype="fp32")
+NORMS_IN_FLOAT32 = UnitPrecision("blocks.*.norm", param_dtype=torch.float32, output_dtype=torch.bfloat16)
+MIXED = FullyShard(
+    ("blocks.*.experts", "blocks.*.norm", "blocks.*"), param_dtype="bf16", reduce_dtype="fp32", unit_policies=(NORMS_IN_FLOAT32,)
+)
 
 
 def check_mixed_precision(context: MeshContext) -> None:
     """torch's own policy on every unit: the forward sees bfloat16 weights (gathered and cast),
-    the sharded parameters and their reduced gradients stay float32, the output is bfloat16."""
+    the sharded parameters and their reduced gradients stay float32, the output is bfloat16; the
+    norms, units of their own policy, compute in float32 and hand bfloat16 on."""
     torch.manual_seed(0)
     model = Model()
     plan = resolve_plan(model, REQUESTS, context.layout_context(), fully_shard=MIXED)
     apply_layouts(model, plan, context)
     apply_fully_shard(model, plan, context)
-    units = [model.blocks[0].experts, model.blocks[1].experts, model.blocks[0], model.blocks[1], model]
+    norms = [model.blocks[0].norm, model.blocks[1].norm]
+    units = [model.blocks[0].experts, model.blocks[1].experts, *norms, model.blocks[0], model.blocks[1], model]
     for unit in units:
         assert isinstance(unit, FSDPModule)
         policy = unit._get_fsdp_state()._mp_policy
-        assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16, torch.float32, None), policy
-    seen: list[torch.dtype] = []
-    model.head.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+        wanted = (torch.float32, None, torch.bfloat16) if unit in norms else (torch.bfloat16, torch.float32, None)
+        assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == wanted, policy
+    seen: list[tuple[str, str, torch.dtype]] = []  # (module, what, dtype) as the forward meets them
+    for name, module in (("norm", model.blocks[0].norm), ("head", model.head)):
+        # FSDP's own hooks, registered first, have gathered and cast before these run
+        module.register_forward_pre_hook(
+            lambda module, args, name=name: seen.extend([(name, "input", args[0].dtype), (name, "weight", module.weight.dtype)])
+        )
+        module.register_forward_hook(lambda module, args, out, name=name: seen.append((name, "output", out.dtype)))
     output = model(torch.ones(3, 16))
-    assert output.dtype == torch.bfloat16 and seen == [torch.bfloat16], (output.dtype, seen)
+    assert output.dtype == torch.bfloat16, output.dtype
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert seen == [
+        *[("norm", "input", f32), ("norm", "weight", f32), ("norm", "output", bf16)],
+        *[("head", "input", bf16), ("head", "weight", bf16), ("head", "output", bf16)],
+    ], seen
     output.float().sum().backward()
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}

@@ -76,7 +76,7 @@ def test_units_go_bottom_up_then_the_root_each_on_its_mesh() -> None:
     assert plan.fsdp.unit_of("blocks.1.moe.router.weight").fqn == "blocks.1.moe"
     assert plan.fsdp.unit_of("blocks.1.attn.qkv.weight").fqn == "blocks.1" and plan.fsdp.unit_of("embed.weight").fqn == ""
     assert "FSDP units, in the order fully_shard takes them: blocks.<0-1>.moe (expert), blocks.<0-1> (device)" in plan.explain()
-    assert plan.to_dict()["fsdp"]["units"][-1] == {"fqn": "", "mesh": "device"}
+    assert plan.to_dict()["fsdp"]["units"][-1] == {"fqn": "", "mesh": "device", "mixed_precision": None}
 
 
 def test_a_unit_pattern_that_selects_nothing_says_what_it_meant() -> None:
@@ -254,6 +254,44 @@ def test_mixed_precision_is_torchs_policy_on_every_unit_and_a_dtype_that_is_not_
     for field, value in [("param_dtype", torch.int8), ("reduce_dtype", "bf32"), ("output_dtype", 16)]:
         with pytest.raises(ValueError, match=rf"FullyShard\.{field} must be a floating torch\.dtype or one of bf16, bfloat16"):
             FullyShard(("blocks.*",), **{field: value})
+
+
+def test_a_unit_policy_gives_the_units_it_selects_their_own_precision_and_every_misfit_is_named() -> None:
+    import torch
+    from fsdp_checks import MIXED, REQUESTS, Model
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from meshbind import FullyShard, LayoutContext, PlanError, UnitPrecision, resolve_plan
+
+    context = LayoutContext({"dp_shard": 2, "tp": 2, "ep": 2})
+    fsdp = resolve_plan(Model(), REQUESTS, context, fully_shard=MIXED).fsdp
+    assert fsdp is not None
+    own = MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)
+    policies = {unit.fqn: unit.policy for unit in fsdp.units}
+    assert policies["blocks.0.norm"] == policies["blocks.1.norm"] == own
+    assert policies["blocks.0"] == policies[""] == fsdp.policy == MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    assert "; blocks.<0-1>.norm: param_dtype float32, reduce_dtype None, output_dtype bfloat16" in fsdp.describe()
+    units = {unit["fqn"]: unit for unit in fsdp.to_dict()["units"]}  # type: ignore[attr-defined]
+    assert units["blocks.1.norm"]["mixed_precision"]["param_dtype"] == "float32"
+    assert units["blocks.1"]["mixed_precision"]["param_dtype"] == "bfloat16"
+
+    unmatched = UnitPrecision("blocks.*.nrom", param_dtype="fp32")
+    twice = UnitPrecision("blocks.<0-1>.norm", param_dtype="fp16")
+    bad = FullyShard(MIXED.units, param_dtype="bf16", unit_policies=(*MIXED.unit_policies, unmatched, twice))
+    with pytest.raises(PlanError) as refused:
+        resolve_plan(Model(), REQUESTS, context, fully_shard=bad)
+    message = str(refused.value)
+    assert "fully_shard.unit_policies[1]" in message and "pattern 'blocks.*.nrom' selects no FSDP unit; did you mean" in message
+    assert "blocks.<0-1>.norm" in message and "is selected by unit_policies [0, 2]: give each unit one policy" in message
+    for wrong, words in [
+        (dict(units=("blocks.*",)), "UnitPrecision.units must be one pattern str"),
+        (dict(units="blocks.*", param_dtype=torch.int32), r"UnitPrecision\.param_dtype must be a floating torch\.dtype"),
+        (dict(units="blocks.*", cast_forward_inputs="yes"), "UnitPrecision.cast_forward_inputs must be a bool"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            UnitPrecision(**wrong)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"FullyShard\.unit_policies must be a tuple of UnitPrecision"):
+        FullyShard(("blocks.*",), unit_policies=MIXED.unit_policies[0])  # type: ignore[arg-type]
 
 
 def test_meshbind_check_takes_the_mixed_precision_flags(capsys: pytest.CaptureFixture[str]) -> None:

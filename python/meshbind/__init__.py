@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from meshbind.family import FamilyLayout as FamilyLayout
     from meshbind.family import get_family_build_info
     from meshbind.fsdp import apply_fully_shard
+    from meshbind.fsdp_request import FullyShard, UnitPrecision
     from meshbind.interop.hf_plans import apply_hf_plan, from_hf_plan
     from meshbind.interop.torch_plans import from_torch_plan, parallelize_checked
     from meshbind.layouts import apply_layouts
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from meshbind.resolution import ParallelPlan as ParallelPlan
     from meshbind.resolution import resolve_plan
     from meshbind.routing import Routing
-    from meshbind.specs import FullyShard, LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
+    from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
     from meshbind.validation import validate_parallel_module
     from meshbind.world import World
 
@@ -75,7 +76,8 @@ _HOMES = {
     "FamilyLayout": "meshbind.family",
     "from_hf_plan": "meshbind.interop.hf_plans",
     "from_torch_plan": "meshbind.interop.torch_plans",
-    "FullyShard": "meshbind.specs",
+    "FullyShard": "meshbind.fsdp_request",
+    "UnitPrecision": "meshbind.fsdp_request",
     "get_family_build_info": "meshbind.family",
     "IndexMatches": "meshbind._core",
     "LayoutContext": "meshbind.specs",
@@ -152,6 +154,7 @@ __all__ = [
     "RankMismatchError",
     "Routing",
     "StepMemoryError",
+    "UnitPrecision",
     "World",
     "apply_fully_shard",
     "apply_hf_plan",

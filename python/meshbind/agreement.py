@@ -67,7 +67,10 @@ def plan_entries(plan: ParallelPlan) -> list[Entry]:
         entries.append(("fsdp reshard_after_forward", str(plan.fsdp.reshard_after_forward)))
         policy = plan.fsdp.policy
         entries.append(("fsdp mixed precision", str(None if policy is None else policy_fields(policy))))
-        entries += [(f"fsdp unit {unit.fqn or '<root>'}", unit.mesh) for unit in plan.fsdp.units]
+        entries += [
+            (f"fsdp unit {unit.fqn or '<root>'}", f"{unit.mesh} {None if unit.policy is None else policy_fields(unit.policy)}")
+            for unit in plan.fsdp.units
+        ]
     return entries
 
 

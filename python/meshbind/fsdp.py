@@ -45,8 +45,9 @@ def apply_fully_shard(model: nn.Module, plan: ParallelPlan, mesh_context: MeshCo
         problems += _undistributed(model, plan)
     if problems:
         raise LayoutError(problems)
-    policy = plan.fsdp.policy or MixedPrecisionPolicy()  # torch's default: every parameter's own dtype
-    for _, module, mesh in pending:
+    for unit, module, mesh in pending:
+        # torch's default policy keeps every parameter's own dtype
+        policy = unit.policy or MixedPrecisionPolicy()
         fully_shard(module, mesh=mesh, reshard_after_forward=plan.fsdp.reshard_after_forward, mp_policy=policy)
     return [unit.fqn or "<root>" for unit, _, _ in pending]
 

@@ -9,11 +9,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
 from torch.distributed.tensor import Placement
 
 from meshbind._core import check_patterns
-from meshbind.names import DTYPE_NAMES
 from meshbind.units import is_int_from
 from meshbind.world import World
 
@@ -216,64 +214,6 @@ class NativeParallelBindingRequest:
             )
         if not isinstance(self.required, bool):
             raise ValueError(f"{owner}.required must be a bool, got {self.required!r}")
-
-
-@dataclass(frozen=True)
-class FullyShard:
-    """Where torch's FSDP2 (``fully_shard``) groups the parameters: one unit per module
-    each pattern selects, applied bottom-up (deeper modules first, then in the order given), then
-    the root, as torchtitan wraps its blocks. ``units=None`` takes torchtitan's default units
-    (each block of the model's layer list, each module holding expert parameters, the root). A
-    unit holding expert parameters (placed on ``ep``) shards over the expert mesh's
-    ``edp_shard``; any other over ``dp_shard · cp``; both replicate over ``dp_replicate`` (HSDP)
-    when it is above 1. ``reshard_after_forward`` is ``fully_shard``'s own (``None``: torch's
-    default, every unit but the root).
-
-    Mixed precision is torch's ``MixedPrecisionPolicy`` on every unit, with its names and
-    defaults: ``param_dtype`` (what a unit is all-gathered and computed in), ``reduce_dtype``
-    (what its gradients are reduced in), ``output_dtype`` and ``cast_forward_inputs``; ``None``
-    keeps the parameter's own dtype. A dtype is a floating ``torch.dtype`` or its name as
-    torchtitan writes it (``"bfloat16"``, ``"float32"``, ``"float16"``; ``"bf16"``, ``"fp32"``,
-    ``"fp16"``)."""
-
-    units: tuple[str, ...] | None
-    reshard_after_forward: bool | None = None
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.units, str):
-            raise ValueError(f"FullyShard.units must be a tuple of patterns, not a bare str: write ({self.units!r},)")
-        if self.units is not None:
-            if not isinstance(self.units, Sequence) or not all(isinstance(pattern, str) for pattern in self.units):
-                raise ValueError(f"FullyShard.units must be a tuple of pattern strings or None, got {self.units!r}")
-            _set(self, "units", tuple(self.units))
-            check_patterns(self.units)
-        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
-            raise ValueError(f"FullyShard.reshard_after_forward must be a bool or None, got {self.reshard_after_forward!r}")
-        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-            _set(self, name, floating_dtype(f"FullyShard.{name}", getattr(self, name)))
-        if not isinstance(self.cast_forward_inputs, bool):
-            raise ValueError(f"FullyShard.cast_forward_inputs must be a bool, got {self.cast_forward_inputs!r}")
-
-    @property
-    def mixed_precision(self) -> bool:
-        """Whether any dtype of the policy is set (else ``fully_shard`` keeps every parameter's own)."""
-        return any(dtype is not None for dtype in (self.param_dtype, self.reduce_dtype, self.output_dtype))
-
-
-def floating_dtype(field_name: str, value: object) -> torch.dtype | None:
-    """``value`` as a floating ``torch.dtype`` (``None`` stays ``None``); anything else is a
-    ``ValueError`` naming the field and the names it takes."""
-    if value is None:
-        return None
-    if isinstance(value, str) and value in DTYPE_NAMES:
-        return getattr(torch, DTYPE_NAMES[value])  # type: ignore[no-any-return]
-    if isinstance(value, torch.dtype) and value.is_floating_point:
-        return value
-    raise ValueError(f"{field_name} must be a floating torch.dtype or one of {', '.join(DTYPE_NAMES)}, got {value!r}")
 
 
 @dataclass(frozen=True)

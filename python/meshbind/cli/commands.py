@@ -14,12 +14,13 @@ from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verifi
 from meshbind.cli.arguments import UsageError
 from meshbind.cli.models import model_and_plan
 from meshbind.errors import PlanError, index_groups
+from meshbind.fsdp_request import FullyShard
 from meshbind.memory.result import StepMemory
 from meshbind.report import plan_report
 from meshbind.report_page import report_page
 from meshbind.resolution import ParallelPlan, resolve_plan
 from meshbind.routing import Routing
-from meshbind.specs import FullyShard, LayoutContext
+from meshbind.specs import LayoutContext
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -25,13 +25,13 @@ from meshbind.examples.moe_layer import MoELayer
 from meshbind.examples.moe_transformer import MoETransformer, batch, initialize, loss_head_request
 from meshbind.examples.parallel_parts import local
 from meshbind.fsdp import apply_fully_shard
+from meshbind.fsdp_request import FullyShard
 from meshbind.launch import run_local_world
 from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshContext
 from meshbind.names import MeshSide
 from meshbind.report import plan_report
 from meshbind.resolution import resolve_plan
-from meshbind.specs import FullyShard
 from meshbind.world import EXPERT_AXES, FSDP_AXES
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}

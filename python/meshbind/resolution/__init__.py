@@ -20,6 +20,7 @@ from torch import nn
 from meshbind._core import ModuleTree
 from meshbind.errors import PlanError, PlanProblem
 from meshbind.family import record_family_layout
+from meshbind.fsdp_request import FullyShard
 from meshbind.model_index import ModelIndex, walk_whole
 from meshbind.resolution.families import join_families
 from meshbind.resolution.fsdp import FSDPPlan, default_fully_shard, fsdp_units
@@ -31,7 +32,7 @@ from meshbind.resolution.providers import Progress, provide_layouts
 from meshbind.resolution.selection import Override, Selection, select_modules
 from meshbind.resolution.unmatched import unmatched_problems
 from meshbind.resolution.validate import validation_problems
-from meshbind.specs import FullyShard, LayoutContext, NativeParallelBindingRequest, PlanSource, SourcedRequests
+from meshbind.specs import LayoutContext, NativeParallelBindingRequest, PlanSource, SourcedRequests
 from meshbind.units import is_int_from
 
 __all__ = ["ParallelPlan", "PlanError", "PlanProblem", "resolve_plan"]

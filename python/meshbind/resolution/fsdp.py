@@ -23,20 +23,25 @@ from torch.distributed.tensor import Placement
 
 from meshbind._core import PatternSet
 from meshbind.errors import PlanProblem, ProblemCode, did_you_mean, index_groups
+from meshbind.fsdp_request import FullyShard, UnitPrecision
 from meshbind.model_index import ModelIndex, ParameterKind
 from meshbind.names import MeshSide
 from meshbind.resolution.unmatched import ModelNames
-from meshbind.specs import FullyShard, ModuleShardingSpec, literal_pattern
+from meshbind.specs import ModuleShardingSpec, literal_pattern
 from meshbind.world import EXPERT_AXES, MODEL_PARALLEL_AXIS, canonical_axis
 
 
 @dataclass(frozen=True)
 class FSDPUnit:
-    """One ``fully_shard`` call: the module's FQN (``""``: the root) and its mesh side."""
+    """One ``fully_shard`` call: the module's FQN (``""``: the root), its mesh side and its
+    mixed-precision policy."""
 
     fqn: str
     mesh: MeshSide
     """The device mesh (sharded over ``dp_shard · cp``) or the expert mesh (over ``edp_shard``)."""
+    policy: MixedPrecisionPolicy | None = None
+    """torch's policy for this unit: the plan's, or a ``UnitPrecision``'s that selects it
+    (``None``: each parameter's own dtype)."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,8 @@ class FSDPPlan:
     """Whether the units are torchtitan's defaults, chosen because ``dp_shard`` is above 1 and the
     plan named none."""
     policy: MixedPrecisionPolicy | None = None
-    """torch's mixed-precision policy of every unit (``None``: each parameter's own dtype)."""
+    """torch's mixed-precision policy of the plan (``None``: each parameter's own dtype); a unit a
+    ``UnitPrecision`` selects has its own (``FSDPUnit.policy``)."""
 
     def unit_of(self, parameter_fqn: str) -> FSDPUnit:
         """The innermost unit holding a parameter (the root holds what no other does)."""
@@ -62,7 +68,14 @@ class FSDPPlan:
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "units": [{"fqn": unit.fqn, "mesh": unit.mesh} for unit in self.units],
+            "units": [
+                {
+                    "fqn": unit.fqn,
+                    "mesh": unit.mesh,
+                    "mixed_precision": None if unit.policy is None else policy_fields(unit.policy),
+                }
+                for unit in self.units
+            ],
             "reshard_after_forward": self.reshard_after_forward,
             "by_default": self.by_default,
             "mixed_precision": None if self.policy is None else policy_fields(self.policy),
@@ -75,7 +88,10 @@ class FSDPPlan:
         chosen = " (none named: torchtitan's default units)" if self.by_default else ""
         described = f"FSDP units{chosen}, in the order fully_shard takes them: {units}"
         if self.policy is not None:
-            described += "; mixed precision " + ", ".join(f"{name} {value}" for name, value in policy_fields(self.policy).items())
+            described += f"; mixed precision {policy_text(self.policy)}"
+        own = [(unit.fqn or "<root>", unit.policy) for unit in self.units if unit.policy != self.policy]
+        for fqn, members in index_groups(own):
+            described += f"; {fqn}: {policy_text(own[members[0]][1])}"
         return described
 
 
@@ -88,9 +104,17 @@ def policy_fields(policy: MixedPrecisionPolicy) -> dict[str, str | bool | None]:
     return {**named, "cast_forward_inputs": policy.cast_forward_inputs}
 
 
-def mixed_precision_policy(request: FullyShard) -> MixedPrecisionPolicy | None:
-    """torch's policy for the request's dtypes, ``None`` when it sets none."""
-    if not request.mixed_precision:
+def policy_text(policy: MixedPrecisionPolicy | None) -> str:
+    """The policy as the plan's table says it (``None``: each parameter's own dtype)."""
+    if policy is None:
+        return "each parameter's own dtype"
+    return ", ".join(f"{name} {value}" for name, value in policy_fields(policy).items())
+
+
+def mixed_precision_policy(request: FullyShard | UnitPrecision) -> MixedPrecisionPolicy | None:
+    """torch's policy for the request's dtypes; ``None`` when a ``FullyShard`` sets none (a
+    ``UnitPrecision`` always gives its unit a policy, torch's defaults included)."""
+    if isinstance(request, FullyShard) and not request.mixed_precision:
         return None
     return MixedPrecisionPolicy(request.param_dtype, request.reduce_dtype, request.output_dtype, request.cast_forward_inputs)
 
@@ -140,8 +164,10 @@ def fsdp_units(
     ordered = sorted(dict.fromkeys(fqns), key=lambda fqn: -fqn.count(".") - 1 if fqn else 0)
     ordered = [fqn for fqn in ordered if fqn] + [""]
     policy = mixed_precision_policy(request)
+    policies, found = _unit_policies(ordered, request, policy)
+    problems += found
     if not isinstance(model, ModelIndex):
-        units_offline = tuple(FSDPUnit(fqn, MeshSide.DEVICE) for fqn in ordered)
+        units_offline = tuple(FSDPUnit(fqn, MeshSide.DEVICE, policies[fqn]) for fqn in ordered)
         return FSDPPlan(units_offline, request.reshard_after_forward, by_default, policy), problems
     units = set(ordered)
     placed = _placements(sharding)
@@ -162,7 +188,8 @@ def fsdp_units(
     for fqn in ordered:
         sides[fqn], unit_problems = _unit_side(fqn, model.class_of(fqn), members[fqn], placed)
         problems += unit_problems
-    plan = FSDPPlan(tuple(FSDPUnit(fqn, sides[fqn]) for fqn in ordered), request.reshard_after_forward, by_default, policy)
+    planned = tuple(FSDPUnit(fqn, sides[fqn], policies[fqn]) for fqn in ordered)
+    plan = FSDPPlan(planned, request.reshard_after_forward, by_default, policy)
     if by_default:
         problems = [dataclasses.replace(problem, request=DEFAULT_UNITS_SOURCE) for problem in problems]
     return plan, problems
@@ -182,6 +209,32 @@ def _selected(model: ModelIndex | Sequence[str], request: FullyShard) -> tuple[l
             message = f"pattern {pattern!r} does not select any module{hint}"
             problems.append(PlanProblem(ProblemCode.UNMATCHED, None, "fully_shard", message, about="pattern"))
     return [fqn for fqn, _ in tree.matches()], problems
+
+
+def _unit_policies(
+    units: Sequence[str], request: FullyShard, policy: MixedPrecisionPolicy | None
+) -> tuple[dict[str, MixedPrecisionPolicy | None], list[PlanProblem]]:
+    """Each unit's policy: the plan's, or that of the one ``UnitPrecision`` selecting it. A unit
+    policy that selects no unit, or a unit two of them select, is a problem."""
+    policies: dict[str, MixedPrecisionPolicy | None] = dict.fromkeys(units, policy)
+    if not request.unit_policies:
+        return policies, []
+    problems = []
+    patterns = PatternSet([unit_policy.units for unit_policy in request.unit_policies])
+    tree = patterns.index_names(list(units), prune=False)
+    for index, count in enumerate(tree.hit_counts()):
+        if count == 0:
+            nearest = did_you_mean([repr(name) for name in tree.nearest(request.unit_policies[index].units, 3)])
+            message = f"pattern {request.unit_policies[index].units!r} selects no FSDP unit{nearest}"
+            problems.append(
+                PlanProblem(ProblemCode.UNMATCHED, None, f"fully_shard.unit_policies[{index}]", message, about="pattern")
+            )
+    for fqn, hits in tree.matches():
+        if len(hits) > 1:
+            message = f"is selected by unit_policies {list(hits)}: give each unit one policy"
+            problems.append(_problem(fqn, message))
+        policies[fqn] = mixed_precision_policy(request.unit_policies[hits[0]])
+    return policies, problems
 
 
 def _placements(sharding: Mapping[str, ModuleShardingSpec]) -> dict[str, Mapping[str, Placement]]:
