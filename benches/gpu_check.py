@@ -26,6 +26,7 @@ from meshbind import CPContext, EPContext, LayoutContext, MeshBinding, MeshConte
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, batch, initialize, loss_head_request
 from meshbind.launch import free_port
 from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state, training_step
+from meshbind.names import ActivationCheckpointing, Checkpointing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from step_memory_truth import measured_step_peak
@@ -86,7 +87,7 @@ def measure_step(context: MeshContext, device: torch.device) -> int:
     with torch.device("meta"):
         model = MoETransformer(STEP)
     plan = resolve_plan(model, [loss_head_request()], context.layout_context())
-    apply_plan(model, plan, context, "none")
+    apply_plan(model, plan, context, Checkpointing(ActivationCheckpointing.NONE))
     model.to_empty(device=device)
     initialize(model, seed=0)
     optimizer = make_optimizer(model, "adam", device.type)

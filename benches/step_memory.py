@@ -83,7 +83,7 @@ def _hf(name: str, axes: dict[str, int], units: tuple[str, ...]) -> Config:
     from meshbind.interop.hf_plans import from_hf_plan
 
     def truth(checkpointing: str) -> tuple[str, tuple[Any, ...]]:
-        return "step_memory_checks:hf_step_peak", (name, axes, units, 2, 64, checkpointing)
+        return "step_memory_checks:hf_step_peak", (name, axes, FullyShard(units) if units else None, 2, 64, checkpointing)
 
     return Config(
         f"{name} {LayoutContext(axes).world.text()}",

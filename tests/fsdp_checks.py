@@ -189,8 +189,35 @@ def check_mixed_precision(context: MeshContext) -> None:
         *[("head", "input", bf16), ("head", "weight", bf16), ("head", "output", bf16)],
     ], seen
     output.float().sum().backward()
+    reported, torchs = _report_units(plan_report(model, plan)), _torch_units(units)
+    assert reported == torchs, (reported, torchs)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}
+
+
+def _report_units(report: object) -> tuple[int, int, int]:
+    """The report's shards, gathered copies and reduce-scatter buffers of every unit on this rank."""
+    units = report.units  # type: ignore[attr-defined]
+    shards, gathered, reduced = (sum(getattr(u, name) * u.count for u in units) for name in _UNIT_BYTES)
+    return shards, gathered, reduced
+
+
+_UNIT_BYTES = ("shard_bytes", "gathered_bytes", "reduce_scatter_bytes")
+
+
+def _torch_units(units: list[nn.Module]) -> tuple[int, int, int]:
+    """The same from torch's own FSDP parameters: each shard's padded size times the ranks, in the
+    dtype torch all-gathers and reduces it in."""
+    shards = gathered = reduced = 0
+    for unit in units:
+        group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        for param in group.fsdp_params:
+            unsharded = param.padded_sharded_param_size.numel() * group.mesh_info.shard_mesh_size
+            compute = param.param_dtype or param.orig_dtype
+            shards += param._sharded_param_data.numel() * param.orig_dtype.itemsize
+            gathered += unsharded * compute.itemsize
+            reduced += unsharded * (param.reduce_dtype or compute).itemsize if param.sharded_param.requires_grad else 0
+    return shards, gathered, reduced
 
 
 def run_checks(sizes: dict[str, int]) -> Results:

@@ -21,6 +21,7 @@ from meshbind.examples.moe_transformer import (
 )
 from meshbind.examples.parallel_parts import local
 from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state
+from meshbind.names import Checkpointing
 from meshbind.world import DENSE_AXES, EXPERT_AXES
 
 from step_memory_truth import count_every_thread, measured_step_peak
@@ -93,7 +94,7 @@ def demo_step_peak(
     with torch.device("meta"):
         model = MoETransformer(config).to(getattr(torch, dtype))
     plan = resolve_plan(model, [loss_head_request()], context, fully_shard=demo_units(world.dp_shard, param_dtype))
-    apply_plan(model, plan, mesh_context, checkpointing)
+    apply_plan(model, plan, mesh_context, Checkpointing.parse(checkpointing, "checkpointing"))
     model.to_empty(device="cpu")
     initialize(model, seed=0)
     for module in model.modules():
@@ -108,7 +109,7 @@ def demo_step_peak(
 
 
 def hf_step_peak(
-    name: str, axes: dict[str, int], units: tuple[str, ...], batch_per_rank: int, seq_len: int, checkpointing: str
+    name: str, axes: dict[str, int], fully_shard: FullyShard | None, batch_per_rank: int, seq_len: int, checkpointing: str
 ) -> int:
     """This rank's measured peak of one step of a small transformers model under its own plans."""
     count_every_thread()
@@ -122,8 +123,8 @@ def hf_step_peak(
     )
     with torch.device("meta"):
         model = hf_transformer(name)
-    plan = resolve_plan(model, from_hf_plan(model), context, fully_shard=FullyShard(units) if units else None)
-    apply_plan(model, plan, mesh_context, checkpointing)
+    plan = resolve_plan(model, from_hf_plan(model), context, fully_shard=fully_shard)
+    apply_plan(model, plan, mesh_context, Checkpointing.parse(checkpointing, "checkpointing"))
     model.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

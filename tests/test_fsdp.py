@@ -261,7 +261,7 @@ def test_a_unit_policy_gives_the_units_it_selects_their_own_precision_and_every_
     from fsdp_checks import MIXED, REQUESTS, Model
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from meshbind import FullyShard, LayoutContext, PlanError, UnitPrecision, resolve_plan
+    from meshbind import FullyShard, LayoutContext, PlanError, UnitPrecision, plan_report, resolve_plan
 
     context = LayoutContext({"dp_shard": 2, "tp": 2, "ep": 2})
     fsdp = resolve_plan(Model(), REQUESTS, context, fully_shard=MIXED).fsdp
@@ -274,6 +274,12 @@ def test_a_unit_policy_gives_the_units_it_selects_their_own_precision_and_every_
     units = {unit["fqn"]: unit for unit in fsdp.to_dict()["units"]}  # type: ignore[attr-defined]
     assert units["blocks.1.norm"]["mixed_precision"]["param_dtype"] == "float32"
     assert units["blocks.1"]["mixed_precision"]["param_dtype"] == "bfloat16"
+
+    model = Model()
+    report = plan_report(model, resolve_plan(model, REQUESTS, context, fully_shard=MIXED), optimizer="adam-fp32-master").text()
+    assert "2 x blocks.<0-1>.norm (device)  float32 -> float32, reduced in float32  shards" in report
+    assert "2 x blocks.<0-1> (device)  float32 -> bfloat16, reduced in float32  shards" in report
+    assert "optimizer adam-fp32-master: under FSDP2 mixed precision the float32 shards are the master copy" in report
 
     unmatched = UnitPrecision("blocks.*.nrom", param_dtype="fp32")
     twice = UnitPrecision("blocks.<0-1>.norm", param_dtype="fp16")

@@ -16,7 +16,7 @@ from step_memory_checks import DEMO_UNITS, demo_units, hf_transformer, traced
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from meshbind import LayoutContext, Routing, StepMemory, StepMemoryError
+from meshbind import FullyShard, LayoutContext, Routing, StepMemory, StepMemoryError, UnitPrecision
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
 from meshbind.units import parse_bytes
@@ -61,8 +61,18 @@ def demo_estimate(
     return only.peak_bytes
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
-@pytest.mark.parametrize("world", list(DEMO_WORLDS))
+MIXED_DEMO = "4 ranks dp_shard2 tp2 ep2, bf16/fp32 mixed precision"
+DEMO_CASES = [
+    *[(world, checkpointing) for world in DEMO_WORLDS for checkpointing in ("none", "full")],
+    *[
+        (world, selective)
+        for world in (next(iter(DEMO_WORLDS)), MIXED_DEMO)
+        for selective in ("selective-layer:2", "selective-op")
+    ],
+]
+
+
+@pytest.mark.parametrize(("world", "checkpointing"), DEMO_CASES)
 def test_demo_estimate_is_within_a_hundredth_of_every_rank_measured(world: str, checkpointing: str) -> None:
     axes, batch, optimizer, dtype, *mixed = DEMO_WORLDS[world]
     param_dtype = mixed[0] if mixed else None
@@ -179,19 +189,33 @@ def test_parse_bytes_reads_what_people_write() -> None:
             parse_bytes(bad)
 
 
+ROUTER_IN_FLOAT32 = UnitPrecision("model.layers.*.mlp.gate", param_dtype="fp32", output_dtype="bf16")
 HF_WORLDS = {
-    "llama tp2 dp_shard2": ("llama", {"dp_shard": 2, "tp": 2}, ("model.layers.*",)),
-    "qwen3_moe ep2 (balanced routing)": ("qwen3_moe", {"dp_shard": 2, "ep": 2}, ()),
+    "llama tp2 dp_shard2": ("llama", {"dp_shard": 2, "tp": 2}, FullyShard(("model.layers.*",))),
+    "qwen3_moe ep2 (balanced routing)": ("qwen3_moe", {"dp_shard": 2, "ep": 2}, None),
+    "llama dp_shard4 bf16/fp32": ("llama", {"dp_shard": 4}, FullyShard(None, param_dtype="bf16", reduce_dtype="fp32")),
+    "qwen3_moe ep2 edp_shard2 bf16/fp32, router fp32": (
+        "qwen3_moe",
+        {"dp_shard": 4, "ep": 2},
+        FullyShard(
+            ("model.layers.*.mlp.experts", "model.layers.*.mlp.gate", "model.layers.*"),
+            param_dtype="bf16",
+            reduce_dtype="fp32",
+            unit_policies=(ROUTER_IN_FLOAT32,),
+        ),
+    ),
 }
+HF_CASES = [
+    *[(world, "none") for world in HF_WORLDS],
+    *[(world, "full") for world in list(HF_WORLDS)[:2]],
+]
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
-@pytest.mark.parametrize("world", list(HF_WORLDS))
+@pytest.mark.parametrize(("world", "checkpointing"), HF_CASES)
 def test_hf_estimate_is_within_a_hundredth_of_every_rank_measured(world: str, checkpointing: str) -> None:
-    from meshbind import FullyShard
     from meshbind.interop.hf_plans import from_hf_plan
 
-    name, axes, units = HF_WORLDS[world]
+    name, axes, fully_shard = HF_WORLDS[world]
     with torch.device("meta"):
         plan_source = from_hf_plan(hf_transformer(name))
     estimate = traced(
@@ -200,12 +224,14 @@ def test_hf_estimate_is_within_a_hundredth_of_every_rank_measured(world: str, ch
         LayoutContext(axes),
         batch=2,
         seq_len=64,
-        fully_shard=FullyShard(units) if units else None,
+        fully_shard=fully_shard,
         activation_checkpointing=checkpointing,
         device="cpu",
     ).peak_bytes
     size = LayoutContext(axes).world.size
-    measured = run_local_world(size, "step_memory_checks:hf_step_peak", name, axes, units, 2, 64, checkpointing, timeout=240)
+    measured = run_local_world(
+        size, "step_memory_checks:hf_step_peak", name, axes, fully_shard, 2, 64, checkpointing, timeout=240
+    )
     errors = {rank: estimate / peak - 1 for rank, peak in enumerate(measured)}
     assert all(abs(error) <= 0.01 for error in errors.values()), (estimate, measured, errors)
 
@@ -261,7 +287,6 @@ def _both_ways(build: Any, requests: Any, axes: dict[str, int], **settings: Any)
 def test_alike_layers_traced_at_three_depths_give_the_whole_models_answer(checkpointing: str) -> None:
     """Extrapolating from 3, 4 and 5 alike blocks to 8 gives exactly what tracing all 8 gives:
     the peak, every kind live at it, the module (counted from the start or from the end) and phase."""
-    from meshbind import FullyShard
     from meshbind.interop.hf_plans import from_hf_plan
 
     demo = _both_ways(

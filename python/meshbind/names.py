@@ -6,6 +6,7 @@ Rust core's own enum: the checks take its members as they are, never text parsed
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 from typing import TypeVar
@@ -68,11 +69,44 @@ class Optimizer(Name):
 
 
 class ActivationCheckpointing(Name):
-    """What a step keeps for backward: everything, or each block's input only (torch's
-    ``checkpoint_wrapper`` on each FSDP unit or block)."""
+    """What a step keeps for backward, as torchtitan's modes: everything (``none``); each block's
+    input only (``full``: torch's ``checkpoint_wrapper`` on each FSDP unit or block); so on every
+    K-th block only (``selective-layer:K``); or, in every block, the outputs of a save list of
+    operators (``selective-op``: torch's selective checkpointing)."""
 
     NONE = "none"
     FULL = "full"
+    SELECTIVE_LAYER = "selective-layer"
+    SELECTIVE_OP = "selective-op"
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """An activation-checkpointing choice: its mode, and for ``selective-layer`` which blocks
+    (every ``every``-th). Its text is what the command line and the JSON write
+    (``selective-layer:2``)."""
+
+    mode: ActivationCheckpointing
+    every: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.mode}:{self.every}" if self.mode is ActivationCheckpointing.SELECTIVE_LAYER else str(self.mode)
+
+    @staticmethod
+    def parse(value: object, what: str) -> Checkpointing:
+        """``value`` (a ``Checkpointing``, or its text) as a choice; anything else is a
+        ValueError naming ``what`` and the forms it takes."""
+        if isinstance(value, Checkpointing):
+            return value
+        if isinstance(value, str):
+            mode, colon, every = value.partition(":")
+            layer = ActivationCheckpointing.SELECTIVE_LAYER
+            if colon and mode == layer and every.isdecimal() and every.isascii() and 1 <= int(every) <= 2**31 - 1:
+                return Checkpointing(layer, int(every))
+            if not colon and mode in ActivationCheckpointing.choices() and mode != layer:
+                return Checkpointing(ActivationCheckpointing(mode))
+        forms = "none, full, selective-layer:K (K a whole number from 1), selective-op"
+        raise ValueError(f"{what} must be one of {forms}, got {value!r}")
 
 
 class Device(Name):

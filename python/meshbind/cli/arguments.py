@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from meshbind.demo import config as demo_config
-from meshbind.names import DTYPE_NAMES, ActivationCheckpointing, Device, Optimizer
+from meshbind.names import DTYPE_NAMES, ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.units import parse_bytes
 
 
@@ -40,6 +40,13 @@ def _positive(text: str) -> int:
 def _bytes(text: str) -> int:
     try:
         return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _checkpointing(text: str) -> Checkpointing:
+    try:
+        return Checkpointing.parse(text, "the choice")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -134,9 +141,11 @@ def command_parser() -> argparse.ArgumentParser:
     memory.add_argument("--seq-len", type=_positive, metavar="S", help="tokens per sequence")
     memory.add_argument(
         "--activation-checkpointing",
-        choices=ActivationCheckpointing.choices(),
-        default=ActivationCheckpointing.NONE.value,
-        help="full: torch's checkpoint_wrapper on each FSDP unit (or each block); default none",
+        type=_checkpointing,
+        default=Checkpointing(ActivationCheckpointing.NONE),
+        metavar="{none,full,selective-layer:K,selective-op}",
+        help="full: torch's checkpoint_wrapper on each FSDP unit (or each block); selective-layer:K: on every K-th; "
+        "selective-op: on each, saving torchtitan's list of operators; default none",
     )
     memory.add_argument(
         "--device", choices=Device.choices(), default=Device.CUDA.value, help="the device the step runs on (default cuda)"

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from meshbind.names import ActivationCheckpointing, Device, Optimizer
+from meshbind.names import Checkpointing, Device, Optimizer
 from meshbind.routing import Routing
 from meshbind.units import size_text
 from meshbind.world import World
@@ -40,7 +40,7 @@ class StepSettings:
     """Sequences per data-parallel rank."""
     seq_len: int
     optimizer: Optimizer
-    activation_checkpointing: ActivationCheckpointing
+    activation_checkpointing: Checkpointing
     device: Device
     device_memory: int | None
     routing: Routing
@@ -108,7 +108,7 @@ class StepMemory:
             "batch_per_rank": s.batch,
             "seq_len": s.seq_len,
             "optimizer": s.optimizer,
-            "activation_checkpointing": s.activation_checkpointing,
+            "activation_checkpointing": str(s.activation_checkpointing),
             "device": s.device,
             "device_memory": s.device_memory,
             "routing": {"capacity_factor": s.routing.capacity_factor},

@@ -9,16 +9,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor
 
+from meshbind.activation_checkpointing import RecomputeContext, apply_checkpointing
 from meshbind.appliers import apply_parallelism
 from meshbind.errors import StepMemoryError
 from meshbind.fsdp import apply_fully_shard
 from meshbind.mesh import MeshContext
-from meshbind.model_index import index_of
-from meshbind.modules import submodule
-from meshbind.names import ActivationCheckpointing, Device, Optimizer
+from meshbind.names import Checkpointing, Device, Optimizer
 from meshbind.resolution.plan import ParallelPlan
 
 StepInputs = Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
@@ -29,49 +27,16 @@ def apply_plan(
     model: nn.Module,
     plan: ParallelPlan,
     mesh_context: MeshContext,
-    activation_checkpointing: ActivationCheckpointing,
-    recompute_context: Callable[[], Any] | None = None,
+    checkpointing: Checkpointing,
+    recompute_context: RecomputeContext | None = None,
 ) -> None:
     """The plan applied as a training job applies it: layouts and binding by the applier of the
     plan's source (``appliers.apply_parallelism``), activation checkpointing
-    (``checkpoint_units``), then FSDP. ``recompute_context()``, when given, is entered around each
-    checkpointed block's forward and its recomputation (torch's ``context_fn``): the backward does
-    not run under the modes the step was started in."""
+    (``activation_checkpointing.apply_checkpointing``, with ``recompute_context``), then FSDP."""
     apply_parallelism(model, plan, mesh_context)
-    if activation_checkpointing == ActivationCheckpointing.FULL:
-        wrapping: dict[str, Any] = {}
-        if recompute_context is not None:
-            enter = recompute_context
-            wrapping["context_fn"] = lambda: (enter(), enter())
-        for fqn in checkpoint_units(model, plan):
-            parent_fqn, _, name = fqn.rpartition(".")
-            parent = submodule(model, parent_fqn)
-            block = parent._modules[name]
-            assert block is not None
-            setattr(parent, name, checkpoint_wrapper(block, **wrapping))
+    apply_checkpointing(model, plan, checkpointing, recompute_context)
     if plan.fsdp is not None:
         apply_fully_shard(model, plan, mesh_context)
-
-
-def checkpoint_units(model: nn.Module, plan: ParallelPlan) -> list[str]:
-    """What full activation checkpointing wraps: each FSDP unit below the root that no other such
-    unit contains (a transformer block, not also its experts inside it); without FSDP units, each
-    module of the model's longest ``ModuleList`` (its blocks, as torchtitan wraps them)."""
-    if plan.fsdp is not None:
-        fqns = sorted(unit.fqn for unit in plan.fsdp.units if unit.fqn)
-        outermost: list[str] = []
-        for fqn in fqns:  # sorted: a unit comes right after any unit holding it
-            if not outermost or not fqn.startswith(outermost[-1] + "."):
-                outermost.append(fqn)
-        if outermost:
-            return outermost
-    blocks = index_of(model, plan.index).layer_list()
-    if blocks is None:
-        raise StepMemoryError(
-            "activation checkpointing full wraps the FSDP units or the blocks of a ModuleList: "
-            f"{type(model).__name__} has neither"
-        )
-    return [f"{blocks}.{name}" if blocks else name for name in submodule(model, blocks)._modules]
 
 
 def default_inputs(model: nn.Module) -> StepInputs:

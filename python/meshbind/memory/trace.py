@@ -34,7 +34,7 @@ from meshbind.memory.step import StepInputs, apply_plan, default_inputs, make_op
 from meshbind.memory.trackers import Peak, step_tracker
 from meshbind.mesh import MeshContext
 from meshbind.model_index import ModelIndex
-from meshbind.names import ActivationCheckpointing, Device, Optimizer
+from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing, assuming
@@ -51,7 +51,7 @@ def step_memory(
     batch: int,
     seq_len: int,
     optimizer: str = Optimizer.ADAM,
-    activation_checkpointing: str = ActivationCheckpointing.NONE,
+    activation_checkpointing: str | Checkpointing = ActivationCheckpointing.NONE,
     device: str = Device.CUDA,
     device_memory: int | None = None,
     routing: Routing | None = None,
@@ -81,7 +81,7 @@ def step_memory(
         batch=batch,
         seq_len=seq_len,
         optimizer=Optimizer.parse(optimizer, "optimizer"),
-        activation_checkpointing=ActivationCheckpointing.parse(activation_checkpointing, "activation_checkpointing"),
+        activation_checkpointing=Checkpointing.parse(activation_checkpointing, "activation_checkpointing"),
         device=Device.parse(device, "device"),
         device_memory=device_memory,
         routing=routing if routing is not None else Routing(),

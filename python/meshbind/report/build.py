@@ -20,6 +20,7 @@ from meshbind.names import Optimizer
 from meshbind.placements import fsdp_chunk_shape, local_shape
 from meshbind.report.rows import ParameterRow, RankGroup, RankRows, WholeGroup
 from meshbind.report.state import element_size, optimizer_bytes
+from meshbind.report.units import UnitRow, unit_rows
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.units import size_text
 from meshbind.world import World
@@ -44,6 +45,8 @@ class PlanReport:
     """The model's parameter count and bytes in full (``parameters``, ``parameter_bytes_full``)."""
     fsdp_units: str | None = None
     """The plan's FSDP units and who chose them (``FSDPPlan.describe``), ``None`` without FSDP."""
+    units: tuple[UnitRow, ...] = ()
+    """Each group of alike FSDP units: its shards, gathered copy and reduce-scatter, per rank."""
 
     def _row(self, index: int) -> ParameterRow:
         fqn, fields = self.entries[index]
@@ -84,6 +87,7 @@ class PlanReport:
             "optimizer": self.optimizer,
             "axes": dict(self.axes),
             "fsdp_units": self.fsdp_units,
+            "units": [unit.to_dict() for unit in self.units],
             "totals": self.totals(),
             "rank_groups": [
                 {
@@ -154,6 +158,13 @@ class PlanReport:
         )
         if self.fsdp_units is not None:
             lines.append(self.fsdp_units)
+            lines.append("FSDP units per rank (own dtype -> gathered in, reduced in; shards, gathered copy, reduce-scatter):")
+            lines += [unit.line() for unit in self.units]
+        if self.optimizer is Optimizer.ADAM_FP32_MASTER and any(unit.param_dtype != unit.dtype for unit in self.units):
+            lines.append(
+                "optimizer adam-fp32-master: under FSDP2 mixed precision the float32 shards are the master copy, "
+                "so no second copy is counted (it is adam on the shards)"
+            )
         return "\n".join(lines)
 
 
@@ -212,6 +223,7 @@ def plan_report(model: nn.Module | ModelIndex, plan: ParallelPlan, *, optimizer:
         entries,
         MappingProxyType(model_totals),
         None if fsdp is None else fsdp.describe(),
+        () if fsdp is None else unit_rows(fsdp, zip(fqns, (row_of[key] for key in keys), strict=True)),
     )
 
 
