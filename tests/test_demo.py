@@ -65,6 +65,20 @@ def test_the_distributed_run_matches_one_process(layout: str, dtype: str) -> Non
     assert set(report["phases"]) >= {"mesh", "build", "plan", "bind", "materialise", "validate", "forward", "backward"}
 
 
+def test_mixed_precision_matches_the_reference_under_the_same_casts_as_closely_as_the_casts_move_it() -> None:
+    """``--param-dtype bf16``: FSDP2 gathers and computes in bfloat16 and reduces in float32; the
+    reference runs the same casts in one process. Both round differently (the batch split over
+    ranks, float32 sums), so the bound is the casts' own error on the same run: how far the
+    reference under the casts is from the float32 reference. The loss agrees to a few bfloat16
+    steps (one is 2**-7 of its value)."""
+    config = DemoConfig(dp_shard=2, cp=1, tp=2, ep=2, param_dtype="bf16")
+    report = demo.run_local(config)
+    assert report["param_dtype"] == "bf16" and report["report_matches_every_rank"]
+    assert 0 < report["cast_rel_grad_diff"] < 0.5
+    assert report["max_rel_grad_diff"] <= 2 * report["cast_rel_grad_diff"], report
+    assert report["max_abs_loss_diff"] <= 4 * 2**-7 * abs(report["reference_loss"])
+
+
 def test_the_command_prints_the_plan_and_ends_with_json(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["demo", "--world-size", "2", "--dp", "1", "--cp", "2", "--tp", "1", "--ep", "2", "--seq-len", "16", "--json"]
     assert main(argv) == 0
@@ -140,6 +154,7 @@ def test_torchrun_runs_the_distributed_half() -> None:
         (["--seed", str(10**23)], f"--seed {10**23} must be from 0 to 2**63 - 1"),
         (["--lr", "nan"], "--lr nan must be a positive, finite learning rate"),
         (["--lr", "inf"], "--lr inf must be a positive, finite learning rate"),
+        (["--param-dtype", "bf16"], "--param-dtype bf16 is FSDP2's mixed precision: it needs --dp-shard above 1"),
     ],
 )
 def test_bad_flags_fail_before_any_process_starts(

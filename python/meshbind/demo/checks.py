@@ -62,6 +62,8 @@ def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
         raise FlagError(problem)
     if config.seq_len % (2 * config.cp):
         raise FlagError(f"--seq-len {config.seq_len} is not divisible by 2 x --cp = {2 * config.cp} (head-tail CP chunks)")
+    if config.param_dtype is not None and not config.fsdp:
+        raise FlagError(f"--param-dtype {config.param_dtype} is FSDP2's mixed precision: it needs --dp-shard above 1")
     if config.batch % config.batch_shards:
         raise FlagError(
             f"--batch {config.batch} is not divisible by --dp-replicate x --dp-shard = {config.batch_shards} (the batch's split)"

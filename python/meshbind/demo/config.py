@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "float64")
 """The dtypes the demo runs in."""
+LOW_PRECISION = ("bf16", "bfloat16", "fp16", "float16")
+"""What ``--param-dtype`` takes: the low-precision names of ``names.DTYPE_NAMES``."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class DemoConfig:
     seq_len: int = 32
     batch: int = 4
     dtype: str = "float32"
+    param_dtype: str | None = None
+    """FSDP2 mixed precision: what each unit is gathered and computed in (gradients reduced in
+    float32); ``None`` computes in ``dtype``."""
     seed: int = 0
     json: bool = False
     save: str | None = None
@@ -78,6 +83,11 @@ def add_flags(parser: argparse.ArgumentParser, *, world_size: bool) -> None:
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
     parser.add_argument("--batch", type=int, default=defaults.batch, help="global batch (split over dp_replicate x dp_shard)")
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
+    parser.add_argument(
+        "--param-dtype",
+        choices=LOW_PRECISION,
+        help="FSDP2 mixed precision (needs --dp-shard above 1): gather and compute in it, reduce gradients in float32",
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     parser.add_argument("--save", metavar="DIR", help="after the backward, one SGD step, then save the state to DIR")

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from meshbind.fsdp_request import FullyShard
 from meshbind.launch import run_local_world
 from meshbind.layouts import apply_layouts
 from meshbind.mesh import MeshContext
-from meshbind.names import MeshSide
+from meshbind.names import DTYPE_NAMES, MeshSide
 from meshbind.report import plan_report
 from meshbind.resolution import resolve_plan
 from meshbind.world import EXPERT_AXES, FSDP_AXES
@@ -88,7 +88,7 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     with phases("build"), torch.device("meta"):
         model = MoETransformer(config.transformer).to(dtype)
     with phases("plan"):
-        fully_shard = FSDP_UNITS if config.fsdp else None
+        fully_shard = _fully_shard(config)
         plan = resolve_plan(model, [loss_head_request()], mesh_context.layout_context(), fully_shard=fully_shard)
         # What this rank will hold, from the plan alone, before any weight exists.
         predicted_bytes = plan_report(model, plan, optimizer="none").ranks[rank].parameter_bytes
@@ -126,7 +126,7 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     with phases("reduce"):
         gradients = _local_gradients(model, rank)
         _reduce_gradients(gradients, mesh_context, fsdp=config.fsdp)
-        total_loss = loss.detach().clone()
+        total_loss = loss.detach().to(dtype, copy=True)  # computed in --param-dtype, summed in dtype
         dist.all_reduce(total_loss)
     with phases("compare"):
         local_bytes = parameter_bytes(model)
@@ -147,10 +147,15 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         reference_loss, reference_gradients, full_bytes = _reference(config, dtype, tokens, targets)
         loss_diff = abs(float(total_loss) - float(reference_loss))
         grad_diff = max(_relative_difference(gradients[name].cpu(), reference) for name, reference in reference_gradients.items())
+        cast_error = None
+        if config.param_dtype is not None:  # how far the casts alone move the reference: the scale of grad_diff
+            _, exact, _ = _reference(replace(config, param_dtype=None), dtype, tokens, targets)
+            cast_error = max(_relative_difference(reference_gradients[name], gradient) for name, gradient in exact.items())
     return {
         "world_size": world,
         "axis_sizes": mesh_context.axis_sizes(),
         "dtype": config.dtype,
+        "param_dtype": config.param_dtype,
         "plan": plan.explain(),
         "planned_modules": len(plan.parallel_modules),
         "modules_bound": len(bound),
@@ -162,12 +167,23 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         "reference_loss": float(reference_loss),
         "max_abs_loss_diff": loss_diff,
         "max_rel_grad_diff": grad_diff,
+        "cast_rel_grad_diff": cast_error,
         "param_bytes_per_rank": local_bytes["total"],
         "param_bytes_full": full_bytes["total"],
         "param_bytes_by_part": {part: [local_bytes[part], full_bytes[part]] for part in local_bytes if part != "total"},
         **({} if after_step is None else {"loss_after_step": after_step, "saved_to": config.save}),
         "phases": phases.seconds,
     }
+
+
+def _fully_shard(config: DemoConfig) -> FullyShard | None:
+    """The demo's FSDP units, with the mixed precision ``--param-dtype`` asks for."""
+    if not config.fsdp:
+        return None
+    if config.param_dtype is None:
+        return FSDP_UNITS
+    param_dtype = getattr(torch, DTYPE_NAMES[config.param_dtype])
+    return FullyShard(FSDP_UNITS.units, param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
 def _local_gradients(model: MoETransformer, rank: int) -> dict[str, torch.Tensor]:
@@ -220,7 +236,7 @@ def _step_save_and_evaluate(model: MoETransformer, config: DemoConfig, tokens: t
     assert config.save is not None
     save_checkpoint(model, config.save)
     with torch.no_grad():
-        loss = model(tokens, targets).detach().clone()
+        loss = model(tokens, targets).detach().to(DTYPES[config.dtype], copy=True)
     dist.all_reduce(loss)
     return float(loss)
 
@@ -241,16 +257,20 @@ def _reference(
     config: DemoConfig, dtype: torch.dtype, tokens: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, int]]:
     """The same model, seed and batch in this one process, without any parallelism; its loss,
-    gradients and parameter bytes."""
+    gradients (in ``dtype``) and parameter bytes. Under ``--param-dtype`` it runs the casts FSDP2
+    runs: the weights cast to it for forward and backward, the gradients back to ``dtype``."""
     model = MoETransformer(config.transformer).to(dtype)
     if config.load is None:
         initialize(model, config.seed)
     else:
         load_checkpoint(model, config.load, no_dist=True, allow_unverified=config.allow_unverified)
+    held = parameter_bytes(model)
+    if config.param_dtype is not None:
+        model.to(getattr(torch, DTYPE_NAMES[config.param_dtype]))
     loss = model(tokens, targets)
     loss.backward()
-    gradients = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), gradients, parameter_bytes(model)
+    gradients = {name: p.grad.to(dtype) for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach().to(dtype), gradients, held
 
 
 def parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
@@ -288,7 +308,8 @@ def run_local(config: DemoConfig) -> dict[str, Any]:
 def print_report(report: dict[str, Any], as_json: bool) -> None:
     print(report["plan"])
     print()
-    print(f"world: {report['world_size']} ranks, axes {report['axis_sizes']}, {report['dtype']}")
+    precision = f", computed in {report['param_dtype']} (FSDP2 mixed precision)" if report["param_dtype"] else ""
+    print(f"world: {report['world_size']} ranks, axes {report['axis_sizes']}, {report['dtype']}{precision}")
     print(f"modules bound: {report['modules_bound']} of {report['planned_modules']} planned")
     print(f"new process groups while applying layouts and binding: {report['new_process_groups']}")
     print("phases (rank 0): " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in report["phases"].items()))
@@ -297,6 +318,11 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
         f"max |loss diff| {report['max_abs_loss_diff']:.3e}"
     )
     print(f"max relative gradient difference over all parameters: {report['max_rel_grad_diff']:.3e}")
+    if report["cast_rel_grad_diff"] is not None:
+        print(
+            f"  the reference runs the same casts; those casts alone move its gradients by {report['cast_rel_grad_diff']:.3e} "
+            f"from {report['dtype']}: the distributed run, rounding in another order, differs by about as much"
+        )
     parts = ", ".join(f"{part} {mine} of {full}" for part, (mine, full) in report["param_bytes_by_part"].items())
     print(f"parameter bytes: {report['param_bytes_per_rank']} on rank 0 of {report['param_bytes_full']} in one process ({parts})")
     matches = "equal on every rank" if report["report_matches_every_rank"] else "DIFFERENT on some rank"
