@@ -5,6 +5,7 @@ rank of a gloo world (``step_memory_checks.py``)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,7 @@ HF_WORLDS = {
 HF_CASES = [
     *[(world, "none") for world in HF_WORLDS],
     *[(world, "full") for world in list(HF_WORLDS)[:2]],
+    ("llama tp2 dp_shard2", "selective-layer:2"),
 ]
 
 
@@ -577,6 +579,40 @@ def test_the_truth_counts_a_free_on_another_thread_and_returns_to_its_start_afte
     ids = torch.zeros(2, 8, dtype=torch.long)
     totals = _step_totals(lambda: training_step(model, optimizer, (ids, ids.clone()), {}))
     assert len(totals) > 10 and totals[-1] == totals[0] and max(totals) > totals[0]
+
+
+FIRST_AND_LATER_TRACE = """
+import torch
+from step_memory_checks import hf_transformer, traced
+from meshbind import FullyShard, LayoutContext
+from meshbind.interop.hf_plans import from_hf_plan
+
+def peak():
+    with torch.device("meta"):
+        source = from_hf_plan(hf_transformer("llama"))
+    answer = traced(lambda: hf_transformer("llama"), source, LayoutContext({"dp_shard": 2, "tp": 2}), batch=2, seq_len=64,
+                    fully_shard=FullyShard(("model.layers.*",)), activation_checkpointing="selective-layer:2", device="cpu")
+    return answer.classes[0].peak_bytes
+
+print(peak(), peak())
+"""
+
+
+def test_the_first_trace_in_a_process_counts_what_a_later_one_does() -> None:
+    """DTensor runs each op it has not met yet once on fake global tensors, to learn its output's
+    shape: no memory of the step, and only in a process's first step. The trace does not count it
+    (it once put a 64 KiB temporary at the peak of the first trace only)."""
+    import subprocess
+    import sys
+
+    tests = str(Path(__file__).resolve().parent)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", FIRST_AND_LATER_TRACE], capture_output=True, text=True, timeout=300, env=environment, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, later = map(int, result.stdout.split()[-2:])
+    assert first == later
 
 
 def test_the_truth_is_not_raised_by_a_buffer_another_thread_frees_late() -> None:

@@ -85,14 +85,18 @@ def _hf_model_and_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
             f"--hf-config {path}: the file sets no {name}: checked against {value}, {type(config).__name__}'s default",
             file=sys.stderr,
         )
-    print(f"building {type(config).__name__} ({model_type}) on meta ...", file=sys.stderr)
+    # FSDP2's mixed precision keeps float32 shards (the master copy) and gathers in --param-dtype,
+    # as torchtitan trains: the config's own dtype is what a checkpoint is stored in.
+    dtype = {"dtype": torch.float32} if getattr(args, "param_dtype", None) is not None else {}
+    built_in = " in float32 (--param-dtype)" if dtype else ""
+    print(f"building {type(config).__name__} ({model_type}) on meta{built_in} ...", file=sys.stderr)
 
     def build() -> Any:
         with torch.device("meta"):
             try:
-                return AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+                return AutoModelForCausalLM.from_config(config, **dtype)  # type: ignore[no-untyped-call]
             except ValueError:  # not a causal LM: the base model
-                return AutoModel.from_config(config)  # type: ignore[no-untyped-call]
+                return AutoModel.from_config(config, **dtype)  # type: ignore[no-untyped-call]
 
     model = _user_code(f"--hf-config {path}: building the model", build)
     args.build = lambda: _user_code(f"--hf-config {path}: building the model", build)

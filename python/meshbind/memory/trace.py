@@ -31,7 +31,7 @@ from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, kept_m
 from meshbind.memory.fsdp_chunks import chunks_for_traced_rank
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.step import StepInputs, apply_plan, default_inputs, make_optimizer, make_optimizer_state, training_step
-from meshbind.memory.trackers import Peak, step_tracker
+from meshbind.memory.trackers import Peak, step_tracker, untracked_shape_propagation
 from meshbind.mesh import MeshContext
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
@@ -247,7 +247,7 @@ def _trace_rank(model: nn.Module, plan: ParallelPlan, rank: int, settings: StepS
             args, kwargs = step_inputs(settings.batch, settings.seq_len)
             tracker = step_tracker(model, optimizer, (args, kwargs))
             try:
-                with tracker:
+                with tracker, untracked_shape_propagation(tracker):
                     training_step(model, optimizer, args, kwargs)
             except StepMemoryError:
                 raise

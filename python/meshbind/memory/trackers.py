@@ -3,6 +3,8 @@ where each one's peak falls."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
@@ -10,6 +12,7 @@ from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_leaves
 
 from meshbind.memory.result import KINDS
@@ -46,7 +49,14 @@ _KIND_OF = {
 
 class _PeakPlace:
     """Where the step's peak falls: the innermost module running and the phase, kept each time
-    the tracker's peak rises."""
+    the tracker's peak rises; nothing counted while ``untracked`` (``untracked_shape_propagation``)."""
+
+    untracked = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.untracked:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
 
     _mod_tracker: Any
     _in_opt: bool
@@ -95,6 +105,27 @@ class _StepTracker(_PeakPlace, MemTracker):  # type: ignore[no-untyped-call]
 
 class _FSDPStepTracker(_PeakPlace, FSDPMemTracker):  # type: ignore[no-untyped-call]
     pass
+
+
+@contextmanager
+def untracked_shape_propagation(tracker: _StepTracker | _FSDPStepTracker) -> Iterator[None]:
+    """DTensor learns an op's output shape by running it once on fake global tensors (then caches
+    it): no memory a real step allocates, but the tracker would count it, in the first step of a
+    process only. It runs untracked here."""
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def untracked(self: ShardingPropagator, op_schema: Any) -> Any:
+        tracker.untracked = True
+        try:
+            return propagate(self, op_schema)
+        finally:
+            tracker.untracked = False
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
 
 
 def step_tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Any) -> _StepTracker | _FSDPStepTracker:
