@@ -3,6 +3,9 @@ blocks each choice wraps, what ``selective-op`` saves, and how a choice is writt
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +14,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from meshbind import LayoutContext, resolve_plan
 from meshbind.activation_checkpointing import apply_checkpointing
 from meshbind.names import ActivationCheckpointing, Checkpointing
+
+from hf_models import DENSE
 
 
 class Blocks(nn.Module):
@@ -88,3 +93,38 @@ def test_a_choice_is_parsed_from_its_text_and_written_back_the_same() -> None:
     ):
         with pytest.raises(ValueError, match=r"activation_checkpointing must be one of none, full, selective-layer:K"):
             Checkpointing.parse(wrong, "activation_checkpointing")
+
+
+def test_the_command_line_takes_each_form_and_names_the_forms_on_a_wrong_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``check --memory --activation-checkpointing``: a selective choice is traced and said in the
+    answer; a wrong one exits 2 naming the forms, before any work."""
+    from meshbind.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4, **DENSE}))
+    argv = ["check", "--hf-config", str(config), "--axis", "dp_shard=2", "--memory", "--batch", "1", "--seq-len", "32"]
+    assert main([*argv, "--activation-checkpointing", "selective-layer:2", "--device", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["activation_checkpointing"] == "selective-layer:2"
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--activation-checkpointing", "selective-layer:0"])
+    assert exited.value.code == 2
+    assert (
+        "the choice must be one of none, full, selective-layer:K (K a whole number from 1), selective-op"
+        in capsys.readouterr().err
+    )
+
+
+def test_param_dtype_builds_a_transformers_config_in_float32(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """FSDP2's mixed precision keeps float32 shards: a config stored in bfloat16 is built in float32."""
+    from meshbind.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "torch_dtype": "bfloat16", **DENSE}))
+    argv = ["check", "--hf-config", str(config), "--axis", "dp_shard=2", "--report"]
+    assert main([*argv, "--param-dtype", "bf16", "--reduce-dtype", "fp32"]) == 0
+    captured = capsys.readouterr()
+    assert "float32 -> bfloat16, reduced in float32" in captured.out and "in float32 (--param-dtype)" in captured.err
+    assert main(argv) == 0
+    assert "bfloat16 -> bfloat16, reduced in bfloat16" in capsys.readouterr().out
