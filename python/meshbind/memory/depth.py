@@ -2,12 +2,16 @@
 decoder layers) is traced at three, four and five blocks of that run, and its step at full depth
 extrapolated from them, only where that is exact.
 
-Exact means: every figure (the peak and each kind live at it) grows by the same number of bytes
-from three blocks to four as from four to five. A block's parameters, gradients, optimizer state,
-saved activations and sharded FSDP state then each add the same bytes, and what is live only
-around one block (its gathered parameters, its backward's temporaries) adds none; the full-depth
-figures follow. The shallowest depth is three: with fewer, FSDP's prefetching and the first and
-last blocks' edges make the steps differ. Where the steps differ, the whole model is traced.
+Exact means: at every place of the step (the module running and the phase), the most bytes live
+there and each kind then grow by the same number of bytes from three blocks to four as from four
+to five. A block's parameters, gradients, optimizer state, saved activations and sharded FSDP
+state then each add the same bytes, and what is live only around one block (its gathered
+parameters, its backward's temporaries) adds none; every place's full-depth figures follow, and
+the highest is the peak. Every place, not only where the shallow steps peak: bytes that grow
+faster with depth (each checkpointed block's saved input, all the optimizer's state) overtake a
+shallow step's peak in a deep one. The shallowest depth is three: with fewer, FSDP's prefetching
+and the first and last blocks' edges make the steps differ. Where a place's steps differ, the
+whole model is traced.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from meshbind.memory.trackers import Place
 from meshbind.model_index import ModelIndex, ParameterKind
 
 TRACED_DEPTHS = (3, 4, 5)
@@ -32,17 +37,6 @@ class AlikeRun:
     list_fqn: str
     first: int
     count: int
-
-    def full_name(self, deeper: str, shallower: str) -> str:
-        """The module the deepest trace's peak fell in, named as in the whole model. A block whose
-        index did not move from the trace one block shallower is counted from the start (the peak
-        stays with it at any depth); one that moved with the depth, from the end."""
-        prefix = f"{self.list_fqn}." if self.list_fqn else ""
-        block, shallower_block = _block_of(deeper, prefix), _block_of(shallower, prefix)
-        if block is None or (shallower_block is not None and block[0] == shallower_block[0]):
-            return deeper
-        rest = deeper[len(prefix) + len(str(block[0])) :]
-        return f"{prefix}{block[0] + self.count - TRACED_DEPTHS[-1]}{rest}"
 
 
 def alike_run(index: ModelIndex) -> AlikeRun | None:
@@ -110,11 +104,43 @@ def truncated(model: nn.Module, run: AlikeRun, kept: int) -> nn.Module:
         parent._modules[name] = blocks
 
 
-def extrapolated(figures: Sequence[Mapping[str, int]], count: int) -> dict[str, int] | None:
-    """The figures at ``count`` blocks from those at the traced depths, or ``None`` when they do not
-    grow by equal steps (extrapolating would not be exact)."""
-    one, two, three = figures
-    step = {key: two[key] - one[key] for key in one}
-    if any(three[key] - two[key] != step[key] for key in one):
-        return None
-    return {key: one[key] + (count - TRACED_DEPTHS[0]) * step[key] for key in one}
+def extrapolated(places: Sequence[Mapping[Place, Mapping[str, int]]], run: AlikeRun) -> tuple[Place, dict[str, int]] | None:
+    """The place of the full-depth step's peak and its figures, from each place's figures at the
+    traced depths (``Peak.places``), or ``None`` when some place's figures do not grow by equal
+    steps (extrapolating would not be exact). Every place is extrapolated, not only where the
+    traced steps peak: a place whose bytes grow faster with depth (saved activations, at the start
+    of a checkpointed backward) overtakes a shallow step's peak in a deep one."""
+    named = [_full_depth_names(at_depth, run, depth) for at_depth, depth in zip(places, TRACED_DEPTHS, strict=True)]
+    best: tuple[Place, dict[str, int]] | None = None
+    for place, one in named[0].items():
+        if place not in named[1] or place not in named[2]:
+            continue
+        two, three = named[1][place], named[2][place]
+        step = {key: two[key] - one[key] for key in one}
+        if any(three[key] - two[key] != step[key] for key in one):
+            return None
+        full = {key: one[key] + (run.count - TRACED_DEPTHS[0]) * step[key] for key in one}
+        if best is None or full["peak"] > best[1]["peak"]:
+            best = (place, full)
+    return best
+
+
+def _full_depth_names(places: Mapping[Place, Mapping[str, int]], run: AlikeRun, depth: int) -> dict[Place, Mapping[str, int]]:
+    """A traced step's places named as in the whole model: a block of the run among its first
+    three is counted from the run's start and one among its last three from its end, so that each
+    is one place at every depth. The last block is not counted from the start, nor the first from
+    the end: an edge block steps differently (nothing after it to prefetch or reduce beside), and
+    at three blocks the third is the last."""
+    prefix = f"{run.list_fqn}." if run.list_fqn else ""
+    named: dict[Place, Mapping[str, int]] = {}
+    for (module, phase), figures in places.items():
+        block = _block_of(module, prefix)
+        if block is None or block[0] < run.first:
+            named[(module, phase)] = figures
+            continue
+        position, rest = block[0] - run.first, f".{block[1]}" if block[1] else ""
+        if position < min(TRACED_DEPTHS[0], depth - 1):
+            named[(f"{prefix}{run.first + position}{rest}", phase)] = figures
+        if max(depth - TRACED_DEPTHS[0], 1) <= position:
+            named[(f"{prefix}{run.first + run.count - (depth - position)}{rest}", phase)] = figures
+    return named

@@ -138,18 +138,17 @@ def _trace_class(
             model, keep = models.kept(kept), kept_modules(run, kept)
             shallower = replace(plan.only(keep), index=models.index.restricted(model, keep))
             traced.append(_trace_rank(model, shallower, group.first, settings, inputs))
-        figures = [{"peak": peak.total, **peak.kinds} for peak in traced]
-        full = extrapolated(figures, run.count)
-        if full is not None:
-            deepest = traced[-1]
+        found = extrapolated([peak.places for peak in traced], run)
+        if found is not None:
+            (module, phase), full = found
             depths = ", ".join(map(str, TRACED_DEPTHS[:-1])) + f" and {TRACED_DEPTHS[-1]}"
             return RankClassMemory(
                 first_rank=group.first,
                 ranks=group.count,
                 peak_bytes=full.pop("peak"),
                 live_at_peak=full,
-                peak_module=run.full_name(deepest.module, traced[-2].module),
-                peak_phase=deepest.phase,
+                peak_module=module,
+                peak_phase=phase,
                 traced=f"{depths} of the {run.count} alike blocks of {run.list_fqn}, extrapolated (exact)",
                 seconds=time.perf_counter() - started,
             )

@@ -21,11 +21,17 @@ TRACED_DEVICE = torch.device("cpu")
 """Where a trace puts the model: on the CPU under ``FakeTensorMode``, for either target device."""
 
 
+Place = tuple[str, str]
+"""Where a step is: the innermost module running (``"<root>"``: the model itself or none) and the phase."""
+
+
 class Peak(NamedTuple):
     total: int
     kinds: dict[str, int]
     module: str
     phase: str
+    places: dict[Place, dict[str, int]]
+    """For each place the step ran in, the most bytes live there (``"peak"``) and each kind then."""
 
 
 _KIND_OF = {
@@ -48,8 +54,9 @@ _KIND_OF = {
 
 
 class _PeakPlace:
-    """Where the step's peak falls: the innermost module running and the phase, kept each time
-    the tracker's peak rises; nothing counted while ``untracked`` (``untracked_shape_propagation``)."""
+    """Where the step's peak falls, and the most bytes live in each place the step runs in (its
+    module and phase), kept after each op; nothing counted while ``untracked``
+    (``untracked_shape_propagation``)."""
 
     untracked = False
 
@@ -62,13 +69,21 @@ class _PeakPlace:
     _in_opt: bool
     _peak_mem: dict[torch.device, int]
     _peak_mem_snap: dict[torch.device, dict[Any, int]]
+    _curr_mem_snap: dict[torch.device, dict[Any, int]]
     _root_name: str
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         before = self._peak_mem.get(TRACED_DEVICE, 0)
         super()._update_peak_stats(peak_state)  # type: ignore[misc]
+        current = self._curr_mem_snap.get(TRACED_DEVICE)
+        if current is None:
+            return
+        place = (self.current_module() or "<root>", self.current_phase())
         if self._peak_mem.get(TRACED_DEVICE, 0) > before:
-            self._peak_place = (self.current_module(), self.current_phase())
+            self._peak_place = place
+        places: dict[Place, dict[Any, int]] = self.__dict__.setdefault("_places", {})
+        if place not in places or current["Total"] > places[place]["Total"]:
+            places[place] = dict(current)
 
     def current_module(self) -> str:
         running = [name for name in self._mod_tracker.parents if name != "Global"]
@@ -86,17 +101,24 @@ class _PeakPlace:
         return "backward" if self._mod_tracker.is_bw else "forward"
 
     def peak(self) -> Peak:
-        snapshot: dict[str, int] = dict.fromkeys(KINDS, 0)
-        total = 0
         # The traced device's snapshot alone, taken at its own peak: meta tensors (which transformers
         # makes to read strides) hold no memory, and another device's peak falls at another moment.
-        for kind, size in self._peak_mem_snap.get(TRACED_DEVICE, {}).items():
-            if kind == "Total":
-                total = size
-            else:
-                snapshot[_KIND_OF[str(kind.value)]] += size
+        figures = _figures(self._peak_mem_snap.get(TRACED_DEVICE, {}))
+        total = figures.pop("peak")
         module, phase = getattr(self, "_peak_place", ("<root>", "forward"))
-        return Peak(total, snapshot, module, phase)
+        places = {place: _figures(snapshot) for place, snapshot in self.__dict__.get("_places", {}).items()}
+        return Peak(total, figures, module, phase, places)
+
+
+def _figures(snapshot: dict[Any, int]) -> dict[str, int]:
+    """A tracker's snapshot as the answer's figures: ``"peak"`` (its total) and each kind."""
+    figures: dict[str, int] = {"peak": 0, **dict.fromkeys(KINDS, 0)}
+    for kind, size in snapshot.items():
+        if kind == "Total":
+            figures["peak"] = size
+        else:
+            figures[_KIND_OF[str(kind.value)]] += size
+    return figures
 
 
 class _StepTracker(_PeakPlace, MemTracker):  # type: ignore[no-untyped-call]

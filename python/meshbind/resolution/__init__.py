@@ -68,9 +68,10 @@ def resolve_plan(
     each module holding parameters placed on ``ep``, then the root; ``plan.fsdp.by_default``).
     ``index``: walk the whole tree once, parameters included, and keep what it found on the plan
     (``plan.index``) for the report, the ranks' agreement and step memory to read instead of
-    walking the model again; FSDP units and a plan source read the index, so either builds it
-    whether asked or not. A pruned walk (the default otherwise) enters only the subtrees a
-    pattern can reach. Raises ``PlanError`` listing every problem.
+    walking the model again; FSDP units need the index and build it whether asked or not. A plan
+    source (``from_hf_plan``) reads the same one whole walk, index or not. A pruned walk (the
+    default otherwise) enters only the subtrees a pattern can reach. Raises ``PlanError`` listing
+    every problem.
     """
     if not isinstance(context, LayoutContext):
         raise TypeError(f"context must be a LayoutContext, got {type(context).__name__}")
@@ -99,9 +100,10 @@ def _select(
     the source, the selection and the index all read that walk."""
     source = requests if isinstance(requests, PlanSource) else None
     whole: ModuleTree | None = None
+    model_index: ModelIndex | None = None
     if isinstance(model, nn.Module) and (indexed or source is not None):
         whole = walk_whole(model)
-    model_index = ModelIndex.of_tree(model, whole) if indexed and whole is not None else None  # type: ignore[arg-type]
+        model_index = ModelIndex.of_tree(model, whole) if indexed else None
     if source is not None:
         read = whole if whole is not None else model
         assert not isinstance(read, nn.Module)  # a module tree is walked whole for its source
