@@ -66,7 +66,8 @@ def apply_checkpointing(
         parent = submodule(model, parent_fqn)
         block = parent._modules[name]
         assert block is not None
-        setattr(parent, name, checkpoint_wrapper(block, **wrapping))
+        # torchtitan's choice: no RNG state saved per block (its models have no dropout to replay)
+        setattr(parent, name, checkpoint_wrapper(block, preserve_rng_state=False, **wrapping))
     return blocks
 
 
