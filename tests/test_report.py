@@ -139,6 +139,21 @@ def test_the_page_loads_in_headless_chromium_and_shows_the_jsons_totals(
         assert "ep: S(0)" in parameter.get_attribute("title") and "[4,64,32]" in parameter.get_attribute("title")
 
 
+def test_the_page_shows_each_fsdp_units_dtypes_and_buffers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from selenium.webdriver.common.by import By
+
+    page = tmp_path / "report.html"
+    axes = ["--axis", "dp_shard=2", "--axis", "cp=1", "--axis", "tp=2", "--axis", "ep=2"]
+    assert main(["check", *DEMO, *axes, "--param-dtype", "bf16", "--reduce-dtype", "fp32", "--json", "--html", str(page)]) == 0
+    units = json.loads(capsys.readouterr().out)["report"]["units"]
+    with opened_page(page) as driver:
+        rows = driver.find_elements(By.CSS_SELECTOR, "#units tr[data-fqn]")
+        assert [row.get_attribute("data-fqn") for row in rows] == [unit["fqn"] for unit in units]
+        assert all("float32 \u2192 bfloat16" in row.text and "float32" in row.text for row in rows)
+        shown = [row.get_attribute("data-bytes") for row in rows]
+        assert shown == [f"{unit['shard_bytes']},{unit['gathered_bytes']},{unit['reduce_scatter_bytes']}" for unit in units]
+
+
 @pytest.fixture(scope="module")
 def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's state after one step, saved by 4 ranks at cp=2, tp=2, ep=2."""

@@ -102,6 +102,25 @@ for (const rank of report.rank_groups) {
     pieces.map(([kind, bytes]) => [kind, bytes, kind]), largest, size(rank.total_bytes));
 }
 
+// The FSDP units, alike ones as one row: the dtypes each is held, gathered and reduced in, and its buffers.
+const unitsTable = document.getElementById("units");
+if (report.units.length === 0) {
+  document.getElementById("units-section").remove();
+} else {
+  const header = unitsTable.insertRow();
+  for (const title of ["unit", "mesh", "held in → gathered in", "reduced in", "shards", "gathered copy", "reduce-scatter"]) {
+    header.insertCell().textContent = title;
+  }
+  for (const unit of report.units) {
+    const row = unitsTable.insertRow();
+    row.dataset.fqn = unit.fqn;
+    row.dataset.bytes = [unit.shard_bytes, unit.gathered_bytes, unit.reduce_scatter_bytes].join(",");
+    const cells = [(unit.count > 1 ? unit.count + " × " : "") + unit.fqn, unit.mesh, `${unit.dtype} → ${unit.param_dtype}`,
+      unit.reduce_dtype, size(unit.shard_bytes), size(unit.gathered_bytes), size(unit.reduce_scatter_bytes)];
+    for (const text of cells) row.insertCell().textContent = text;
+  }
+}
+
 // With --memory: one bar per class of ranks, the bytes live at the step's peak by kind, on the
 // scale of the device's memory when it was given.
 const memory = JSON.parse(document.getElementById("memory-data").textContent);

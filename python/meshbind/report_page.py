@@ -3,7 +3,8 @@
 No network, no external script, style or font: the report's JSON sits in the page and a short
 inline script draws the model tree (collapsed by layer index, each node coloured by the protocol
 of its planned module, a parameter's placements and local shape shown on hover or click),
-each rank's bytes as bars, and with ``--memory`` each class of ranks' step peak as a bar by kind.
+each rank's bytes as bars, each group of FSDP units with its dtypes and buffers, and with
+``--memory`` each class of ranks' step peak as a bar by kind.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def report_page(report: PlanReport, title: str, memory: StepMemory | None = None
 <h1>{html.escape(title)}</h1>
 <h2>Totals</h2><table id="totals"></table>
 <h2>Bytes per rank</h2><div id="bars"></div>
+<div id="units-section"><h2>FSDP units per rank</h2><table id="units"></table></div>
 <div id="memory-section"><h2>One training step's peak per rank</h2><p id="memory-step"></p><div id="memory"></div></div>
 <h2>Model tree</h2><div id="legend"></div><div id="tree"></div>
 <script type="application/json" id="report-data">{data}</script>
