@@ -60,6 +60,11 @@ class _PeakPlace:
 
     untracked = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._places: dict[Place, dict[Any, int]] = {}
+        self._peak_place: Place = ("<root>", "forward")
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.untracked:
             return func(*args, **(kwargs or {}))
@@ -81,9 +86,8 @@ class _PeakPlace:
         place = (self.current_module() or "<root>", self.current_phase())
         if self._peak_mem.get(TRACED_DEVICE, 0) > before:
             self._peak_place = place
-        places: dict[Place, dict[Any, int]] = self.__dict__.setdefault("_places", {})
-        if place not in places or current["Total"] > places[place]["Total"]:
-            places[place] = dict(current)
+        if place not in self._places or current["Total"] > self._places[place]["Total"]:
+            self._places[place] = dict(current)
 
     def current_module(self) -> str:
         running = [name for name in self._mod_tracker.parents if name != "Global"]
@@ -105,8 +109,8 @@ class _PeakPlace:
         # makes to read strides) hold no memory, and another device's peak falls at another moment.
         figures = _figures(self._peak_mem_snap.get(TRACED_DEVICE, {}))
         total = figures.pop("peak")
-        module, phase = getattr(self, "_peak_place", ("<root>", "forward"))
-        places = {place: _figures(snapshot) for place, snapshot in self.__dict__.get("_places", {}).items()}
+        module, phase = self._peak_place
+        places = {place: _figures(snapshot) for place, snapshot in self._places.items()}
         return Peak(total, figures, module, phase, places)
 
 
