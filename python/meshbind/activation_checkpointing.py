@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,7 +101,7 @@ def _contexts(
     forward, recompute = create_selective_checkpoint_contexts(_every_second_mm_recomputed())  # type: ignore[no-untyped-call]
     if recompute_context is None:
         return forward, recompute
-    return _nested(recompute_context(), forward), _nested(recompute_context(), recompute)
+    return _Nested(recompute_context(), forward), _Nested(recompute_context(), recompute)
 
 
 def _every_second_mm_recomputed() -> Callable[..., CheckpointPolicy]:
@@ -119,7 +119,19 @@ def _every_second_mm_recomputed() -> Callable[..., CheckpointPolicy]:
     return policy
 
 
-@contextlib.contextmanager
-def _nested(outer: contextlib.AbstractContextManager[Any], inner: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
-    with outer, inner:
-        yield
+class _Nested:
+    """``outer`` around ``inner``, both kept as long as this is: torch keeps a block's recomputation
+    context until the block's backward ends, and with it the selective checkpointing's cache of
+    outputs the recomputation stopped before (a generator would drop them when it exits)."""
+
+    def __init__(self, outer: contextlib.AbstractContextManager[Any], inner: contextlib.AbstractContextManager[Any]) -> None:
+        self.outer = outer
+        self.inner = inner
+
+    def __enter__(self) -> None:
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(self.outer)
+        self.stack.enter_context(self.inner)
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self.stack.__exit__(*exc_info)

@@ -2,7 +2,8 @@
 decoder layers) is traced at three, four and five blocks of that run, and its step at full depth
 extrapolated from them, only where that is exact.
 
-Exact means: at every place of the step (the module running and the phase), the most bytes live
+Exact means: at every place of the step (the module running, the phase and the last block run in
+it, so that the root's moments before, between and after the blocks are apart), the most bytes live
 there and each kind then grow by the same number of bytes from three blocks to four as from four
 to five. A block's parameters, gradients, optimizer state, saved activations and sharded FSDP
 state then each add the same bytes, and what is live only around one block (its gathered
@@ -130,17 +131,29 @@ def _full_depth_names(places: Mapping[Place, Mapping[str, int]], run: AlikeRun, 
     three is counted from the run's start and one among its last three from its end, so that each
     is one place at every depth. The last block is not counted from the start, nor the first from
     the end: an edge block steps differently (nothing after it to prefetch or reduce beside), and
-    at three blocks the third is the last."""
+    at three blocks the third is the last. A place's module and the last block it follows are in
+    one block when the module is in one; else the last block alone is renamed."""
     prefix = f"{run.list_fqn}." if run.list_fqn else ""
     named: dict[Place, Mapping[str, int]] = {}
-    for (module, phase), figures in places.items():
-        block = _block_of(module, prefix)
-        if block is None or block[0] < run.first:
-            named[(module, phase)] = figures
+    for (module, phase, after), figures in places.items():
+        anchor = _block_of(module, prefix) or _block_of(after, prefix)
+        if anchor is None or anchor[0] < run.first:
+            named[(module, phase, after)] = figures
             continue
-        position, rest = block[0] - run.first, f".{block[1]}" if block[1] else ""
+        position = anchor[0] - run.first
+        renumbered = []
         if position < min(TRACED_DEPTHS[0], depth - 1):
-            named[(f"{prefix}{run.first + position}{rest}", phase)] = figures
+            renumbered.append(run.first + position)
         if max(depth - TRACED_DEPTHS[0], 1) <= position:
-            named[(f"{prefix}{run.first + run.count - (depth - position)}{rest}", phase)] = figures
+            renumbered.append(run.first + run.count - (depth - position))
+        for number in renumbered:
+            named[(_renumbered(module, prefix, number), phase, _renumbered(after, prefix, number))] = figures
     return named
+
+
+def _renumbered(fqn: str, prefix: str, number: int) -> str:
+    """``fqn`` in block ``number`` of the run, if it is in a block of it; else as it is."""
+    block = _block_of(fqn, prefix)
+    if block is None:
+        return fqn
+    return f"{prefix}{number}.{block[1]}" if block[1] else f"{prefix}{number}"

@@ -137,10 +137,10 @@ def _trace_class(
         for kept in TRACED_DEPTHS:
             model, keep = models.kept(kept), kept_modules(run, kept)
             shallower = replace(plan.only(keep), index=models.index.restricted(model, keep))
-            traced.append(_trace_rank(model, shallower, group.first, settings, inputs))
+            traced.append(_trace_rank(model, shallower, group.first, settings, inputs, run.list_fqn))
         found = extrapolated([peak.places for peak in traced], run)
         if found is not None:
-            (module, phase), full = found
+            (module, phase, _), full = found
             depths = ", ".join(map(str, TRACED_DEPTHS[:-1])) + f" and {TRACED_DEPTHS[-1]}"
             return RankClassMemory(
                 first_rank=group.first,
@@ -153,7 +153,8 @@ def _trace_class(
                 seconds=time.perf_counter() - started,
             )
     model = models.whole()
-    peak = _trace_rank(model, replace(plan, index=models.index.restricted(model)), group.first, settings, inputs)
+    whole_plan = replace(plan, index=models.index.restricted(model))
+    peak = _trace_rank(model, whole_plan, group.first, settings, inputs, models.index.layer_list())
     return RankClassMemory(
         first_rank=group.first,
         ranks=group.count,
@@ -234,7 +235,9 @@ def _without_torch_advice() -> Iterator[None]:
         yield
 
 
-def _trace_rank(model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None) -> Peak:
+def _trace_rank(
+    model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None, blocks: str | None
+) -> Peak:
     with _without_torch_advice(), chunks_for_traced_rank(), _fake_world(rank, plan.context.world) as mesh_context:
         on_device = CudaAttention if settings.device is Device.CUDA else contextlib.nullcontext
         apply_plan(model, plan, mesh_context, settings.activation_checkpointing, on_device)
@@ -244,7 +247,7 @@ def _trace_rank(model: nn.Module, plan: ParallelPlan, rank: int, settings: StepS
             optimizer = make_optimizer(model, settings.optimizer, settings.device)
             make_optimizer_state(optimizer)
             args, kwargs = step_inputs(settings.batch, settings.seq_len)
-            tracker = step_tracker(model, optimizer, (args, kwargs))
+            tracker = step_tracker(model, optimizer, (args, kwargs), blocks)
             try:
                 with tracker, untracked_shape_propagation(tracker):
                     training_step(model, optimizer, args, kwargs)

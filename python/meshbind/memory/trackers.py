@@ -21,8 +21,10 @@ TRACED_DEVICE = torch.device("cpu")
 """Where a trace puts the model: on the CPU under ``FakeTensorMode``, for either target device."""
 
 
-Place = tuple[str, str]
-"""Where a step is: the innermost module running (``"<root>"``: the model itself or none) and the phase."""
+Place = tuple[str, str, str]
+"""Where a step is: the innermost module running (``"<root>"``: the model itself or none), the
+phase, and the last block of the model's layer list the phase has run (``""``: none yet), which
+tells apart the moments of one module before its blocks, between them and after them."""
 
 
 class Peak(NamedTuple):
@@ -60,10 +62,12 @@ class _PeakPlace:
 
     untracked = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, blocks: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._places: dict[Place, dict[Any, int]] = {}
-        self._peak_place: Place = ("<root>", "forward")
+        self._peak_place: Place = ("<root>", "forward", "")
+        self._block_prefix = None if blocks is None else f"{blocks}." if blocks else ""
+        self._last_block: dict[str, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.untracked:
@@ -83,11 +87,20 @@ class _PeakPlace:
         current = self._curr_mem_snap.get(TRACED_DEVICE)
         if current is None:
             return
-        place = (self.current_module() or "<root>", self.current_phase())
+        place = self._place()
         if self._peak_mem.get(TRACED_DEVICE, 0) > before:
             self._peak_place = place
         if place not in self._places or current["Total"] > self._places[place]["Total"]:
             self._places[place] = dict(current)
+
+    def _place(self) -> Place:
+        module, phase = self.current_module() or "<root>", self.current_phase()
+        prefix = self._block_prefix
+        if prefix is not None and module.startswith(prefix):
+            number = module[len(prefix) :].partition(".")[0]
+            if number.isdigit():
+                self._last_block[phase] = prefix + number
+        return module, phase, self._last_block.get(phase, "")
 
     def current_module(self) -> str:
         running = [name for name in self._mod_tracker.parents if name != "Global"]
@@ -109,7 +122,7 @@ class _PeakPlace:
         # makes to read strides) hold no memory, and another device's peak falls at another moment.
         figures = _figures(self._peak_mem_snap.get(TRACED_DEVICE, {}))
         total = figures.pop("peak")
-        module, phase = self._peak_place
+        module, phase, _ = self._peak_place
         places = {place: _figures(snapshot) for place, snapshot in self._places.items()}
         return Peak(total, figures, module, phase, places)
 
@@ -154,17 +167,20 @@ def untracked_shape_propagation(tracker: _StepTracker | _FSDPStepTracker) -> Ite
         ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
 
 
-def step_tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Any) -> _StepTracker | _FSDPStepTracker:
+def step_tracker(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Any, blocks: str | None = None
+) -> _StepTracker | _FSDPStepTracker:
     """``FSDPMemTracker`` when the root is an FSDP unit (it names the all-gather and reduce-scatter
     buffers), ``MemTracker`` otherwise; the parameters, optimizer state and inputs made before the
-    step are counted from its start."""
+    step are counted from its start. ``blocks`` is the FQN of the model's layer list, if any: its
+    blocks tell the places of the step apart (``Place``)."""
     if isinstance(model, FSDPModule):
-        fsdp_tracker = _FSDPStepTracker(model, optimizer)
+        fsdp_tracker = _FSDPStepTracker(model, optimizer, blocks=blocks)
         fsdp_tracker.track_inputs(inputs)
         if optimizer is not None:  # FSDPMemTracker counts the state only after the step made it
             fsdp_tracker._track_optimizer_states(_FSDPRefType.OPT, optimizer)
         return fsdp_tracker
-    tracker = _StepTracker()
+    tracker = _StepTracker(blocks=blocks)
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     tracker.track_external(*[leaf for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor)])
     return tracker
