@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "meshbind.layouts": 3,
     "meshbind.fsdp": 3,
     "meshbind.activation_checkpointing": 3,
+    "meshbind.pipeline": 3,
     "meshbind.binding": 3,
     "meshbind.checkpoints": 3,
     "meshbind.interop": 3,

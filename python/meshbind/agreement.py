@@ -90,7 +90,13 @@ def plan_agreement(model: nn.Module, plan: ParallelPlan, mesh_context: MeshConte
     ]
 
 
-def check_ranks_agree(what: str, entries: Callable[[], Sequence[Entry]], *, model: nn.Module | None = None) -> None:
+def check_ranks_agree(
+    what: str,
+    entries: Callable[[], Sequence[Entry]],
+    *,
+    model: nn.Module | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """Raise ``RankMismatchError`` on every rank unless every rank's ``entries()`` are the same;
     nothing else happens first, so nothing has changed when it raises. A no-op outside a world of
     several ranks, under torch's fake group (a trace: one process stands for every rank), and
@@ -100,17 +106,20 @@ def check_ranks_agree(what: str, entries: Callable[[], Sequence[Entry]], *, mode
     digests exactly as the ranks last agreed (the plan's steps in turn: layouts, binding, FSDP)
     needs no collective, since every rank then holds what all of them agreed on. A rank whose
     entries changed since compares again; if only some ranks changed, those wait for the others
-    and are told within ``MESHBIND_RANK_CHECK_TIMEOUT`` which ranks did not come."""
-    if os.environ.get(SWITCH) == "1" or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    and are told within ``MESHBIND_RANK_CHECK_TIMEOUT`` which ranks did not come.
+
+    ``group`` (default: every rank) is the ranks that must agree: under a pipeline, one stage's
+    ranks for what only that stage holds (``MeshContext.stage_group``)."""
+    if os.environ.get(SWITCH) == "1" or not dist.is_available() or not dist.is_initialized():
         return
-    if dist.get_backend() == "fake":
+    if dist.get_backend() == "fake" or dist.get_world_size(group) == 1:
         return
     check_timeout()
     mine = list(entries())
     digest = hashlib.sha256("\n".join(f"{key}\t{value}" for key, value in mine).encode("utf-8", "surrogatepass")).digest()
     if model is not None and _AGREED.get(model) == digest:
         return
-    _compare(what, mine, digest)
+    _compare(what, mine, digest, group)
     if model is not None:
         _AGREED[model] = digest
 
@@ -119,16 +128,16 @@ _AGREED: weakref.WeakKeyDictionary[nn.Module, bytes] = weakref.WeakKeyDictionary
 """Each model's digest the ranks last agreed on."""
 
 
-def _compare(what: str, mine: list[Entry], digest: bytes) -> None:
-    _everyone_arrives(what)
+def _compare(what: str, mine: list[Entry], digest: bytes, group: dist.ProcessGroup | None) -> None:
+    _everyone_arrives(what, group)
     words = torch.frombuffer(bytearray(digest), dtype=torch.int64).clone()
     # One all-reduce: the maximum of the words and of their negations (minus the minimum); both
     # equal every rank's words exactly when every rank holds the same digest.
     extremes = torch.cat([words, -words])
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     if torch.equal(extremes[:4], -extremes[4:]):
         return
-    raise RankMismatchError(what, _differences(mine, words))
+    raise RankMismatchError(what, _differences(mine, words, group))
 
 
 def check_timeout() -> float:
@@ -146,34 +155,38 @@ def check_timeout() -> float:
     return seconds
 
 
-def _everyone_arrives(what: str) -> None:
+def _everyone_arrives(what: str, group: dist.ProcessGroup | None) -> None:
     """Gloo's monitored barrier names the ranks that do not arrive in time (other backends wait
     for their process group's own timeout)."""
-    if dist.get_backend() != "gloo":
+    if dist.get_backend(group) != "gloo":
         return
     seconds = check_timeout()
     try:
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True)
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True)
     except RuntimeError as error:
         raise RankMismatchError(what, [f"not every rank arrived within {seconds:g} s ({error})"]) from None
 
 
-def _differences(mine: list[Entry], digest: torch.Tensor) -> list[str]:
-    """Which ranks differ from the ranks most agree with, and their first differing entry."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    digests = [torch.empty_like(digest) for _ in range(world)]
-    dist.all_gather(digests, digest)
+def _differences(mine: list[Entry], digest: torch.Tensor, group: dist.ProcessGroup | None) -> list[str]:
+    """Which ranks differ from the ranks most agree with, and their first differing entry (ranks
+    of the world, whatever the group)."""
+    size = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    rank = dist.get_rank()
+    digests = [torch.empty_like(digest) for _ in range(size)]
+    dist.all_gather(digests, digest, group=group)
     keys = [tuple(d.tolist()) for d in digests]
     common = Counter(keys).most_common(1)[0][0]
-    reference = keys.index(common)
-    others = [r for r, key in enumerate(keys) if key != common]
+    reference = ranks[keys.index(common)]
+    others = [ranks[index] for index, key in enumerate(keys) if key != common]
     shared: list[object] = [mine if rank == reference else None]
-    dist.broadcast_object_list(shared, src=reference)
+    dist.broadcast_object_list(shared, src=reference, group=group)
     theirs = shared[0]
     assert isinstance(theirs, list)
     found = _first_difference(mine, theirs, reference) if rank in others[:_SHOWN] else None
-    described: list[object] = [None] * world
-    dist.all_gather_object(described, found)
+    gathered: list[object] = [None] * size
+    dist.all_gather_object(gathered, found, group=group)
+    described = dict(zip(ranks, gathered, strict=True))
     lines = [f"rank {r} differs from rank {reference} first at {described[r]}" for r in others[:_SHOWN]]
     if len(others) > _SHOWN:
         lines.append(f"and {len(others) - _SHOWN} more ranks differ from rank {reference}")

@@ -72,7 +72,9 @@ def bind_parallel_modules(model: nn.Module, plan: ParallelPlan, mesh_context: Me
         raise TypeError(f"plan must be a ParallelPlan, got {type(plan).__name__}")
     mesh_binding = MeshBinding(mesh_context)
     check_resolved_for(plan.context, mesh_context)
-    check_ranks_agree("bind_parallel_modules", lambda: plan_agreement(model, plan, mesh_context), model=model)
+    check_ranks_agree(
+        "bind_parallel_modules", lambda: plan_agreement(model, plan, mesh_context), model=model, group=mesh_context.stage_group
+    )
     prepared, unchanged = _prepare(model, plan, mesh_binding)
     bound: list[_Prepared] = []
     for entry in prepared:

@@ -199,6 +199,16 @@ class LayoutError(_ListedProblems):
         super().__init__("cannot apply the layouts", "problem", problems)
 
 
+class PipelineError(_ListedProblems):
+    """The pipeline cannot be split or scheduled as asked, found before any stage is built;
+    ``problems`` names each: the axis, the schedule, the stage and the module FQN concerned."""
+
+    code = "pipeline"
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("cannot pipeline the model", "problem", problems)
+
+
 class CheckpointError(_ListedProblems):
     """A checkpoint that does not fit the model; ``problems`` names every key (missing, or at
     another shape). Nothing was loaded. A refused save says so in its ``headline``."""

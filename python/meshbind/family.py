@@ -34,6 +34,9 @@ class FamilyLayout:
     def applied(self) -> bool:
         return self.applied_on is not None
 
+    def __deepcopy__(self, memo: dict[int, object]) -> FamilyLayout:
+        return self  # immutable, and its mesh context is the one the copy is bound on too
+
 
 @dataclass(frozen=True)
 class FamilyBuildInfo:
@@ -42,6 +45,9 @@ class FamilyBuildInfo:
     spec: ParallelModuleSpec
     fqn: str | None = None
     layout: FamilyLayout | None = None
+
+    def __deepcopy__(self, memo: dict[int, object]) -> FamilyBuildInfo:
+        return self  # immutable: a copied module (a pipeline stage's) keeps its FQN and layout
 
 
 def family_spec(cls: type) -> object:

@@ -32,7 +32,9 @@ def apply_fully_shard(model: nn.Module, plan: ParallelPlan, mesh_context: MeshCo
     check_application(model, plan, mesh_context)
     if plan.fsdp is None:
         raise ValueError("the plan has no FSDP units: resolve it with resolve_plan(..., fully_shard=FullyShard(units))")
-    check_ranks_agree("apply_fully_shard", lambda: plan_agreement(model, plan, mesh_context), model=model)
+    check_ranks_agree(
+        "apply_fully_shard", lambda: plan_agreement(model, plan, mesh_context), model=model, group=mesh_context.stage_group
+    )
     pending, problems = [], []
     for unit in plan.fsdp.units:
         module = _held_at(model, unit.fqn)
@@ -45,10 +47,13 @@ def apply_fully_shard(model: nn.Module, plan: ParallelPlan, mesh_context: MeshCo
         problems += _undistributed(model, plan)
     if problems:
         raise LayoutError(problems)
+    reshard = plan.fsdp.reshard_after_forward
+    if reshard is None and plan.context.world.pp > 1:
+        reshard = False  # torchtitan's default under a pipeline: a stage's microbatches reuse the gathered weights
     for unit, module, mesh in pending:
         # torch's default policy keeps every parameter's own dtype
         policy = unit.policy or MixedPrecisionPolicy()
-        fully_shard(module, mesh=mesh, reshard_after_forward=plan.fsdp.reshard_after_forward, mp_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     return [unit.fqn or "<root>" for unit, _, _ in pending]
 
 

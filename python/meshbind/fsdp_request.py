@@ -23,7 +23,8 @@ class FullyShard:
     unit holding expert parameters (placed on ``ep``) shards over the expert mesh's
     ``edp_shard``; any other over ``dp_shard · cp``; both replicate over ``dp_replicate`` (HSDP)
     when it is above 1. ``reshard_after_forward`` is ``fully_shard``'s own (``None``: torch's
-    default, every unit but the root).
+    default, every unit but the root; under a pipeline, ``pp`` above 1, torchtitan's: none, so
+    that a stage's microbatches reuse the gathered weights).
 
     Mixed precision is torch's ``MixedPrecisionPolicy`` on every unit, with its names and
     defaults: ``param_dtype`` (what a unit is all-gathered and computed in), ``reduce_dtype``

@@ -50,7 +50,9 @@ def apply_layouts(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContex
     this call (one already distributed with the same layout is left alone). Raises
     ``LayoutError`` listing every problem before any parameter changes."""
     check_application(model, plan, mesh_context)
-    check_ranks_agree("apply_layouts", lambda: plan_agreement(model, plan, mesh_context), model=model)
+    check_ranks_agree(
+        "apply_layouts", lambda: plan_agreement(model, plan, mesh_context), model=model, group=mesh_context.stage_group
+    )
     planned = _planned_parameters(model, plan, mesh_context)
     pending = [entry for entry in planned if not _already_there(entry)]
     # Every new parameter exists before any attribute changes.

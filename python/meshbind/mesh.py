@@ -13,7 +13,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from meshbind.errors import BindingRefusedError
 from meshbind.names import MeshSide
 from meshbind.specs import LayoutContext
-from meshbind.world import AXES, DENSE_AXES, EXPERT_AXES, FSDP_AXES, FSDP_SHARD_AXES, FSDP_SHARD_MESH, World, canonical_axis
+from meshbind.world import (
+    AXES,
+    DENSE_AXES,
+    EXPERT_AXES,
+    FSDP_AXES,
+    FSDP_SHARD_AXES,
+    FSDP_SHARD_MESH,
+    PIPELINE_AXIS,
+    World,
+    canonical_axis,
+)
 
 
 def one_dimensional(mesh: object, what: str) -> DeviceMesh:
@@ -31,7 +41,9 @@ def waited(tensor: torch.Tensor) -> torch.Tensor:
 class MeshContext:
     """The device mesh (dims ``dp_replicate, dp_shard, cp, tp``) and, for expert parallelism, the
     expert mesh ``fsdp_moe_mesh`` over the same ranks with ``ep`` innermost (dims ``edp_replicate,
-    edp_shard, ep``); the ``World`` they make (``world``) and the meshes FSDP shards over.
+    edp_shard, ep``); under a pipeline, the one-dimensional ``pp_mesh`` across the stages, and
+    both other meshes are this rank's stage's. The ``World`` they make (``world``) and the meshes
+    FSDP shards over.
 
     Build one with ``MeshContext.build`` or wrap meshes you built: ``MeshContext(mesh, expert_mesh)``,
     whose dims are named from the world's axes (``dp`` read as ``dp_replicate``). Constructing one
@@ -41,7 +53,11 @@ class MeshContext:
 
     device_mesh: DeviceMesh
     fsdp_moe_mesh: DeviceMesh | None = None
+    pp_mesh: DeviceMesh | None = None
     world: World = field(init=False, compare=False, repr=False)
+    stage_group: dist.ProcessGroup | None = field(init=False, compare=False, repr=False)
+    """Under a pipeline, a group of this rank's stage's ranks (what they alone must agree on);
+    ``None`` otherwise."""
     _fsdp_meshes: dict[str, DeviceMesh] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -58,12 +74,22 @@ class MeshContext:
                     "they must cover the same ranks"
                 )
             sizes["ep"] = self.fsdp_moe_mesh.size(expert_names.index("ep"))
+        if self.pp_mesh is not None:
+            named_pp = isinstance(self.pp_mesh, DeviceMesh) and self.pp_mesh.mesh_dim_names == (PIPELINE_AXIS,)
+            if not named_pp:
+                raise ValueError("MeshContext.pp_mesh must be a one-dimensional DeviceMesh named 'pp'")
+            sizes[PIPELINE_AXIS] = self.pp_mesh.size()
         try:
             world = World.of(sizes)
         except ValueError as error:
             raise ValueError(f"MeshContext: {error}") from None
         object.__setattr__(self, "world", world)
         object.__setattr__(self, "_fsdp_meshes", {})
+        stage_group = None
+        if self.pp_mesh is not None and dist.is_initialized() and dist.get_backend() != "fake":
+            stage_ranks = self.device_mesh.mesh.flatten().tolist()
+            stage_group = dist.new_group(stage_ranks, use_local_synchronization=True)
+        object.__setattr__(self, "stage_group", stage_group)
         if self.dim_name("dp_shard") is not None:
             self.fsdp_mesh(MeshSide.DEVICE)  # FSDP's groups are made with the meshes, not when it is applied
 
@@ -71,6 +97,7 @@ class MeshContext:
     def build(
         cls,
         *,
+        pp: int = 1,
         dp_replicate: int = 1,
         dp_shard: int = 1,
         cp: int = 1,
@@ -82,24 +109,32 @@ class MeshContext:
         """Build both meshes over the initialised default process group.
 
         Every size is checked before any group is made (``World``'s rules): the product of
-        ``dp_replicate, dp_shard, cp, tp`` must be the world size and ``ep`` must divide
+        ``pp, dp_replicate, dp_shard, cp, tp`` must be the world size and ``ep`` must divide
         ``dp_shard * cp * tp``. ``dp`` is another name for ``dp_replicate``. ``device_type``
-        defaults to ``cuda`` under NCCL and ``cpu`` otherwise.
+        defaults to ``cuda`` under NCCL and ``cpu`` otherwise. With ``pp`` above 1 the meshes are
+        laid with ``pp`` outermost (torchtitan's order) and each rank keeps its stage's.
         """
         if dp is not None:
             if dp_replicate != 1:
                 raise ValueError("give dp or dp_replicate, not both: dp is another name for dp_replicate")
             dp_replicate = dp
-        world = World(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
+        world = World(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("MeshContext.build needs an initialised process group (torch.distributed.init_process_group)")
         if world.size != dist.get_world_size():
-            product = " * ".join(f"{axis}={getattr(world, axis)}" for axis in DENSE_AXES)
+            product = " * ".join(f"{axis}={getattr(world, axis)}" for axis in (PIPELINE_AXIS, *DENSE_AXES))
             raise ValueError(f"{product} = {world.size}, but the world size is {dist.get_world_size()}")
         device = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
-        device_mesh = init_device_mesh(device, world.dense_shape, mesh_dim_names=DENSE_AXES)
-        expert_mesh = init_device_mesh(device, world.expert_shape, mesh_dim_names=EXPERT_AXES) if ep > 1 else None
-        return cls(device_mesh, expert_mesh)
+        if pp == 1:
+            device_mesh = init_device_mesh(device, world.dense_shape, mesh_dim_names=DENSE_AXES)
+            expert_mesh = init_device_mesh(device, world.expert_shape, mesh_dim_names=EXPERT_AXES) if ep > 1 else None
+            return cls(device_mesh, expert_mesh)
+        whole = init_device_mesh(device, (pp, *world.dense_shape), mesh_dim_names=(PIPELINE_AXIS, *DENSE_AXES))
+        expert_mesh = None
+        if ep > 1:
+            expert_whole = init_device_mesh(device, (pp, *world.expert_shape), mesh_dim_names=(PIPELINE_AXIS, *EXPERT_AXES))
+            expert_mesh = expert_whole[EXPERT_AXES]
+        return cls(whole[DENSE_AXES], expert_mesh, whole[PIPELINE_AXIS])
 
     def axis_sizes(self) -> dict[str, int]:
         """Every axis of the world and its size (``ep`` is 1 without an expert mesh)."""
@@ -108,7 +143,9 @@ class MeshContext:
     def same_meshes(self, other: MeshContext) -> bool:
         """Whether ``other`` wraps these very meshes. ``DeviceMesh`` equality compares layouts,
         not groups: a mesh rebuilt with the same layout is equal but communicates elsewhere."""
-        return self.device_mesh is other.device_mesh and self.fsdp_moe_mesh is other.fsdp_moe_mesh
+        return (
+            self.device_mesh is other.device_mesh and self.fsdp_moe_mesh is other.fsdp_moe_mesh and self.pp_mesh is other.pp_mesh
+        )
 
     def layout_context(self) -> LayoutContext:
         return LayoutContext(self.axis_sizes())

@@ -39,9 +39,10 @@ class Name(str, Enum):
 
 
 class Axis(Name):
-    """The world's axes, as torchtitan names its mesh dims: the device mesh's (outermost first),
-    then ``ep``, and the expert mesh's data-parallel axes derived from them."""
+    """The world's axes, as torchtitan names its mesh dims: ``pp`` outermost, the device mesh's
+    (outermost first), then ``ep``, and the expert mesh's data-parallel axes derived from them."""
 
+    PP = "pp"
     DP_REPLICATE = "dp_replicate"
     DP_SHARD = "dp_shard"
     CP = "cp"

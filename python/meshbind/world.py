@@ -3,8 +3,9 @@ and rules, which prebuilt mesh each lives on, and each rank's coordinates. ``Lay
 ``MeshContext``, resolution, layouts, FSDP and the report read them here; nothing else spells an
 axis name or a mesh order.
 
-The names are ``names.Axis`` and ``names.MeshSide``. The device mesh is ``dp_replicate x dp_shard
-x cp x tp`` (``tp`` innermost). The expert mesh lays
+The names are ``names.Axis`` and ``names.MeshSide``. ``pp`` is outermost (torchtitan's order):
+the world is ``pp`` pipeline stages of ranks, each stage a device mesh ``dp_replicate x dp_shard
+x cp x tp`` (``tp`` innermost) over its own ranks, which every other axis lives on. The expert mesh lays
 ``edp_replicate x edp_shard x ep`` over the same ranks (``ep`` innermost): experts borrow their
 ``ep`` ranks from ``dp_shard · cp · tp``, as torchtitan carves them, so ``edp_replicate`` is
 ``dp_replicate`` and ``edp_shard`` is ``dp_shard · cp · tp / ep`` (torchtitan's ``efsdp``).
@@ -19,13 +20,15 @@ from dataclasses import dataclass
 from meshbind.names import Axis, MeshSide
 from meshbind.units import is_int_from
 
+PIPELINE_AXIS = Axis.PP
+"""The outermost axis: the pipeline's stages, each its own ranks."""
 DENSE_AXES = (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP)
-"""The device mesh's dims, outermost first: their product is the world."""
+"""The device mesh's dims within one stage, outermost first: their product is a stage's ranks."""
 EXPERT_AXES = (Axis.EDP_REPLICATE, Axis.EDP_SHARD, Axis.EP)
 """The expert mesh's dims over the same ranks, outermost first."""
 EXPERT_AXIS = Axis.EP
 """The axis that splits the experts (what the Rust checks' rule 5 is told)."""
-AXES = (*DENSE_AXES, EXPERT_AXIS)
+AXES = (PIPELINE_AXIS, *DENSE_AXES, EXPERT_AXIS)
 """The axes a world is given; the expert mesh's data-parallel axes are derived from them."""
 ALIASES = {"dp": Axis.DP_REPLICATE}
 """``dp`` is pure replication, as it always was: another name for ``dp_replicate``."""
@@ -63,6 +66,7 @@ def other_spellings(names: Iterable[str]) -> dict[str, str]:
 class World:
     """The size of every axis; refused on construction when they cannot make a world."""
 
+    pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
@@ -107,11 +111,17 @@ class World:
 
     @property
     def size(self) -> int:
-        """The number of ranks: the product of the device mesh's dims."""
+        """The number of ranks: ``pp`` stages of ``stage_size`` ranks."""
+        return self.pp * self.stage_size
+
+    @property
+    def stage_size(self) -> int:
+        """The ranks of one pipeline stage: the product of the device mesh's dims."""
         return math.prod(self.dense_shape)
 
     @property
     def dense_shape(self) -> tuple[int, ...]:
+        """The device mesh's shape within one stage."""
         return tuple(getattr(self, axis) for axis in DENSE_AXES)
 
     @property
@@ -143,17 +153,18 @@ class World:
         """Any axis's size, the expert mesh's derived ones included (``dp`` is ``dp_replicate``)."""
         name = canonical_axis(axis)
         if name not in AXES and name not in EXPERT_AXES:
-            raise ValueError(f"{axis!r} is not an axis of the world (axes: {', '.join((*DENSE_AXES, *EXPERT_AXES))})")
+            raise ValueError(f"{axis!r} is not an axis of the world (axes: {', '.join((*AXES[:-1], *EXPERT_AXES))})")
         return int(getattr(self, name))
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Rank ``rank``'s coordinate on each device-mesh axis (the last varying fastest), then on
-        ``ep``, innermost of the expert mesh over the same ranks."""
-        coordinates, rest = {}, rank
+        """Rank ``rank``'s coordinate on ``pp`` and on each device-mesh axis (the last varying
+        fastest), then on ``ep``, innermost of the expert mesh over the same ranks."""
+        stage, in_stage = divmod(rank, self.stage_size)
+        coordinates, rest = {}, in_stage
         for axis in reversed(DENSE_AXES):
             rest, coordinates[axis] = divmod(rest, getattr(self, axis))
-        ordered: dict[str, int] = {axis: coordinates[axis] for axis in DENSE_AXES}
-        ordered[Axis.EP] = rank % self.ep
+        ordered: dict[str, int] = {PIPELINE_AXIS: stage, **{axis: coordinates[axis] for axis in DENSE_AXES}}
+        ordered[Axis.EP] = in_stage % self.ep
         return ordered
 
     def text(self) -> str:

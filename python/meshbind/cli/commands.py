@@ -30,7 +30,8 @@ def demo(args: argparse.Namespace) -> int:
     the process walk the whole tree (``meshbind check`` and ``meshbind bench`` must not pay that)."""
     from meshbind.demo.checks import check_flags
     from meshbind.demo.config import config_from
-    from meshbind.demo.run import print_report, run_local
+    from meshbind.demo.output import print_report
+    from meshbind.demo.run import run_local
 
     try:
         config = config_from(args, args.world_size)
@@ -49,6 +50,14 @@ def check(args: argparse.Namespace) -> int:
     """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
     context = _layout_context(args.axis)
     fully_shard = _fully_shard(args)
+    pipelined = [flag for flag in ("report", "memory", "html", "json", "checkpoint") if getattr(args, flag)]
+    if context.world.pp > 1 and pipelined:
+        print(
+            f"meshbind check: --{pipelined[0]} does not yet answer per pipeline stage; with --axis pp={context.world.pp} "
+            "the check resolves and validates the whole model's plan",
+            file=sys.stderr,
+        )
+        return 2
     if args.memory:
         _check_step_sizes(args)
     if args.html is not None:

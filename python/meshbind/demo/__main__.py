@@ -13,7 +13,8 @@ import torch.distributed as dist
 import meshbind.demo
 from meshbind.demo.checks import FlagError, check_flags
 from meshbind.demo.config import add_flags, config_from
-from meshbind.demo.run import print_report, run_rank
+from meshbind.demo.output import print_report
+from meshbind.demo.run import run_rank
 
 
 def torchrun_main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ import os
 from meshbind._core import not_divisible
 from meshbind.checkpoints import save_target_problem
 from meshbind.demo.config import DemoConfig
-from meshbind.world import DENSE_AXES
+from meshbind.world import DENSE_AXES, PIPELINE_AXIS
 
 
 class FlagError(ValueError):
@@ -25,7 +25,7 @@ MAX_TOKENS = 2**20
 def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
     """Every flag rule, each failure one line."""
     cores = cpu_count or os.cpu_count() or 1
-    for name in ("world_size", "dp_replicate", "dp_shard", "cp", "tp", "ep", "layers", "experts", "seq_len", "batch"):
+    for name in ("world_size", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "layers", "experts", "seq_len", "batch"):
         if getattr(config, name) < 1:
             raise FlagError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
     for name, limit in LIMITS.items():
@@ -50,7 +50,7 @@ def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
     except ValueError as error:
         raise FlagError(str(error)) from None
     if world.size != config.world_size:
-        product = " x ".join(f"--{axis.replace('_', '-')} {getattr(config, axis)}" for axis in DENSE_AXES)
+        product = " x ".join(f"--{axis.replace('_', '-')} {getattr(config, axis)}" for axis in (PIPELINE_AXIS, *DENSE_AXES))
         raise FlagError(f"{product} = {world.size}, not the world size {config.world_size}")
     if (problem := not_divisible("--experts", config.experts, "ep", config.ep)) is not None:
         raise FlagError(problem)
@@ -68,7 +68,39 @@ def check_flags(config: DemoConfig, cpu_count: int | None = None) -> None:
         raise FlagError(
             f"--batch {config.batch} is not divisible by --dp-replicate x --dp-shard = {config.batch_shards} (the batch's split)"
         )
+    if config.pp > 1:
+        _check_pipeline(config)
     if config.load is not None and not os.path.isfile(os.path.join(config.load, ".metadata")):
         raise FlagError(f"--load {config.load} is not a checkpoint written by --save (no .metadata in it)")
     if config.save is not None and (refused := save_target_problem(config.save)) is not None:
         raise FlagError(f"--save {refused}")
+
+
+def _check_pipeline(config: DemoConfig) -> None:
+    """The pipeline's rules, as ``split_stages`` checks them on the demo's model (on ``meta``)."""
+    from meshbind.pipeline import schedule_named  # torch: imported only for a pipeline
+
+    try:
+        schedule = schedule_named(config.pp_schedule, "--pp-schedule")
+    except ValueError as error:
+        raise FlagError(str(error)) from None
+    stages = config.pp * schedule.default_stages_per_rank()
+    if stages > config.layers + 2:  # the embedding and the head weigh as a block each, as torchtitan splits
+        raise FlagError(
+            f"--pp {config.pp} with {schedule.name} makes {stages} stages, more than --layers {config.layers} blocks "
+            "and the embedding and head"
+        )
+    microbatches = config.pp_microbatches if config.pp_microbatches is not None else stages
+    if microbatches < 1:
+        raise FlagError(f"--pp-microbatches must be at least 1, got {microbatches}")
+    per_rank = config.batch // config.batch_shards
+    if per_rank % microbatches:
+        raise FlagError(
+            f"each data-parallel rank's {per_rank} sequences (--batch {config.batch} over {config.batch_shards}) do not "
+            f"split into {microbatches} microbatches"
+        )
+    problems = schedule.problems(config.pp, stages, microbatches)
+    if problems:
+        raise FlagError("; ".join(problems))
+    if config.save is not None or config.load is not None:
+        raise FlagError("--save and --load do not yet take a pipeline (--pp above 1)")

@@ -21,6 +21,10 @@ LOW_PRECISION = ("bf16", "bfloat16", "fp16", "float16")
 @dataclass(frozen=True)
 class DemoConfig:
     world_size: int = 4
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None
+    """The microbatches of one step under a pipeline (default: one per stage)."""
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 2
@@ -63,13 +67,18 @@ class DemoConfig:
 
     @property
     def world(self) -> World:
-        return World(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, ep=self.ep)
+        return World(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, ep=self.ep)
 
 
 def add_flags(parser: argparse.ArgumentParser, *, world_size: bool) -> None:
     defaults = DemoConfig()
     if world_size:
         parser.add_argument("--world-size", type=int, default=defaults.world_size, help="ranks to spawn (gloo)")
+    parser.add_argument("--pp", type=int, default=defaults.pp, help="pipeline stages of ranks (outermost axis)")
+    parser.add_argument(
+        "--pp-schedule", default=defaults.pp_schedule, help="torch's pipeline schedule (1F1B, GPipe, Interleaved1F1B, ...)"
+    )
+    parser.add_argument("--pp-microbatches", type=int, help="microbatches per step under --pp (default: one per stage)")
     parser.add_argument(
         "--dp-replicate", "--dp", type=int, default=defaults.dp_replicate, help="data-parallel ranks that replicate (HSDP's)"
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -14,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from meshbind.binding import bind_parallel_modules, validate_materialized_modules
 from meshbind.checkpoints import load_checkpoint, save_checkpoint
 from meshbind.demo.config import DemoConfig
+from meshbind.demo.pipelined import gradients_on_first_rank, pipelined_step
 from meshbind.examples.moe_layer import MoELayer
 from meshbind.examples.moe_transformer import MoETransformer, batch, initialize, loss_head_request
 from meshbind.examples.parallel_parts import local
@@ -32,7 +33,8 @@ from meshbind.mesh import MeshContext
 from meshbind.names import DTYPE_NAMES, MeshSide
 from meshbind.report import plan_report
 from meshbind.resolution import resolve_plan
-from meshbind.world import EXPERT_AXES, FSDP_AXES
+from meshbind.resolution.plan import ParallelPlan
+from meshbind.world import EXPERT_AXES, FSDP_AXES, PIPELINE_AXIS
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 """The torch dtype of each of the demo's ``--dtype`` choices."""
@@ -65,11 +67,19 @@ class Phases:
 
 def _mesh_context(config: DemoConfig) -> MeshContext:
     world = config.world
-    context = MeshContext.build(dp_replicate=world.dp_replicate, dp_shard=world.dp_shard, cp=world.cp, tp=world.tp, ep=world.ep)
+    context = MeshContext.build(
+        pp=world.pp, dp_replicate=world.dp_replicate, dp_shard=world.dp_shard, cp=world.cp, tp=world.tp, ep=world.ep
+    )
     if context.fsdp_moe_mesh is None:
         # ep = 1: the experts still bind, over one-rank expert groups of a mesh made here.
-        expert_mesh = init_device_mesh(context.device_type, world.expert_shape, mesh_dim_names=EXPERT_AXES)
-        context = MeshContext(context.device_mesh, expert_mesh)
+        if world.pp > 1:
+            whole = init_device_mesh(
+                context.device_type, (world.pp, *world.expert_shape), mesh_dim_names=(PIPELINE_AXIS, *EXPERT_AXES)
+            )
+            expert_mesh = whole[EXPERT_AXES]
+        else:
+            expert_mesh = init_device_mesh(context.device_type, world.expert_shape, mesh_dim_names=EXPERT_AXES)
+        context = MeshContext(context.device_mesh, expert_mesh, context.pp_mesh)
     return context
 
 
@@ -89,48 +99,36 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         model = MoETransformer(config.transformer).to(dtype)
     with phases("plan"):
         fully_shard = _fully_shard(config)
-        plan = resolve_plan(model, [loss_head_request()], mesh_context.layout_context(), fully_shard=fully_shard)
-        # What this rank will hold, from the plan alone, before any weight exists.
-        predicted_bytes = plan_report(model, plan, optimizer="none").ranks[rank].parameter_bytes
-    with phases("layout"):
-        groups_before = process_group_count()
-        apply_layouts(model, plan, mesh_context)
-    with phases("bind"):
-        bound = bind_parallel_modules(model, plan, mesh_context)
-    if config.fsdp:
-        with phases("fully_shard"):
-            apply_fully_shard(model, plan, mesh_context)
-            for module in model.modules():
-                if isinstance(module, FSDPModule):  # the loss is already the global mean: sum, not average
-                    module.set_gradient_divide_factor(1.0)
-                    # Sum alone, as gloo reduces (float32 would otherwise ask for NCCL's PREMUL_SUM).
-                    module.set_force_sum_reduction_for_comms(True)
-    new_groups = process_group_count() - groups_before
-    with phases("materialise"):
-        model.to_empty(device=device)
-        if config.load is None:
-            initialize(model, config.seed)
-        else:
-            load_checkpoint(model, config.load, allow_unverified=config.allow_unverified)
-    with phases("validate"):
-        validate_materialized_modules(model)
+        plan = resolve_plan(model, [loss_head_request()], mesh_context.layout_context(), fully_shard=fully_shard, index=True)
     tokens, targets = batch(config.transformer, config.batch, config.seq_len, config.seed)
     coordinates = mesh_context.world.coordinates(rank)
     dp_index = coordinates["dp_replicate"] * config.dp_shard + coordinates["dp_shard"]
     per_shard = config.batch // config.batch_shards
     rows = slice(dp_index * per_shard, (dp_index + 1) * per_shard)
-    with phases("forward"):
-        loss = model(tokens[rows].to(device), targets[rows].to(device))
-    with phases("backward"):
-        loss.backward()
+    groups_before = process_group_count()
+    pipeline = None
+    if config.pp > 1:
+        with phases("pipeline step"):
+            step = pipelined_step(config, model, plan, mesh_context, device, tokens[rows].to(device), targets[rows].to(device))
+        models, loss, predicted_bytes, bound, pipeline = step.models, step.loss, step.predicted_bytes, step.bound, step.stages
+    else:
+        predicted_bytes, bound = _apply_plan(model, plan, mesh_context, config, device, phases)
+        with phases("forward"):
+            loss = model(tokens[rows].to(device), targets[rows].to(device))
+        with phases("backward"):
+            loss.backward()
+        models = [model]
+    new_groups = process_group_count() - groups_before
     with phases("reduce"):
-        gradients = _local_gradients(model, rank)
+        gradients = {name: gradient for part in models for name, gradient in _local_gradients(part, rank).items()}
         _reduce_gradients(gradients, mesh_context, fsdp=config.fsdp)
         total_loss = loss.detach().to(dtype, copy=True)  # computed in --param-dtype, summed in dtype
         dist.all_reduce(total_loss)
     with phases("compare"):
-        local_bytes = parameter_bytes(model)
+        local_bytes = _summed(parameter_bytes(part) for part in models)
         gradients = _full_gradients(gradients)
+        if pipeline is not None:  # each stage's gradients to rank 0, which compares them
+            gradients = gradients_on_first_rank(gradients, mesh_context)
         # Which agent (torchrun's node) runs each rank: HSDP replicates across nodes, shards within.
         nodes: list[Any] = [None] * world
         dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", "0")))
@@ -158,7 +156,8 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
         "param_dtype": config.param_dtype,
         "plan": plan.explain(),
         "planned_modules": len(plan.parallel_modules),
-        "modules_bound": len(bound),
+        "modules_bound": bound,
+        "pipeline": None if pipeline is None else pipeline.text(),
         "new_process_groups": int(worst[0].item()),
         "node_of_rank": nodes,
         "report_matches_every_rank": not bool(worst[1].item()),
@@ -176,6 +175,44 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     }
 
 
+def _apply_plan(
+    model: MoETransformer, plan: ParallelPlan, mesh_context: MeshContext, config: DemoConfig, device: torch.device, phases: Phases
+) -> tuple[int, int]:
+    """Layouts, binding and FSDP on the whole model, materialised; the plan report's parameter
+    bytes for this rank (from the plan alone, before any weight exists) and the modules bound."""
+    rank = dist.get_rank()
+    predicted_bytes = plan_report(model, plan, optimizer="none").ranks[rank].parameter_bytes
+    with phases("layout"):
+        apply_layouts(model, plan, mesh_context)
+    with phases("bind"):
+        bound = bind_parallel_modules(model, plan, mesh_context)
+    if config.fsdp:
+        with phases("fully_shard"):
+            apply_fully_shard(model, plan, mesh_context)
+            for module in model.modules():
+                if isinstance(module, FSDPModule):  # the loss is already the global mean: sum, not average
+                    module.set_gradient_divide_factor(1.0)
+                    # Sum alone, as gloo reduces (float32 would otherwise ask for NCCL's PREMUL_SUM).
+                    module.set_force_sum_reduction_for_comms(True)
+    with phases("materialise"):
+        model.to_empty(device=device)
+        if config.load is None:
+            initialize(model, config.seed)
+        else:
+            load_checkpoint(model, config.load, allow_unverified=config.allow_unverified)
+    with phases("validate"):
+        validate_materialized_modules(model)
+    return predicted_bytes, len(bound)
+
+
+def _summed(parts: Iterator[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
 def _fully_shard(config: DemoConfig) -> FullyShard | None:
     """The demo's FSDP units, with the mixed precision ``--param-dtype`` asks for."""
     if not config.fsdp:
@@ -186,7 +223,7 @@ def _fully_shard(config: DemoConfig) -> FullyShard | None:
     return FullyShard(FSDP_UNITS.units, param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def _local_gradients(model: MoETransformer, rank: int) -> dict[str, torch.Tensor]:
+def _local_gradients(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
     """Every parameter's gradient on this rank; one that none reached is an error here, before any
     rank enters a reduction the others would wait in."""
     gradients = {name: parameter.grad for name, parameter in model.named_parameters() if parameter.grad is not None}
@@ -303,31 +340,3 @@ def run_local(config: DemoConfig) -> dict[str, Any]:
     report: dict[str, Any] = reports[0]
     report["seconds_total"] = time.perf_counter() - started
     return report
-
-
-def print_report(report: dict[str, Any], as_json: bool) -> None:
-    print(report["plan"])
-    print()
-    precision = f", computed in {report['param_dtype']} (FSDP2 mixed precision)" if report["param_dtype"] else ""
-    print(f"world: {report['world_size']} ranks, axes {report['axis_sizes']}, {report['dtype']}{precision}")
-    print(f"modules bound: {report['modules_bound']} of {report['planned_modules']} planned")
-    print(f"new process groups while applying layouts and binding: {report['new_process_groups']}")
-    print("phases (rank 0): " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in report["phases"].items()))
-    print(
-        f"loss {report['loss']:.10g} vs reference {report['reference_loss']:.10g}: "
-        f"max |loss diff| {report['max_abs_loss_diff']:.3e}"
-    )
-    print(f"max relative gradient difference over all parameters: {report['max_rel_grad_diff']:.3e}")
-    if report["cast_rel_grad_diff"] is not None:
-        print(
-            f"  the reference runs the same casts; those casts alone move its gradients by {report['cast_rel_grad_diff']:.3e} "
-            f"from {report['dtype']}: the distributed run, rounding in another order, differs by about as much"
-        )
-    parts = ", ".join(f"{part} {mine} of {full}" for part, (mine, full) in report["param_bytes_by_part"].items())
-    print(f"parameter bytes: {report['param_bytes_per_rank']} on rank 0 of {report['param_bytes_full']} in one process ({parts})")
-    matches = "equal on every rank" if report["report_matches_every_rank"] else "DIFFERENT on some rank"
-    print(f"plan_report, before any weight existed: {report['report_param_bytes_per_rank']} bytes on rank 0 ({matches})")
-    if "loss_after_step" in report:
-        print(f"after one SGD step: loss {report['loss_after_step']:.10g}; state saved to {report['saved_to']}")
-    if as_json:
-        print(json.dumps({key: value for key, value in report.items() if key != "plan"}))

@@ -117,11 +117,17 @@ class MoETransformer(nn.Module):
         self.norm = nn.LayerNorm(config.hidden)
         self.head = LossHead(config.hidden, config.vocab)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss; as a pipeline stage (modules it does not hold are ``None``), what its last
+        block or its norm hands on: a stage without the embedding takes hidden states, and the
+        last stage's schedule computes the loss (``head.loss``) from its output."""
+        x = self.embed(tokens) if self.embed is not None else tokens
         for block in self.blocks:
             x = block(x)
-        return self.head.loss(hidden=self.norm(x), targets=targets)
+        if self.norm is None:
+            return x
+        hidden: torch.Tensor = self.norm(x)
+        return hidden if targets is None else self.head.loss(hidden=hidden, targets=targets)
 
 
 def initialize(model: MoETransformer, seed: int) -> None:

@@ -89,6 +89,8 @@ def step_memory(
     _check_settings(settings)
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
+    if plan.context.world.pp > 1:
+        raise StepMemoryError("step_memory does not yet trace pipeline stages: the plan has pp above 1")
     if dist.is_available() and dist.is_initialized():
         raise StepMemoryError(
             "step_memory traces over torch's fake process group and cannot while a process group is "

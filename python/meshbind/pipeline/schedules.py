@@ -1,0 +1,82 @@
+"""The pipeline schedules torch ships, by the names torch's ``get_schedule_class`` takes, and what
+each needs of the stages and microbatches, checked before any stage is built (offline as online).
+
+Single-stage schedules (``GPipe``, ``1F1B``) run one stage per rank; the others run several:
+``Interleaved1F1B``, ``LoopedBFS`` and ``InterleavedZeroBubble`` place stage ``r + s·pp`` on rank
+``r`` ("loop"), ``ZBVZeroBubble`` and ``DualPipeV`` two stages per rank, ``r`` and ``2·pp - 1 - r``
+("v"), as torchtitan places them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One of torch's schedules: its name, whether it runs one stage per rank, and how stages are
+    placed on ranks under it (``"loop"`` or ``"v"``)."""
+
+    name: str
+    single_stage: bool
+    placement: str = "loop"
+
+    def default_stages_per_rank(self) -> int:
+        """torchtitan's default: one for a single-stage schedule, two otherwise."""
+        return 1 if self.single_stage else 2
+
+    def stages_on_rank(self, rank: int, pp: int, stages: int) -> tuple[int, ...]:
+        """The stage indices pipeline rank ``rank`` runs, in its order."""
+        per_rank = stages // pp
+        if self.placement == "v":
+            return (rank, stages - 1 - rank)
+        return tuple(rank + index * pp for index in range(per_rank))
+
+    def problems(self, pp: int, stages: int, microbatches: int) -> list[str]:
+        """What ``pp`` ranks running ``stages`` stages over ``microbatches`` microbatches break of
+        this schedule's needs; empty when it can run."""
+        found = []
+        if stages % pp:
+            found.append(f"{stages} stages do not divide over pp={pp} ranks: use a multiple of {pp}")
+            return found
+        per_rank = stages // pp
+        if self.single_stage and per_rank != 1:
+            found.append(f"{self.name} runs one stage per rank, but {stages} stages over pp={pp} put {per_rank} on each")
+        if not self.single_stage and per_rank < 2:
+            found.append(f"{self.name} runs several stages per rank, but {stages} stages over pp={pp} put one on each")
+        if self.placement == "v" and per_rank != 2:
+            found.append(f"{self.name} places two stages per rank (a 'v'), but {stages} stages over pp={pp} put {per_rank}")
+        if self.name == "1F1B" and microbatches < stages:
+            found.append(f"1F1B needs at least as many microbatches as stages: {microbatches} microbatches, {stages} stages")
+        if self.placement == "loop" and not self.single_stage:
+            rounds = max(1, microbatches // pp)
+            if microbatches % rounds:
+                found.append(
+                    f"{self.name} runs microbatches in rounds of pp={pp}: {microbatches} microbatches make "
+                    f"{rounds} rounds that do not divide them; use a multiple of {pp} or fewer than {2 * pp}"
+                )
+        return found
+
+
+SCHEDULES = {
+    schedule.name: schedule
+    for schedule in (
+        Schedule("GPipe", single_stage=True),
+        Schedule("1F1B", single_stage=True),
+        Schedule("Interleaved1F1B", single_stage=False),
+        Schedule("LoopedBFS", single_stage=False),
+        Schedule("InterleavedZeroBubble", single_stage=False),
+        Schedule("ZBVZeroBubble", single_stage=False, placement="v"),
+        Schedule("DualPipeV", single_stage=False, placement="v"),
+    )
+}
+"""Every schedule torch ships, by torch's name."""
+
+
+def schedule_named(name: str, what: str = "schedule") -> Schedule:
+    """The schedule ``name`` (any case, as torch reads it); a ``ValueError`` naming ``what`` and
+    the choices otherwise."""
+    by_lower = {key.lower(): schedule for key, schedule in SCHEDULES.items()}
+    if not isinstance(name, str) or name.lower() not in by_lower:
+        raise ValueError(f"{what} must be one of {', '.join(SCHEDULES)}, got {name!r}")
+    return by_lower[name.lower()]
