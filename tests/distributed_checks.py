@@ -78,7 +78,7 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
     if process_group_count() != before:
         raise AssertionError("a rejected MeshContext.build created a group")
     context = MeshContext.build(**sizes)
-    expected_sizes = {"dp_replicate": 1, "dp_shard": 1, **{canonical_axis(axis): size for axis, size in sizes.items()}}
+    expected_sizes = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, **{canonical_axis(axis): size for axis, size in sizes.items()}}
     if context.axis_sizes() != expected_sizes:
         raise AssertionError(f"axis sizes {context.axis_sizes()}")
     ep_mesh = MeshBinding(context).axis_mesh("ep")

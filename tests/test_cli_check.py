@@ -345,8 +345,8 @@ def test_fsdp_units_are_checked_and_counted_offline(capsys: pytest.CaptureFixtur
     assert "2 x blocks.<0-1>.attn.qkv.weight  [96, 32] -> [12, 32]  tp:S(0), fsdp/4" in out
     assert main(["check", model, plan, *axes, "--fully-shard", "blocks.*"]) == 1
     assert "fsdp      2 modules 'blocks.<0-1>': holds parameters of the expert mesh" in capsys.readouterr().err
-    assert main(["check", model, plan, "--axis", "pp=2"]) == 2
-    assert "--axis: LayoutContext: 'pp' is not an axis of the world" in capsys.readouterr().err
+    assert main(["check", model, plan, "--axis", "sp=2"]) == 2
+    assert "--axis: LayoutContext: 'sp' is not an axis of the world" in capsys.readouterr().err
 
 
 @pytest.fixture

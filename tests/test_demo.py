@@ -226,7 +226,7 @@ def test_two_torchrun_agents_run_hsdp_as_two_nodes() -> None:
             agent.kill()
     assert [agent.returncode for agent in agents] == [0, 0], [err[-3000:] for _, err in outputs]
     (report,) = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs if out.strip()]
-    assert report["axis_sizes"] == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 2}
+    assert report["axis_sizes"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 2}
     nodes = report["node_of_rank"]
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3]  # each replica of the shards on its own node
     assert report["max_rel_grad_diff"] <= 1e-10 and report["new_process_groups"] == 0 and report["report_matches_every_rank"]

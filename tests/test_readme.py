@@ -23,5 +23,5 @@ def test_the_first_plan_example_checks_binds_and_runs() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "unmatched (pattern): pattern 'haed' does not select any module; did you mean 'head'?" in out
-    assert "1 planned module; layout dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1" in out
+    assert "1 planned module; layout pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1" in out
     assert out.strip().endswith("torch.Size([2, 16])")

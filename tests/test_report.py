@@ -64,7 +64,7 @@ def test_the_report_counts_every_parameter_and_its_bytes_per_rank_by_hand(real_m
     rank = report.ranks[0]
     assert rank.parameter_bytes == sum(p.bytes_per_rank for p in report.params)
     assert rank.gradient_bytes == rank.parameter_bytes and rank.optimizer_bytes == 2 * rank.parameter_bytes
-    first_two = [{"dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": tp_rank, "ep": tp_rank % ep} for tp_rank in (0, 1)]
+    first_two = [{"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": tp_rank, "ep": tp_rank % ep} for tp_rank in (0, 1)]
     assert len(report.ranks) == LayoutContext(axes).world.size and [r.coordinates for r in report.ranks[:2]] == first_two
 
 
@@ -229,8 +229,8 @@ def test_a_world_of_ten_to_the_eleven_ranks_costs_what_one_of_eight_does(capsys:
     plan = resolve_plan(model, [loss_head_request()], LayoutContext({"dp": 10**11, "cp": 2, "tp": 2, "ep": 2}))
     ranks = plan_report(model, plan).ranks
     assert len(ranks) == 4 * 10**11
-    assert dict(ranks[-1].coordinates) == {"dp_replicate": 10**11 - 1, "dp_shard": 0, "cp": 1, "tp": 1, "ep": 1}
-    assert dict(ranks[6].coordinates) == {"dp_replicate": 1, "dp_shard": 0, "cp": 1, "tp": 0, "ep": 0}
+    assert dict(ranks[-1].coordinates) == {"pp": 0, "dp_replicate": 10**11 - 1, "dp_shard": 0, "cp": 1, "tp": 1, "ep": 1}
+    assert dict(ranks[6].coordinates) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 1, "tp": 0, "ep": 0}
     assert ranks[6].parameter_bytes == ranks[0].parameter_bytes
 
 

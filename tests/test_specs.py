@@ -166,7 +166,7 @@ def test_a_world_the_axes_cannot_make_is_refused_offline_with_the_sizes_that_wor
 @pytest.mark.parametrize(
     ("sizes", "because"),
     [
-        ({"pp": 2}, "'pp' is not an axis of the world"),
+        ({"sp": 2}, "'sp' is not an axis of the world"),
         ({"dp": 2, "dp_replicate": 2}, "the 'dp_replicate' axis is given twice"),
         ({"edp_shard": 2}, "'edp_shard' is not an axis of the world"),
     ],
@@ -180,7 +180,7 @@ def test_the_world_derives_the_expert_axes_and_each_ranks_coordinates() -> None:
     world = LayoutContext({"dp": 2, "dp_shard": 2, "cp": 2, "tp": 2, "ep": 4}).world
     assert world == World(dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4) and world.size == 16
     assert (world.edp_replicate, world.edp_shard, world.fsdp_shard) == (2, 2, 4)
-    assert world.coordinates(13) == {"dp_replicate": 1, "dp_shard": 1, "cp": 0, "tp": 1, "ep": 1}
+    assert world.coordinates(13) == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "cp": 0, "tp": 1, "ep": 1}
     assert world.size_of("dp") == 2 and world.size_of("edp_shard") == 2
 
 

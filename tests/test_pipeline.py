@@ -1,0 +1,179 @@
+"""Pipeline parallelism over the ``pp`` axis: the world's outermost axis, stages split as
+torchtitan splits them (on meta, full FQNs kept), every schedule's needs checked before any stage
+is built, the ranks' agreement on the split, and the demo trained on real gloo worlds under torch's
+schedules with the loss and every gradient of one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshbind import LayoutContext, resolve_plan
+from meshbind.demo import run as demo
+from meshbind.demo.checks import FlagError, check_flags
+from meshbind.demo.config import DemoConfig
+from meshbind.errors import PipelineError
+from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
+from meshbind.launch import run_local_world
+from meshbind.model_index import ModelIndex
+from meshbind.pipeline import SCHEDULES, Pipeline, split_stages, stage_model
+from meshbind.world import World
+
+from hf_models import hf_model
+
+DEMO_AXES = {"cp": 1, "tp": 1, "ep": 1}
+
+
+def demo_index(layers: int = 8) -> tuple[MoETransformer, ModelIndex]:
+    with torch.device("meta"):
+        model = MoETransformer(TransformerConfig(layers=layers))
+    plan = resolve_plan(model, [loss_head_request()], LayoutContext({"pp": 2, **DEMO_AXES}), index=True)
+    assert plan.index is not None
+    return model, plan.index
+
+
+def test_pp_is_the_outermost_axis_of_the_world() -> None:
+    world = World(pp=2, dp_shard=2, tp=2, ep=2)
+    assert (world.size, world.stage_size, world.dense_shape) == (8, 4, (1, 2, 1, 2))
+    assert next(iter(world.axis_sizes())) == "pp"
+    # Rank 6 is the second stage's third rank: dp_shard 1, tp 0; ep counts within the stage.
+    assert world.coordinates(6) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0, "ep": 0}
+    assert LayoutContext({"pp": 4, "tp": 2}).world.size == 8
+    with pytest.raises(ValueError, match="'pp' axis size"):
+        World(pp=0)
+
+
+def test_stages_split_as_torchtitan_splits_them() -> None:
+    """Blocks spread evenly with the embedding and the head each weighing as one block; a
+    single-stage schedule runs one stage per rank, the others two, loop-wise or in a 'v'."""
+    _, index = demo_index()
+    one = split_stages(index, 2, Pipeline("1F1B"))
+    assert one.stages == (("embed", *(f"blocks.{i}" for i in range(4))), (*(f"blocks.{i}" for i in range(4, 8)), "norm", "head"))
+    assert one.microbatches == 2 and one.stages_of_rank(1) == (1,)
+    looped = split_stages(index, 2, Pipeline("Interleaved1F1B"))
+    assert looped.stages == (
+        ("embed", "blocks.0", "blocks.1"),
+        ("blocks.2", "blocks.3", "blocks.4"),
+        ("blocks.5", "blocks.6"),
+        ("blocks.7", "norm", "head"),
+    )
+    assert looped.stages_of_rank(0) == (0, 2) and looped.stages_of_rank(1) == (1, 3)
+    v = split_stages(index, 2, Pipeline("ZBVZeroBubble"))
+    assert v.stages_of_rank(0) == (0, 3) and v.stages_of_rank(1) == (1, 2)
+    fewer = split_stages(index, 2, Pipeline("1F1B", first_stage_less_layers=0, last_stage_less_layers=0))
+    assert fewer.stages[0] == ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    # 8 blocks, the embedding and the head weigh 10: 5 per stage make 2 stages, 3 make 4.
+    assert len(split_stages(index, 2, Pipeline("1F1B", layers_per_stage=5)).stages) == 2
+    assert len(split_stages(index, 2, Pipeline("Interleaved1F1B", layers_per_stage=3)).stages) == 4
+    assert "stage 1 (pp rank 1): blocks.4-7, norm, head" in one.text()
+
+
+def test_explicit_stages_and_schedules_are_checked_and_every_problem_named() -> None:
+    _, index = demo_index()
+    given = (("embed", "blocks.0", "blocks.1"), ("blocks.1", "blocks.2", "nothing"))
+    with pytest.raises(PipelineError) as raised:
+        split_stages(index, 2, Pipeline("1F1B", stage_modules=given))
+    problems = raised.value.problems
+    assert "stage 1: 'nothing' is not a module of the model" in problems
+    assert "'blocks.1' (stage 0) and 'blocks.1' (stage 1) overlap: each module is in one stage" in problems
+    assert any(problem.startswith("no stage holds 'blocks.3.attn_norm.weight'") for problem in problems)
+    with pytest.raises(PipelineError, match="1F1B needs at least as many microbatches as stages: 1 microbatches, 2 stages"):
+        split_stages(index, 2, Pipeline("1F1B", microbatches=1))
+    with pytest.raises(PipelineError, match="makes 16 stages, but the model has 8 blocks"):
+        split_stages(index, 8, Pipeline("Interleaved1F1B"))
+    with pytest.raises(PipelineError, match="runs one stage per rank, but 4 stages over pp=2 put 2"):
+        split_stages(index, 2, Pipeline("GPipe", layers_per_stage=3))
+    with pytest.raises(ValueError, match="must be one of GPipe, 1F1B"):
+        split_stages(index, 2, Pipeline("2F2B"))
+    assert set(SCHEDULES) == {
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "LoopedBFS",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+        "DualPipeV",
+    }
+
+
+def test_a_stage_keeps_its_modules_under_their_full_fqns_and_nothing_else() -> None:
+    model, index = demo_index()
+    stages = split_stages(index, 2, Pipeline("Interleaved1F1B"))
+    whole = dict(model.named_parameters())
+    for stage, modules in enumerate(stages.stages):
+        part = stage_model(model, stages.keeps(stage))
+        names = [fqn for fqn, _ in part.named_parameters()]
+        expected = [fqn for fqn in whole if any(fqn.startswith(f"{root}.") for root in modules)]
+        assert names == expected
+    last = stage_model(model, stages.keeps(3))
+    assert last.embed is None and list(last.blocks._modules) == ["7"]
+    assert model.embed is not None and len(model.blocks) == 8  # the whole model is left as it was
+
+
+def test_a_transformers_model_splits_its_embeddings_first_and_its_norm_and_head_last() -> None:
+    with torch.device("meta"):
+        model = hf_model("llama", layers=4)
+    stages = split_stages(ModelIndex.of(model), 2, Pipeline("1F1B"))
+    assert stages.stages[0] == ("model.embed_tokens", "model.layers.0", "model.layers.1")
+    assert stages.stages[1] == ("model.layers.2", "model.layers.3", "model.norm", "lm_head")
+    assert stages.everywhere == ("model.rotary_emb",)  # no parameter: every stage keeps it
+
+
+PIPELINED = {
+    "pp2 1F1B": dict(world_size=2, pp=2, **DEMO_AXES, layers=4),
+    "pp2 Interleaved1F1B": dict(world_size=2, pp=2, **DEMO_AXES, layers=4, pp_schedule="Interleaved1F1B"),
+    "pp2 ZBVZeroBubble": dict(world_size=2, pp=2, **DEMO_AXES, layers=4, pp_schedule="ZBVZeroBubble"),
+    "pp2 dp_shard2 tp2 ep2 (FSDP), Interleaved1F1B": dict(
+        world_size=8, pp=2, dp_shard=2, cp=1, tp=2, ep=2, layers=4, batch=8, pp_schedule="Interleaved1F1B"
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(PIPELINED))
+def test_the_pipelined_demo_matches_one_process(layout: str) -> None:
+    config = DemoConfig(**PIPELINED[layout], dtype="float64")  # type: ignore[arg-type]
+    report = demo.run_local(config)
+    assert report["axis_sizes"]["pp"] == 2 and report["new_process_groups"] == 0
+    assert report["max_rel_grad_diff"] <= 1e-10 and report["max_abs_loss_diff"] <= 1e-10, report
+    assert report["report_matches_every_rank"]
+    assert f"{config.pp_schedule}," in report["pipeline"]
+
+
+def test_the_demo_refuses_a_pipeline_it_cannot_run_before_any_process() -> None:
+    refusals = {
+        "--pp 2 with Interleaved1F1B makes 4 stages": dict(
+            world_size=2, pp=2, **DEMO_AXES, layers=1, pp_schedule="Interleaved1F1B"
+        ),
+        "do not split into 3 microbatches": dict(world_size=2, pp=2, **DEMO_AXES, pp_microbatches=3),
+        "--pp-schedule must be one of": dict(world_size=2, pp=2, **DEMO_AXES, pp_schedule="Zigzag"),
+        "--pp 2 x --dp-replicate 1": dict(world_size=4, pp=2, **DEMO_AXES),
+    }
+    for message, fields in refusals.items():
+        with pytest.raises(FlagError, match=message):
+            check_flags(DemoConfig(**fields), cpu_count=2)  # type: ignore[arg-type]
+
+
+def test_ranks_that_split_differently_all_refuse_before_any_stage_is_cut() -> None:
+    outcomes = run_local_world(2, "pipeline_checks:split_with_other_microbatches", timeout=120)
+    for error, parameters in outcomes:
+        assert error is not None and "rank 1 differs from rank 0 first at pipeline microbatches: 4 here, 2 on rank 0" in error
+        assert parameters == []
+
+
+def test_check_resolves_a_pipelined_world_and_says_what_it_cannot_answer_per_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    from meshbind.cli import main
+    from meshbind.errors import StepMemoryError
+    from meshbind.memory.trace import step_memory
+
+    model = "meshbind.examples.moe_transformer:MoETransformer"
+    plan = "meshbind.examples.moe_transformer:loss_head_request"
+    axes = ["--axis", "pp=2", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]
+    assert main(["check", model, plan, *axes]) == 0
+    assert "5 planned modules; layout pp=2, cp=2, tp=2, ep=2" in capsys.readouterr().out
+    assert main(["check", model, plan, *axes, "--report"]) == 2
+    assert "--report does not yet answer per pipeline stage; with --axis pp=2" in capsys.readouterr().err
+    with torch.device("meta"):
+        demo_model = MoETransformer(TransformerConfig())
+    resolved = resolve_plan(demo_model, [loss_head_request()], LayoutContext({"pp": 2, **DEMO_AXES}), index=True)
+    with pytest.raises(StepMemoryError, match="does not yet trace pipeline stages"):
+        step_memory(MoETransformer, resolved, batch=2, seq_len=32, device="cpu")
