@@ -160,20 +160,55 @@ def test_ranks_that_split_differently_all_refuse_before_any_stage_is_cut() -> No
         assert parameters == []
 
 
-def test_check_resolves_a_pipelined_world_and_says_what_it_cannot_answer_per_stage(capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_reports_each_stage_and_says_what_it_cannot_answer_per_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
     from meshbind.cli import main
     from meshbind.errors import StepMemoryError
     from meshbind.memory.trace import step_memory
+    from meshbind.report import plan_report
 
     model = "meshbind.examples.moe_transformer:MoETransformer"
     plan = "meshbind.examples.moe_transformer:loss_head_request"
     axes = ["--axis", "pp=2", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]
     assert main(["check", model, plan, *axes]) == 0
-    assert "5 planned modules; layout pp=2, cp=2, tp=2, ep=2" in capsys.readouterr().out
-    assert main(["check", model, plan, *axes, "--report"]) == 2
-    assert "--report does not yet answer per pipeline stage; with --axis pp=2" in capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "5 planned modules; layout pp=2, cp=2, tp=2, ep=2" in out
+    assert "  stage 1 (pp rank 1): blocks.1, norm, head" in out
+    assert main(["check", model, plan, *axes, "--report", "--pp-schedule", "interleaved1f1b"]) == 0
+    out = capsys.readouterr().out
+    assert "ranks 0-3 (from {'pp': 0, 'dp_replicate': 0, 'dp_shard': 0, 'cp': 0, 'tp': 0, 'ep': 0}; stages 0, 2)" in out
+    assert "whole on every rank of its stage, largest first:" in out
+    assert main(["check", model, plan, *axes, "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["pipeline"]["stages"][1] == {"modules": ["blocks.1", "norm", "head"], "pp_rank": 1}
+    assert [group["stages"] for group in answer["report"]["rank_groups"]] == [[0], [1]]
+    assert main(["check", model, plan, *axes, "--memory", "--batch", "2", "--seq-len", "32"]) == 2
+    assert "--memory does not yet answer per pipeline stage; with --axis pp=2" in capsys.readouterr().err
+    assert main(["check", model, plan, *axes, "--pp-microbatches", "1"]) == 1
+    assert "1F1B needs at least as many microbatches as stages" in capsys.readouterr().err
     with torch.device("meta"):
         demo_model = MoETransformer(TransformerConfig())
     resolved = resolve_plan(demo_model, [loss_head_request()], LayoutContext({"pp": 2, **DEMO_AXES}), index=True)
+    with pytest.raises(ValueError, match="the plan has pp=2: give plan_report the pipeline's stages"):
+        plan_report(demo_model, resolved)
     with pytest.raises(StepMemoryError, match="does not yet trace pipeline stages"):
         step_memory(MoETransformer, resolved, batch=2, seq_len=32, device="cpu")
+
+
+def test_each_stage_holds_the_bytes_of_its_own_parameters() -> None:
+    """The report per pipeline rank is the whole model's rows summed over the stages it runs."""
+    from meshbind.report import plan_report
+
+    model, index = demo_index()
+    plan = resolve_plan(model, [loss_head_request()], LayoutContext({"pp": 2, **DEMO_AXES}), index=True)
+    whole = plan_report(model, resolve_plan(model, [loss_head_request()], LayoutContext(DEMO_AXES), index=True))
+    for schedule in ("1F1B", "ZBVZeroBubble"):
+        stages = split_stages(index, 2, Pipeline(schedule))
+        report = plan_report(model, plan, pipeline=stages)
+        rows = {row.fqn: row.bytes_per_rank for row in whole.params}
+        for group in report.rank_groups:
+            roots = [f"{root}." for stage in group.stages for root in stages.stages[stage]]
+            kept = [fqn for fqn in rows if fqn.startswith(tuple(roots))]
+            assert group.parameter_bytes == sum(rows[fqn] for fqn in kept)
+        assert sum(group.parameter_bytes for group in report.rank_groups) == whole.rank_groups[0].parameter_bytes

@@ -131,6 +131,15 @@ def command_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --checkpoint: check a meshbind checkpoint whose manifest is gone (its files cannot be verified)",
     )
+    pipeline = check.add_argument_group("pipeline (--axis pp=N, N above 1)")
+    pipeline.add_argument(
+        "--pp-schedule",
+        default="1F1B",
+        metavar="NAME",
+        help="torch's schedule: GPipe, 1F1B (default), Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, "
+        "DualPipeV",
+    )
+    pipeline.add_argument("--pp-microbatches", type=_positive, metavar="M", help="microbatches per step (default: one per stage)")
     memory = check.add_argument_group("step memory (--memory)")
     memory.add_argument(
         "--memory",

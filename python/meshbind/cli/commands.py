@@ -13,9 +13,10 @@ from typing import Any
 from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verified_or_refused
 from meshbind.cli.arguments import UsageError
 from meshbind.cli.models import model_and_plan
-from meshbind.errors import PlanError, index_groups
+from meshbind.errors import PipelineError, PlanError, index_groups
 from meshbind.fsdp_request import FullyShard
 from meshbind.memory.result import StepMemory
+from meshbind.pipeline import Pipeline, schedule_named, split_stages
 from meshbind.report import plan_report
 from meshbind.report_page import report_page
 from meshbind.resolution import ParallelPlan, resolve_plan
@@ -50,14 +51,15 @@ def check(args: argparse.Namespace) -> int:
     """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
     context = _layout_context(args.axis)
     fully_shard = _fully_shard(args)
-    pipelined = [flag for flag in ("report", "memory", "html", "json", "checkpoint") if getattr(args, flag)]
-    if context.world.pp > 1 and pipelined:
+    not_per_stage = [flag for flag in ("memory", "html", "checkpoint") if getattr(args, flag)]
+    if context.world.pp > 1 and not_per_stage:
         print(
-            f"meshbind check: --{pipelined[0]} does not yet answer per pipeline stage; with --axis pp={context.world.pp} "
-            "the check resolves and validates the whole model's plan",
+            f"meshbind check: --{not_per_stage[0]} does not yet answer per pipeline stage; with --axis "
+            f"pp={context.world.pp} the check resolves the plan, splits the stages and reports each (--report, --json)",
             file=sys.stderr,
         )
         return 2
+    pipeline = _pipeline(args, context.world.pp)
     if args.memory:
         _check_step_sizes(args)
     if args.html is not None:
@@ -73,9 +75,18 @@ def check(args: argparse.Namespace) -> int:
             print(json.dumps({"ok": False, "problems": problems, "plan": None}))
         print(str(error), file=sys.stderr)
         return 1
+    stages = None
+    if pipeline is not None:
+        assert plan.index is not None
+        try:
+            stages = split_stages(plan.index, context.world.pp, pipeline)
+        except PipelineError as error:
+            print(str(error), file=sys.stderr)
+            return 1
     elapsed = time.perf_counter() - started
     # --json carries everything the check knows, the report included.
-    report = plan_report(model, plan, optimizer=args.optimizer) if args.report or args.html or args.json else None
+    wanted = args.report or args.html or args.json
+    report = plan_report(model, plan, optimizer=args.optimizer, pipeline=stages) if wanted else None
     misfits, verified = None, False
     if args.checkpoint is not None:
         try:  # a damaged checkpoint is a finding (exit 1), like a misfit
@@ -96,6 +107,8 @@ def check(args: argparse.Namespace) -> int:
         result: dict[str, Any] = {"ok": not misfits, "problems": [], "plan": plan.to_dict(), "seconds": elapsed}
         if report is not None:
             result["report"] = report.to_dict()
+        if stages is not None:
+            result["pipeline"] = stages.to_dict()
         if memory is not None:
             result["memory"] = memory.to_dict()
             result["ok"] = result["ok"] and memory.fits is not False
@@ -105,6 +118,8 @@ def check(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         print("\n".join([report.text(), *plan.warning_lines()]) if report is not None and args.report else plan.explain())
+        if stages is not None:
+            print(stages.text())
         print(f"resolved and validated in {elapsed * 1e3:.1f} ms", file=sys.stderr)
         if memory is not None:
             print()
@@ -119,6 +134,17 @@ def check(args: argparse.Namespace) -> int:
         how = "every file verified against its manifest" if verified else "unverified: no meshbind manifest"
         print(f"the checkpoint in {args.checkpoint} fits the model ({how})", file=sys.stderr)
     return 0
+
+
+def _pipeline(args: argparse.Namespace, pp: int) -> Pipeline | None:
+    """The pipeline ``--pp-schedule`` and ``--pp-microbatches`` ask for, under ``pp`` above 1."""
+    if pp == 1:
+        return None
+    try:
+        schedule = schedule_named(args.pp_schedule, "--pp-schedule").name
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return Pipeline(schedule, microbatches=args.pp_microbatches)
 
 
 def bench(args: argparse.Namespace) -> int:

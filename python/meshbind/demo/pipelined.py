@@ -49,10 +49,10 @@ def pipelined_step(
     are this data-parallel rank's rows."""
     pipeline = Pipeline(schedule=config.pp_schedule, microbatches=config.pp_microbatches)
     stages, parts = pipeline_parts(whole, plan, pipeline, mesh_context)
-    rank = dist.get_rank()
-    bound = predicted = 0
+    # What this rank will hold, from the whole model's plan and the split alone.
+    predicted = plan_report(whole, plan, optimizer="none", pipeline=stages).ranks[dist.get_rank()].parameter_bytes
+    bound = 0
     for part in parts:
-        predicted += plan_report(part.model, part.plan, optimizer="none").ranks[rank].parameter_bytes
         apply_layouts(part.model, part.plan, mesh_context)
         bound += len(bind_parallel_modules(part.model, part.plan, mesh_context))
         if config.fsdp:

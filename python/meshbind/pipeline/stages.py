@@ -62,6 +62,15 @@ class PipelineStages:
 
         return keep
 
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "pp": self.pp,
+            "schedule": self.schedule.name,
+            "microbatches": self.microbatches,
+            "stages": [{"modules": list(modules), "pp_rank": self._rank_of(index)} for index, modules in enumerate(self.stages)],
+            "everywhere": list(self.everywhere),
+        }
+
     def text(self) -> str:
         lines = [f"pipeline: {len(self.stages)} stages over pp={self.pp}, {self.schedule.name}, {self.microbatches} microbatches"]
         for index, modules in enumerate(self.stages):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -17,6 +17,7 @@ from torch.distributed.tensor import Placement
 import meshbind._core as _core
 from meshbind.model_index import ModelIndex, ParameterKind, index_of
 from meshbind.names import Optimizer
+from meshbind.pipeline.stages import PipelineStages
 from meshbind.placements import fsdp_chunk_shape, local_shape
 from meshbind.report.rows import ParameterRow, RankGroup, RankRows, WholeGroup
 from meshbind.report.state import element_size, optimizer_bytes
@@ -94,6 +95,7 @@ class PlanReport:
                     "first": g.first,
                     "count": g.count,
                     "first_coordinates": self.ranks.coordinates(g.first),
+                    "stages": list(g.stages),
                     "parameter_bytes": g.parameter_bytes,
                     "gradient_bytes": g.gradient_bytes,
                     "optimizer_bytes": g.optimizer_bytes,
@@ -142,11 +144,13 @@ class PlanReport:
             lines.append(f"every one of the {self.rank_groups[0].count:,} ranks holds: {kinds}")
         else:
             lines += [
-                f"ranks {g.first}-{g.first + g.count - 1} (from {self.ranks.coordinates(g.first)}): {size_text(g.total_bytes)}"
+                f"ranks {g.first}-{g.first + g.count - 1} (from {self.ranks.coordinates(g.first)}"
+                + (f"; stage{'s' if len(g.stages) > 1 else ''} {', '.join(map(str, g.stages))}" if g.stages else "")
+                + f"): {size_text(g.total_bytes)}"
                 for g in self.rank_groups
             ]
         if self.whole_on_every_rank:
-            lines.append("whole on every rank, largest first:")
+            lines.append(f"whole on every rank{' of its stage' if self.world.pp > 1 else ''}, largest first:")
             for group in self.whole_on_every_rank[:whole_rows]:
                 count = f"{group.count} x " if group.count > 1 else ""
                 lines.append(f"  {count}{group.fqn}: {size_text(group.bytes_each)} each rank")
@@ -168,12 +172,21 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def plan_report(model: nn.Module | ModelIndex, plan: ParallelPlan, *, optimizer: str = Optimizer.ADAM) -> PlanReport:
+def plan_report(
+    model: nn.Module | ModelIndex,
+    plan: ParallelPlan,
+    *,
+    optimizer: str = Optimizer.ADAM,
+    pipeline: PipelineStages | None = None,
+) -> PlanReport:
     """What each rank holds under ``plan``: every parameter's local shape and bytes, each rank's
     parameter, gradient and optimizer-state bytes, and what stays whole on every rank. ``model``
     is the model, or its index; the plan's own index (``resolve_plan(..., index=True)``) is read
-    when it is this model's, else the model is walked."""
+    when it is this model's, else the model is walked. Under a pipeline (``pp`` above 1)
+    ``pipeline`` is its split (``split_stages``): each pipeline rank's ranks hold the parameters
+    of the stages it runs, and are a group of their own."""
     chosen = Optimizer.parse(optimizer, "optimizer")
+    _check_pipeline(plan, pipeline)
     if not isinstance(model, (nn.Module, ModelIndex)):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(plan, ParallelPlan):
@@ -191,11 +204,10 @@ def plan_report(model: nn.Module | ModelIndex, plan: ParallelPlan, *, optimizer:
     entries = tuple(zip(fqns, map(computed.__getitem__, keys), strict=True))
     row_of = {key: ParameterRow("", *fields) for key, fields in computed.items()}
     rows = [(row_of[key], count) for key, count in counts.items()]
-    learnt = [(row, count) for row, count in rows if row.requires_grad]
-    parameter_bytes = sum(row.bytes_per_rank * count for row, count in rows)
-    gradient = sum(row.bytes_per_rank * count for row, count in learnt)
-    state = sum(optimizer_bytes(row, chosen) * count for row, count in learnt)
-    rank_groups = (RankGroup(parameter_bytes, gradient, state, first=0, count=plan.context.world.size),)
+    if pipeline is None:
+        rank_groups: tuple[RankGroup, ...] = (RankGroup(*_state_bytes(rows, chosen), first=0, count=world.size),)
+    else:
+        rank_groups = _stage_groups(pipeline, world, fqns, keys, row_of, chosen)
     # Rows shown as one line share shape, dtype, placements and requires_grad (not the protocol).
     codes: dict[tuple[Any, ...], int] = {}
     code_of = {
@@ -225,6 +237,60 @@ def plan_report(model: nn.Module | ModelIndex, plan: ParallelPlan, *, optimizer:
         None if fsdp is None else fsdp.describe(),
         () if fsdp is None else unit_rows(fsdp, zip(fqns, (row_of[key] for key in keys), strict=True)),
     )
+
+
+def _check_pipeline(plan: ParallelPlan, pipeline: PipelineStages | None) -> None:
+    pp = plan.context.world.pp
+    if pipeline is None and pp > 1:
+        raise ValueError(
+            f"the plan has pp={pp}: give plan_report the pipeline's stages (pipeline=split_stages(index, {pp}, Pipeline(...)))"
+        )
+    if pipeline is not None and pipeline.pp != pp:
+        raise ValueError(f"the pipeline's stages are split over pp={pipeline.pp}, but the plan has pp={pp}")
+
+
+def _state_bytes(rows: Iterable[tuple[ParameterRow, int]], optimizer: Optimizer) -> tuple[int, int, int]:
+    """The parameter, gradient and optimizer-state bytes of ``rows`` (each row and how many)."""
+    parameter = gradient = state = 0
+    for row, count in rows:
+        parameter += row.bytes_per_rank * count
+        if row.requires_grad:
+            gradient += row.bytes_per_rank * count
+            state += optimizer_bytes(row, optimizer) * count
+    return parameter, gradient, state
+
+
+_Key = tuple[int, int, int]
+"""A parameter's kind, placing and FSDP shards: parameters of one key have one row."""
+
+
+def _stage_groups(
+    pipeline: PipelineStages,
+    world: World,
+    fqns: Sequence[str],
+    keys: Sequence[_Key],
+    row_of: Mapping[_Key, ParameterRow],
+    optimizer: Optimizer,
+) -> tuple[RankGroup, ...]:
+    """One group per pipeline rank: its ranks hold the parameters of the stages it runs (each
+    parameter's stage found by walking up its FQN to a stage's module)."""
+    stage_of_root = {root: stage for stage, modules in enumerate(pipeline.stages) for root in modules}
+    per_stage: list[Counter[_Key]] = [Counter() for _ in pipeline.stages]
+    for fqn, key in zip(fqns, keys, strict=True):
+        holder = fqn
+        while holder and holder not in stage_of_root:
+            holder = holder.rpartition(".")[0]
+        if holder in stage_of_root:
+            per_stage[stage_of_root[holder]][key] += 1
+    groups = []
+    for pp_rank in range(pipeline.pp):
+        stages = pipeline.stages_of_rank(pp_rank)
+        held: Counter[_Key] = Counter()
+        for stage in stages:
+            held.update(per_stage[stage])
+        state = _state_bytes(((row_of[key], count) for key, count in held.items()), optimizer)
+        groups.append(RankGroup(*state, first=pp_rank * world.stage_size, count=world.stage_size, stages=stages))
+    return tuple(groups)
 
 
 def _placings(plan: ParallelPlan) -> tuple[list[tuple[Mapping[str, Placement], str | None]], dict[str, int]]:

@@ -50,10 +50,12 @@ class StateBytes:
 
 @dataclass(frozen=True)
 class RankGroup(StateBytes):
-    """Consecutive ranks that hold the same bytes: ranks ``first`` to ``first + count - 1``."""
+    """Consecutive ranks that hold the same bytes: ranks ``first`` to ``first + count - 1``; under
+    a pipeline, one pipeline rank's, which runs ``stages``."""
 
     first: int
     count: int
+    stages: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
