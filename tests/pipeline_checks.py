@@ -26,3 +26,49 @@ def split_with_other_microbatches() -> tuple[str | None, list[str]]:
     except RankMismatchError as error:
         return str(error), []
     return None, [fqn for part in parts for fqn, _ in part.model.named_parameters()]
+
+
+def hf_pipelined(name: str, schedule: str) -> float | None:
+    """A small transformers model (float64, 4 layers) trained one step at pp = the world size
+    under ``schedule``; on rank 0, the largest difference of the loss and of every gradient,
+    relative to the whole model's in one process (each rank builds the same seeded model)."""
+    from meshbind.interop.hf_pipeline import hf_stage
+    from meshbind.pipeline import pipeline_schedule
+
+    from hf_models import hf_model
+
+    context = MeshContext.build(pp=dist.get_world_size())
+    whole = hf_model(name, layers=4).double()
+    whole.config._experts_implementation = "eager"  # grouped_mm takes no float64
+    vocab = whole.config.vocab_size
+    ids = torch.randint(0, vocab, (4, 16), generator=torch.Generator().manual_seed(1))
+
+    def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """transformers' causal LM loss (each token predicts the next), in the logits' dtype."""
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+
+    plan = resolve_plan(whole, [], context.layout_context(), index=True)
+    stages, parts = pipeline_parts(whole, plan, Pipeline(schedule, microbatches=4), context)
+    last_stage = len(stages.stages) - 1
+    for part in parts:
+        hf_stage(part.model, first=part.stage == 0, last=part.stage == last_stage)
+    built = pipeline_schedule(stages, parts, context, torch.device("cpu"), lambda out, labels: loss_of(out, labels) / 4)
+    losses: list[torch.Tensor] = []
+    first, last = any(part.stage == 0 for part in parts), any(part.stage == last_stage for part in parts)
+    built.step(*((ids,) if first else ()), target=ids if last else None, losses=losses)
+    mine = {fqn: p.grad for part in parts for fqn, p in part.model.named_parameters() if p.grad is not None}
+    loss = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
+    dist.all_reduce(loss)
+    received: list[dict[str, torch.Tensor]] | None = [{}] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, received, dst=0)
+    if received is None:
+        return None
+    reference_loss = loss_of(whole(input_ids=ids, use_cache=False).logits, ids)
+    reference_loss.backward()
+    gradients = {fqn: gradient for part in received for fqn, gradient in part.items()}
+    worst = abs(float(loss) - float(reference_loss)) / abs(float(reference_loss))
+    for fqn, parameter in whole.named_parameters():
+        assert parameter.grad is not None, fqn
+        scale = float(parameter.grad.abs().max()) or 1.0
+        worst = max(worst, float((gradients[fqn] - parameter.grad).abs().max()) / scale)
+    return worst

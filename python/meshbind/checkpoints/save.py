@@ -13,11 +13,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save
 from torch.distributed.tensor import DTensor
 
-from meshbind.agreement import check_ranks_agree, model_entries
 from meshbind.checkpoints.files import (
     MANIFEST,
     MARK,
@@ -29,7 +27,9 @@ from meshbind.checkpoints.files import (
     json_object,
     staging_of,
 )
+from meshbind.checkpoints.parts import Models, agree_on, merged_state, parts_of
 from meshbind.errors import CheckpointError
+from meshbind.mesh import MeshContext
 
 
 def save_target_problem(directory: str | os.PathLike[str]) -> str | None:
@@ -73,17 +73,20 @@ def save_target_problem(directory: str | os.PathLike[str]) -> str | None:
     )
 
 
-def save_checkpoint(model: nn.Module, directory: str | os.PathLike[str]) -> None:
+def save_checkpoint(model: Models, directory: str | os.PathLike[str], *, mesh_context: MeshContext | None = None) -> None:
     """Write the model's state (DTensors as their shards) to ``directory``, replacing what was
     there only once the new state is complete; every rank calls it (in a process with no world,
     that process alone writes it). A non-finite value on any rank refuses the save on every rank,
-    and so does a folder ``save_target_problem`` refuses, before anything is written."""
+    and so does a folder ``save_target_problem`` refuses, before anything is written. Under a
+    pipeline ``model`` is the rank's stage models and ``mesh_context`` its meshes: each stage's
+    ranks write its modules, under the whole model's FQNs, so any layout loads it."""
     target = Path(directory)
     refused = save_target_problem(target)
     if refused is not None:
         raise CheckpointError([refused], "the save is refused before anything is written", "reason")
-    check_ranks_agree("save_checkpoint", lambda: [*model_entries(model), ("checkpoint", os.fspath(target))])
-    state = model.state_dict()
+    parts = parts_of(model)
+    agree_on("save_checkpoint", parts, target, mesh_context)
+    state = merged_state(parts)
     _refuse_non_finite(state)
     state[MARK] = "format 1"
     rank = dist.get_rank() if in_world() else 0

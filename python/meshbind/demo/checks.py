@@ -102,5 +102,3 @@ def _check_pipeline(config: DemoConfig) -> None:
     problems = schedule.problems(config.pp, stages, microbatches)
     if problems:
         raise FlagError("; ".join(problems))
-    if config.save is not None or config.load is not None:
-        raise FlagError("--save and --load do not yet take a pipeline (--pp above 1)")

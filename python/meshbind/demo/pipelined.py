@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from meshbind.binding import bind_parallel_modules, validate_materialized_modules
+from meshbind.checkpoints import load_checkpoint
 from meshbind.demo.config import DemoConfig
 from meshbind.examples.moe_transformer import MoETransformer, initialize
 from meshbind.fsdp import apply_fully_shard
@@ -34,6 +36,17 @@ class PipelinedStep:
     stages: PipelineStages
     predicted_bytes: int
     bound: int
+    schedule: _PipelineSchedule
+    first: bool
+    """Whether this rank runs the first stage (it is given the tokens)."""
+    last: bool
+    """Whether this rank runs the last stage (it is given the targets, and computes the loss)."""
+
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the loss of a forward pass alone (torch's ``schedule.eval``)."""
+        losses: list[torch.Tensor] = []
+        self.schedule.eval(*((tokens,) if self.first else ()), target=targets if self.last else None, losses=losses)
+        return _summed_losses(losses, tokens.device)
 
 
 def pipelined_step(
@@ -63,8 +76,13 @@ def pipelined_step(
                     module.set_force_sum_reduction_for_comms(True)
         part.model.to_empty(device=device)
         assert isinstance(part.model, MoETransformer)
-        initialize(part.model, config.seed)  # each value from its full FQN: the same as in the whole model
-        validate_materialized_modules(part.model)
+        if config.load is None:
+            initialize(part.model, config.seed)  # each value from its full FQN: the same as in the whole model
+    models = [part.model for part in parts]
+    if config.load is not None:
+        load_checkpoint(models, config.load, allow_unverified=config.allow_unverified, mesh_context=mesh_context)
+    for model in models:
+        validate_materialized_modules(model)
     last = _last_stage(stages, parts)
     microbatches = stages.microbatches
 
@@ -76,8 +94,14 @@ def pipelined_step(
     losses: list[torch.Tensor] = []
     first = any(part.stage == 0 for part in parts)
     schedule.step(*((tokens,) if first else ()), target=targets if last is not None else None, losses=losses)
-    total = torch.stack([value.detach() for value in losses]).sum() if losses else torch.zeros((), device=device)
-    return PipelinedStep([part.model for part in parts], total, stages, predicted, bound)
+    total = _summed_losses(losses, device)
+    return PipelinedStep(models, total, stages, predicted, bound, schedule, first, last is not None)
+
+
+def _summed_losses(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The microbatches' losses summed (each already divided by their count); zero on a rank
+    without the last stage."""
+    return torch.stack([value.detach() for value in losses]).sum() if losses else torch.zeros((), device=device)
 
 
 def _last_stage(stages: PipelineStages, parts: list[StagePart]) -> MoETransformer | None:

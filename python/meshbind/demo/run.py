@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -106,7 +106,7 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     per_shard = config.batch // config.batch_shards
     rows = slice(dp_index * per_shard, (dp_index + 1) * per_shard)
     groups_before = process_group_count()
-    pipeline = None
+    pipeline, step = None, None
     if config.pp > 1:
         with phases("pipeline step"):
             step = pipelined_step(config, model, plan, mesh_context, device, tokens[rows].to(device), targets[rows].to(device))
@@ -138,7 +138,9 @@ def run_rank(config: DemoConfig) -> dict[str, Any] | None:
     after_step = None
     if config.save is not None:
         with phases("step and save"):
-            after_step = _step_save_and_evaluate(model, config, tokens[rows].to(device), targets[rows].to(device))
+            inputs = (tokens[rows].to(device), targets[rows].to(device))
+            evaluate = (lambda: model(*inputs)) if step is None else (lambda: step.evaluate(*inputs))
+            after_step = _step_save_and_evaluate(models, config, mesh_context, evaluate)
     with phases("reference"):
         if rank != 0:
             return None
@@ -263,17 +265,20 @@ def _replica_groups(mesh_context: MeshContext, gradient: torch.Tensor, fsdp: boo
     ]
 
 
-def _step_save_and_evaluate(model: MoETransformer, config: DemoConfig, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+def _step_save_and_evaluate(
+    models: list[nn.Module], config: DemoConfig, mesh_context: MeshContext, evaluate: Callable[[], torch.Tensor]
+) -> float:
     """One SGD step with the reduced gradients, the updated state saved (every rank writes its
-    own shards), and the updated model's loss on the same batch, summed over the ranks."""
+    own shards), and the updated model's loss on the same batch (``evaluate()``, this rank's
+    share), summed over the ranks."""
     with torch.no_grad():
-        for parameter in model.parameters():
+        for parameter in (parameter for model in models for parameter in model.parameters()):
             assert parameter.grad is not None
             local(parameter).sub_(config.lr * local(parameter.grad))
     assert config.save is not None
-    save_checkpoint(model, config.save)
+    save_checkpoint(models, config.save, mesh_context=mesh_context)
     with torch.no_grad():
-        loss = model(tokens, targets).detach().to(DTYPES[config.dtype], copy=True)
+        loss = evaluate().detach().to(DTYPES[config.dtype], copy=True)
     dist.all_reduce(loss)
     return float(loss)
 

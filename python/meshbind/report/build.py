@@ -186,11 +186,11 @@ def plan_report(
     ``pipeline`` is its split (``split_stages``): each pipeline rank's ranks hold the parameters
     of the stages it runs, and are a group of their own."""
     chosen = Optimizer.parse(optimizer, "optimizer")
-    _check_pipeline(plan, pipeline)
     if not isinstance(model, (nn.Module, ModelIndex)):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
+    _check_pipeline(plan, pipeline)
     axes = plan.context.axis_sizes
     index = model if isinstance(model, ModelIndex) else index_of(model, plan.index)
     fqns, kinds, samples = index.parameter_fqns, index.parameter_kinds, index.kinds
