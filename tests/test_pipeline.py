@@ -125,6 +125,7 @@ PIPELINED = {
     "pp2 1F1B": dict(world_size=2, pp=2, **DEMO_AXES, layers=4),
     "pp2 Interleaved1F1B": dict(world_size=2, pp=2, **DEMO_AXES, layers=4, pp_schedule="Interleaved1F1B"),
     "pp2 ZBVZeroBubble": dict(world_size=2, pp=2, **DEMO_AXES, layers=4, pp_schedule="ZBVZeroBubble"),
+    "pp2 cp2 tp2 ep2, 1F1B": dict(world_size=8, pp=2, cp=2, tp=2, ep=2, layers=4),
     "pp2 dp_shard2 tp2 ep2 (FSDP), Interleaved1F1B": dict(
         world_size=8, pp=2, dp_shard=2, cp=1, tp=2, ep=2, layers=4, batch=8, pp_schedule="Interleaved1F1B"
     ),

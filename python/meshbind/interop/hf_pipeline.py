@@ -23,7 +23,7 @@ def hf_stage(model: nn.Module, *, first: bool, last: bool) -> nn.Module:
     for name, child in list(base._modules.items()):
         if child is None:
             base._modules[name] = nn.Identity()  # the base model's forward calls it; this stage does not hold it
-    head = model.get_output_embeddings() if last else None
+    head = getattr(model, "get_output_embeddings", lambda: None)() if last else None
     if last and head is None:
         raise ValueError(f"the last stage of {type(model).__name__} holds no output head")
 
@@ -32,5 +32,5 @@ def hf_stage(model: nn.Module, *, first: bool, last: bool) -> nn.Module:
         hidden: torch.Tensor = base(**given, use_cache=False).last_hidden_state
         return head(hidden) if head is not None else hidden
 
-    model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
+    model.forward = types.MethodType(forward, model)
     return model
