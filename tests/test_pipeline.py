@@ -5,20 +5,25 @@ schedules with the loss and every gradient of one process."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from browser_pages import opened_page
 
 from meshbind import LayoutContext, resolve_plan
+from meshbind.cli import main
 from meshbind.demo import run as demo
 from meshbind.demo.checks import FlagError, check_flags
 from meshbind.demo.config import DemoConfig
-from meshbind.errors import PipelineError
+from meshbind.errors import PipelineError, StepMemoryError
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
+from meshbind.memory.trace import step_memory
 from meshbind.model_index import ModelIndex
 from meshbind.pipeline import SCHEDULES, Pipeline, split_stages, stage_model
+from meshbind.report import plan_report
 from meshbind.world import World
 
 from hf_models import hf_model
@@ -164,13 +169,6 @@ def test_ranks_that_split_differently_all_refuse_before_any_stage_is_cut() -> No
 
 
 def test_check_reports_each_stage_and_says_what_it_cannot_answer_per_stage(capsys: pytest.CaptureFixture[str]) -> None:
-    import json
-
-    from meshbind.cli import main
-    from meshbind.errors import StepMemoryError
-    from meshbind.memory.trace import step_memory
-    from meshbind.report import plan_report
-
     model = "meshbind.examples.moe_transformer:MoETransformer"
     plan = "meshbind.examples.moe_transformer:loss_head_request"
     axes = ["--axis", "pp=2", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]
@@ -201,8 +199,6 @@ def test_check_reports_each_stage_and_says_what_it_cannot_answer_per_stage(capsy
 
 def test_each_stage_holds_the_bytes_of_its_own_parameters() -> None:
     """The report per pipeline rank is the whole model's rows summed over the stages it runs."""
-    from meshbind.report import plan_report
-
     model, index = demo_index()
     plan = resolve_plan(model, [loss_head_request()], LayoutContext({"pp": 2, **DEMO_AXES}), index=True)
     whole = plan_report(model, resolve_plan(model, [loss_head_request()], LayoutContext(DEMO_AXES), index=True))
@@ -241,3 +237,22 @@ def test_a_transformers_model_trains_at_pp2_with_the_loss_and_gradients_of_one_p
     loss within 1e-10 of the whole model run in one process."""
     worst = run_local_world(2, "pipeline_checks:hf_pipelined", name, schedule, timeout=240)[0]
     assert worst is not None and worst <= 1e-10, worst
+
+
+def test_the_page_shows_the_stages_each_group_of_ranks_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from selenium.webdriver.common.by import By
+
+    page = tmp_path / "report.html"
+    demo_factory = ["meshbind.examples.moe_transformer:MoETransformer", "meshbind.examples.moe_transformer:loss_head_request"]
+    axes = ["--axis", "pp=2", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]
+    assert main(["check", *demo_factory, *axes, "--pp-schedule", "Interleaved1F1B", "--json", "--html", str(page)]) == 0
+    groups = json.loads(capsys.readouterr().out)["report"]["rank_groups"]
+    with opened_page(page) as driver:
+        bars = driver.find_elements(By.CSS_SELECTOR, "#bars .bar")
+        drawn = [
+            (int(bar.get_attribute("data-first")), bar.get_attribute("data-stages"), int(bar.get_attribute("data-total")))
+            for bar in bars
+        ]
+        assert drawn == [(group["first"], ",".join(map(str, group["stages"])), group["total_bytes"]) for group in groups]
+        assert [group["stages"] for group in groups] == [[0, 2], [1, 3]]
+        assert "ranks 4\u20137 (4 ranks, each the same, stages 1, 3)" in bars[1].text

@@ -95,11 +95,13 @@ function drawBar(into, data, labelText, pieces, widest, tail) {
 const bars = document.getElementById("bars");
 const largest = Math.max(...report.rank_groups.map(g => g.total_bytes), 1);
 for (const rank of report.rank_groups) {
-  const label = rank.count === 1 ? `rank ${rank.first} ${JSON.stringify(rank.first_coordinates)}`
-    : `ranks ${rank.first}–${rank.first + rank.count - 1} (${rank.count.toLocaleString()} ranks, each the same)`;
+  // Under a pipeline each group is one pipeline rank's ranks, holding the stages it runs.
+  const stages = rank.stages.length === 0 ? "" : `, ${rank.stages.length > 1 ? "stages" : "stage"} ${rank.stages.join(", ")}`;
+  const label = rank.count === 1 ? `rank ${rank.first} ${JSON.stringify(rank.first_coordinates)}${stages}`
+    : `ranks ${rank.first}–${rank.first + rank.count - 1} (${rank.count.toLocaleString()} ranks, each the same${stages})`;
   const pieces = [["parameters", rank.parameter_bytes], ["gradients", rank.gradient_bytes], ["optimizer", rank.optimizer_bytes]];
-  drawBar(bars, {first: String(rank.first), count: String(rank.count), total: String(rank.total_bytes)}, label,
-    pieces.map(([kind, bytes]) => [kind, bytes, kind]), largest, size(rank.total_bytes));
+  drawBar(bars, {first: String(rank.first), count: String(rank.count), total: String(rank.total_bytes),
+    stages: rank.stages.join(",")}, label, pieces.map(([kind, bytes]) => [kind, bytes, kind]), largest, size(rank.total_bytes));
 }
 
 // The FSDP units, alike ones as one row: the dtypes each is held, gathered and reduced in, and its buffers.

@@ -51,11 +51,11 @@ def check(args: argparse.Namespace) -> int:
     """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
     context = _layout_context(args.axis)
     fully_shard = _fully_shard(args)
-    not_per_stage = [flag for flag in ("memory", "html", "checkpoint") if getattr(args, flag)]
+    not_per_stage = [flag for flag in ("memory", "checkpoint") if getattr(args, flag)]
     if context.world.pp > 1 and not_per_stage:
         print(
             f"meshbind check: --{not_per_stage[0]} does not yet answer per pipeline stage; with --axis "
-            f"pp={context.world.pp} the check resolves the plan, splits the stages and reports each (--report, --json)",
+            f"pp={context.world.pp} the check resolves the plan, splits the stages and reports each (--report, --json, --html)",
             file=sys.stderr,
         )
         return 2
