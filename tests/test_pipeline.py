@@ -129,8 +129,14 @@ def test_a_transformers_model_splits_its_embeddings_first_and_its_norm_and_head_
 PIPELINED = {
     "pp2 1F1B": dict(world_size=2, pp=2, **DEMO_AXES, layers=4),
     "pp2 Interleaved1F1B": dict(world_size=2, pp=2, **DEMO_AXES, layers=4, pp_schedule="Interleaved1F1B"),
-    "pp2 ZBVZeroBubble": dict(world_size=2, pp=2, **DEMO_AXES, layers=4, pp_schedule="ZBVZeroBubble"),
+    **{
+        f"pp2 {schedule}": dict(world_size=2, pp=2, **DEMO_AXES, layers=4, pp_schedule=schedule)
+        for schedule in ("GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    },
     "pp2 cp2 tp2 ep2, 1F1B": dict(world_size=8, pp=2, cp=2, tp=2, ep=2, layers=4),
+    "pp2 HSDP dp_replicate2 dp_shard2 ep2, 1F1B": dict(
+        world_size=8, pp=2, dp_replicate=2, dp_shard=2, cp=1, tp=1, ep=2, layers=4, batch=8
+    ),
     "pp2 dp_shard2 tp2 ep2 (FSDP), Interleaved1F1B": dict(
         world_size=8, pp=2, dp_shard=2, cp=1, tp=2, ep=2, layers=4, batch=8, pp_schedule="Interleaved1F1B"
     ),
@@ -145,6 +151,16 @@ def test_the_pipelined_demo_matches_one_process(layout: str) -> None:
     assert report["max_rel_grad_diff"] <= 1e-10 and report["max_abs_loss_diff"] <= 1e-10, report
     assert report["report_matches_every_rank"]
     assert f"{config.pp_schedule}," in report["pipeline"]
+
+
+def test_mixed_precision_applies_within_each_stage() -> None:
+    """FSDP2's bf16/fp32 policy on each stage's units: the same bound as without a pipeline (twice
+    what the casts alone move the reference; README, "Mixed precision")."""
+    config = DemoConfig(world_size=4, pp=2, dp_shard=2, cp=1, tp=1, ep=2, layers=4, batch=8, param_dtype="bf16")
+    report = demo.run_local(config)
+    assert report["report_matches_every_rank"] and 0 < report["cast_rel_grad_diff"] < 0.5
+    assert report["max_rel_grad_diff"] <= 2 * report["cast_rel_grad_diff"], report
+    assert report["max_abs_loss_diff"] <= 4 * 2**-7 * abs(report["reference_loss"])
 
 
 def test_the_demo_refuses_a_pipeline_it_cannot_run_before_any_process() -> None:
