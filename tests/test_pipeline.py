@@ -72,7 +72,7 @@ def test_stages_split_as_torchtitan_splits_them() -> None:
     # 8 blocks, the embedding and the head weigh 10: 5 per stage make 2 stages, 3 make 4.
     assert len(split_stages(index, 2, Pipeline("1F1B", layers_per_stage=5)).stages) == 2
     assert len(split_stages(index, 2, Pipeline("Interleaved1F1B", layers_per_stage=3)).stages) == 4
-    assert "stage 1 (pp rank 1): blocks.4-7, norm, head" in one.text()
+    assert "stage 1 (pp rank 1, up to 1 microbatch in flight): blocks.4-7, norm, head" in one.text()
 
 
 def test_explicit_stages_and_schedules_are_checked_and_every_problem_named() -> None:
@@ -101,6 +101,20 @@ def test_explicit_stages_and_schedules_are_checked_and_every_problem_named() -> 
         "ZBVZeroBubble",
         "DualPipeV",
     }
+
+
+def test_microbatches_in_flight_are_read_from_torchs_own_schedule_order() -> None:
+    """Under 1F1B stage r of p holds min(p - r, m) microbatches, under GPipe all m: what torch's
+    order of actions gives, not a formula meshbind keeps."""
+    with torch.device("meta"):
+        model = MoETransformer(TransformerConfig(layers=16))
+    index = ModelIndex.of(model)
+    assert split_stages(index, 4, Pipeline("1F1B", microbatches=8)).in_flight == tuple(min(4 - r, 8) for r in range(4))
+    assert split_stages(index, 4, Pipeline("GPipe", microbatches=8)).in_flight == (8, 8, 8, 8)
+    interleaved = split_stages(index, 4, Pipeline("Interleaved1F1B", microbatches=8))
+    assert len(interleaved.in_flight) == 8 and max(interleaved.in_flight) == 8 and interleaved.in_flight[-1] == 1
+    with pytest.raises(PipelineError, match="torch refuses DualPipeV with 1 microbatches over 8 stages"):
+        split_stages(index, 4, Pipeline("DualPipeV", microbatches=1))
 
 
 def test_a_stage_keeps_its_modules_under_their_full_fqns_and_nothing_else() -> None:
@@ -191,14 +205,14 @@ def test_check_reports_each_stage_and_says_what_it_cannot_answer_per_stage(capsy
     assert main(["check", model, plan, *axes]) == 0
     out = capsys.readouterr().out
     assert "5 planned modules; layout pp=2, cp=2, tp=2, ep=2" in out
-    assert "  stage 1 (pp rank 1): blocks.1, norm, head" in out
+    assert "  stage 1 (pp rank 1, up to 1 microbatch in flight): blocks.1, norm, head" in out
     assert main(["check", model, plan, *axes, "--report", "--pp-schedule", "interleaved1f1b"]) == 0
     out = capsys.readouterr().out
     assert "ranks 0-3 (from {'pp': 0, 'dp_replicate': 0, 'dp_shard': 0, 'cp': 0, 'tp': 0, 'ep': 0}; stages 0, 2)" in out
     assert "whole on every rank of its stage, largest first:" in out
     assert main(["check", model, plan, *axes, "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
-    assert answer["pipeline"]["stages"][1] == {"modules": ["blocks.1", "norm", "head"], "pp_rank": 1}
+    assert answer["pipeline"]["stages"][1] == {"modules": ["blocks.1", "norm", "head"], "pp_rank": 1, "in_flight": 1}
     assert [group["stages"] for group in answer["report"]["rank_groups"]] == [[0], [1]]
     assert main(["check", model, plan, *axes, "--memory", "--batch", "2", "--seq-len", "32"]) == 2
     assert "--memory does not yet answer per pipeline stage; with --axis pp=2" in capsys.readouterr().err

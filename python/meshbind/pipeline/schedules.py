@@ -9,7 +9,9 @@ Single-stage schedules (``GPipe``, ``1F1B``) run one stage per rank; the others 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -80,3 +82,34 @@ def schedule_named(name: str, what: str = "schedule") -> Schedule:
     if not isinstance(name, str) or name.lower() not in by_lower:
         raise ValueError(f"{what} must be one of {', '.join(SCHEDULES)}, got {name!r}")
     return by_lower[name.lower()]
+
+
+def in_flight(schedule: Schedule, pp: int, stages: int, microbatches: int) -> tuple[int, ...]:
+    """For each stage, the most microbatches it has run forward and not yet backward at any point
+    of torch's own order of each rank's actions (``get_schedule_ops``, which builds the schedule
+    over stand-in stages, so torch's own checks of the schedule run too). A microbatch is in flight
+    from its forward (``F``) to its full backward (``B``) or, split in two under a zero-bubble
+    schedule, to its weight gradients (``W``): until then its activations are held. A
+    ``ValueError`` carries torch's refusal."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  # builds a schedule
+
+    try:
+        actions = get_schedule_ops(schedule.name, pp, microbatches, stages // pp)
+    except (ValueError, AssertionError, RuntimeError) as error:
+        raise ValueError(
+            f"torch refuses {schedule.name} with {microbatches} microbatches over {stages} stages: {error}"
+        ) from None
+    held: Counter[int] = Counter()
+    most: Counter[int] = Counter()
+    for action in (action for rank in actions for action in rank if action is not None):
+        kind = str(_value(action.computation_type))
+        if kind == "F":
+            held[action.stage_index] += 1
+            most[action.stage_index] = max(most[action.stage_index], held[action.stage_index])
+        elif kind in ("B", "W"):
+            held[action.stage_index] -= 1
+    return tuple(most[stage] for stage in range(stages))
+
+
+def _value(kind: Any) -> Any:
+    return getattr(kind, "value", kind)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from meshbind.errors import PipelineError
 from meshbind.model_index import ModelIndex
-from meshbind.pipeline.schedules import Schedule, schedule_named
+from meshbind.pipeline.schedules import Schedule, in_flight, schedule_named
 from meshbind.units import is_int_from
 
 
@@ -47,6 +47,8 @@ class PipelineStages:
     microbatches: int
     stages: tuple[tuple[str, ...], ...]
     everywhere: tuple[str, ...]
+    in_flight: tuple[int, ...]
+    """Each stage's most microbatches in flight (forward run, backward not yet), in torch's order."""
 
     def stages_of_rank(self, pp_rank: int) -> tuple[int, ...]:
         """The stages pipeline rank ``pp_rank`` runs (torch's placement for the schedule)."""
@@ -67,14 +69,18 @@ class PipelineStages:
             "pp": self.pp,
             "schedule": self.schedule.name,
             "microbatches": self.microbatches,
-            "stages": [{"modules": list(modules), "pp_rank": self._rank_of(index)} for index, modules in enumerate(self.stages)],
+            "stages": [
+                {"modules": list(modules), "pp_rank": self._rank_of(index), "in_flight": self.in_flight[index]}
+                for index, modules in enumerate(self.stages)
+            ],
             "everywhere": list(self.everywhere),
         }
 
     def text(self) -> str:
         lines = [f"pipeline: {len(self.stages)} stages over pp={self.pp}, {self.schedule.name}, {self.microbatches} microbatches"]
         for index, modules in enumerate(self.stages):
-            lines.append(f"  stage {index} (pp rank {self._rank_of(index)}): {_ranges(modules)}")
+            held = f", up to {self.in_flight[index]} microbatch{'es' if self.in_flight[index] != 1 else ''} in flight"
+            lines.append(f"  stage {index} (pp rank {self._rank_of(index)}{held}): {_ranges(modules)}")
         return "\n".join(lines)
 
     def _rank_of(self, stage: int) -> int:
@@ -107,7 +113,11 @@ def split_stages(index: ModelIndex, pp: int, pipeline: Pipeline) -> PipelineStag
         problems += schedule.problems(pp, len(stages), microbatches)
     if problems:
         raise PipelineError(problems)
-    return PipelineStages(pp, schedule, microbatches, stages, parts.everywhere)
+    try:
+        held = in_flight(schedule, pp, len(stages), microbatches)
+    except ValueError as error:
+        raise PipelineError([str(error)]) from None
+    return PipelineStages(pp, schedule, microbatches, stages, parts.everywhere, held)
 
 
 @dataclass(frozen=True)
