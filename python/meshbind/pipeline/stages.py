@@ -136,8 +136,14 @@ def _model_parts(index: ModelIndex) -> _ModelParts:
     length = dict(index.module_lists)[list_fqn]
     prefix = f"{list_fqn}." if list_fqn else ""
     blocks = tuple(f"{prefix}{number}" for number in range(length))
-    holders = {fqn.rpartition(".")[0] for fqn in index.parameter_fqns}
-    holding = {fqn: any(holder == fqn or holder.startswith(f"{fqn}.") for holder in holders) for fqn in index.module_fqns}
+    holding: set[str] = set()  # every module holding a parameter, itself or inside it
+    for fqn in index.parameter_fqns:
+        holder = fqn.rpartition(".")[0]
+        while holder not in holding:
+            holding.add(holder)
+            if not holder:
+                break
+            holder = holder.rpartition(".")[0]
     inputs: list[str] = []
     outputs: list[str] = []
     everywhere: list[str] = []
@@ -149,7 +155,7 @@ def _model_parts(index: ModelIndex) -> _ModelParts:
         for order, sibling in enumerate(siblings):
             if sibling == path:
                 continue
-            if not holding[sibling]:
+            if sibling not in holding:
                 everywhere.append(sibling)
             elif order < position:
                 inputs.append(sibling)
