@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -72,3 +74,26 @@ def hf_pipelined(name: str, schedule: str) -> float | None:
         scale = float(parameter.grad.abs().max()) or 1.0
         worst = max(worst, float((gradients[fqn] - parameter.grad).abs().max()) / scale)
     return worst
+
+
+def one_stage_rank_differs() -> str | None:
+    """pp=2 stages of two tp ranks; the world's last rank leaves a block out of its stage's plan
+    before the layouts: its stage's ranks refuse, naming it, and the other stage's apply theirs.
+    This rank's error text (``None``: it applied)."""
+    from rank_agreement_checks import blocks, request
+
+    from meshbind import apply_layouts
+
+    context = MeshContext.build(pp=2, tp=2)
+    whole = blocks(4, meta=True)
+    plan = resolve_plan(whole, [request("layers.*")], context.layout_context(), index=True)
+    _, parts = pipeline_parts(whole, plan, Pipeline("GPipe"), context)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        part = parts[0]
+        parts = [replace(part, plan=replace(part.plan.only(lambda fqn: fqn != "layers.3"), index=part.plan.index))]
+    try:
+        for part in parts:
+            apply_layouts(part.model, part.plan, context)
+    except RankMismatchError as error:
+        return str(error)
+    return None

@@ -286,3 +286,10 @@ def test_the_page_shows_the_stages_each_group_of_ranks_holds(tmp_path: Path, cap
         assert drawn == [(group["first"], ",".join(map(str, group["stages"])), group["total_bytes"]) for group in groups]
         assert [group["stages"] for group in groups] == [[0, 2], [1, 3]]
         assert "ranks 4\u20137 (4 ranks, each the same, stages 1, 3)" in bars[1].text
+
+
+def test_a_stage_whose_ranks_differ_refuses_while_the_other_stage_applies() -> None:
+    outcomes = run_local_world(4, "pipeline_checks:one_stage_rank_differs", timeout=120)
+    assert outcomes[:2] == [None, None]
+    for error in outcomes[2:]:
+        assert error is not None and "rank 3 differs from rank 2 first at plan layers.3: absent here" in error, error
