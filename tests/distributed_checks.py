@@ -98,7 +98,7 @@ def check_mesh_sizes(sizes: dict[str, int]) -> None:
                 raise AssertionError(f"{built}: {expert_mesh.mesh_dim_names} {dims}, expected {expected_dims}")
     # Without ep > 1 there is no expert mesh, and 'ep' is 1.
     no_experts = MeshContext.build(dp=world)
-    no_expert_sizes = {"dp_replicate": world, "dp_shard": 1, "cp": 1, "tp": 1, "ep": 1}
+    no_expert_sizes = {"pp": 1, "dp_replicate": world, "dp_shard": 1, "cp": 1, "tp": 1, "ep": 1}
     if no_experts.fsdp_moe_mesh is not None or no_experts.axis_sizes() != no_expert_sizes:
         raise AssertionError(f"without ep: {no_experts}, {no_experts.axis_sizes()}")
     # An expert mesh over fewer ranks than the device mesh.
