@@ -1,0 +1,73 @@
+"""Published pipelined layouts, split and reported on this CPU: Llama 3.1 405B at TP 8 · PP 16 ·
+DP 128 (16,384 ranks, the Llama 3 paper's Table 4, DP as FSDP over ``dp_shard``) and DeepSeek-V3
+671B at PP 16 · EP 64 on 2,048 ranks (its report's section 3.2; FSDP over ``dp_shard`` stands in
+for its ZeRO-1, which shards the optimizer state alone).
+
+    python benches/pipeline_split.py [--repeat 3]
+
+Each line gives the median seconds (of ``--repeat`` runs) to build the model on ``meta``, to
+resolve its transformers plan (with the index the split reads), to split the stages (torch's own
+schedule order included) and to report every stage's bytes per rank; then the fullest rank's
+parameter, gradient and Adam bytes and its stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from meshbind import LayoutContext, resolve_plan
+from meshbind.interop.hf_plans import from_hf_plan
+from meshbind.pipeline import Pipeline, split_stages
+from meshbind.report import plan_report
+from meshbind.units import size_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from hf_models import hf_model
+
+LAYOUTS = {
+    "llama_405b": ({"pp": 16, "dp_shard": 128, "tp": 8}, Pipeline("Interleaved1F1B", microbatches=32)),
+    "deepseek_v3": ({"pp": 16, "dp_shard": 128, "ep": 64}, Pipeline("DualPipeV", microbatches=32)),
+}
+"""Each model's published axes and a schedule of torch's close to the one its run used."""
+
+
+def timed(step: Callable[[], Any], repeat: int) -> tuple[Any, float]:
+    """The last result of ``repeat`` runs of ``step`` and their median seconds."""
+    seconds, result = [], None
+    for _ in range(repeat):
+        started = time.perf_counter()
+        result = step()
+        seconds.append(time.perf_counter() - started)
+    return result, statistics.median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    print("| model | world | schedule | meta build | resolve | split | report | fullest rank (its stages) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (axes, pipeline) in LAYOUTS.items():
+        model, build = timed(lambda name=name: hf_model(name, real=True), args.repeat)
+        context = LayoutContext(axes)
+        plan, resolve = timed(lambda: resolve_plan(model, from_hf_plan(model), context, index=True), args.repeat)
+        assert plan.index is not None
+        stages, split = timed(lambda: split_stages(plan.index, axes["pp"], pipeline), args.repeat)
+        report, reported = timed(lambda: plan_report(model, plan, pipeline=stages), args.repeat)
+        fullest = max(report.rank_groups, key=lambda group: group.total_bytes)
+        world = ", ".join(f"{axis}={size}" for axis, size in axes.items()) + f" ({context.world.size:,} ranks)"
+        held = f"{size_text(fullest.total_bytes)} (stages {', '.join(map(str, fullest.stages))})"
+        print(
+            f"| {name} | {world} | {stages.schedule.name}, {stages.microbatches} microbatches, {len(stages.stages)} stages "
+            f"| {build:.2f} s | {resolve:.2f} s | {split:.2f} s | {reported:.2f} s | {held} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
