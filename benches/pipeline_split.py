@@ -47,6 +47,24 @@ def timed(step: Callable[[], Any], repeat: int) -> tuple[Any, float]:
     return result, statistics.median(seconds)
 
 
+def measured(name: str, axes: dict[str, int], pipeline: Pipeline, repeat: int) -> str:
+    """One model's line of the table."""
+    model, build = timed(lambda: hf_model(name, real=True), repeat)
+    context = LayoutContext(axes)
+    plan, resolve = timed(lambda: resolve_plan(model, from_hf_plan(model), context, index=True), repeat)
+    index = plan.index
+    assert index is not None
+    stages, split = timed(lambda: split_stages(index, axes["pp"], pipeline), repeat)
+    report, reported = timed(lambda: plan_report(model, plan, pipeline=stages), repeat)
+    fullest = max(report.rank_groups, key=lambda group: group.total_bytes)
+    world = ", ".join(f"{axis}={size}" for axis, size in axes.items()) + f" ({context.world.size:,} ranks)"
+    held = f"{size_text(fullest.total_bytes)} (stages {', '.join(map(str, fullest.stages))})"
+    return (
+        f"| {name} | {world} | {stages.schedule.name}, {stages.microbatches} microbatches, {len(stages.stages)} stages "
+        f"| {build:.2f} s | {resolve:.2f} s | {split:.2f} s | {reported:.2f} s | {held} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
@@ -54,19 +72,7 @@ def main() -> None:
     print("| model | world | schedule | meta build | resolve | split | report | fullest rank (its stages) |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (axes, pipeline) in LAYOUTS.items():
-        model, build = timed(lambda name=name: hf_model(name, real=True), args.repeat)
-        context = LayoutContext(axes)
-        plan, resolve = timed(lambda: resolve_plan(model, from_hf_plan(model), context, index=True), args.repeat)
-        assert plan.index is not None
-        stages, split = timed(lambda: split_stages(plan.index, axes["pp"], pipeline), args.repeat)
-        report, reported = timed(lambda: plan_report(model, plan, pipeline=stages), args.repeat)
-        fullest = max(report.rank_groups, key=lambda group: group.total_bytes)
-        world = ", ".join(f"{axis}={size}" for axis, size in axes.items()) + f" ({context.world.size:,} ranks)"
-        held = f"{size_text(fullest.total_bytes)} (stages {', '.join(map(str, fullest.stages))})"
-        print(
-            f"| {name} | {world} | {stages.schedule.name}, {stages.microbatches} microbatches, {len(stages.stages)} stages "
-            f"| {build:.2f} s | {resolve:.2f} s | {split:.2f} s | {reported:.2f} s | {held} |"
-        )
+        print(measured(name, axes, pipeline, args.repeat))
 
 
 if __name__ == "__main__":
