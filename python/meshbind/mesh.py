@@ -37,6 +37,18 @@ def waited(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
 
+def stage_mesh(
+    device_type: str, world: World, shape: tuple[int, ...], names: tuple[str, ...]
+) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """A mesh of ``shape`` (dims ``names``) over every rank of one pipeline stage: with ``pp``
+    above 1 laid under ``pp``, outermost as torchtitan lays it, and cut to this rank's stage; and
+    the one-dimensional ``pp`` mesh (``None`` without a pipeline)."""
+    if world.pp == 1:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names), None
+    whole = init_device_mesh(device_type, (world.pp, *shape), mesh_dim_names=(PIPELINE_AXIS, *names))
+    return whole[names], whole[PIPELINE_AXIS]
+
+
 @dataclass(frozen=True)
 class MeshContext:
     """The device mesh (dims ``dp_replicate, dp_shard, cp, tp``) and, for expert parallelism, the
@@ -125,16 +137,9 @@ class MeshContext:
             product = " * ".join(f"{axis}={getattr(world, axis)}" for axis in (PIPELINE_AXIS, *DENSE_AXES))
             raise ValueError(f"{product} = {world.size}, but the world size is {dist.get_world_size()}")
         device = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
-        if pp == 1:
-            device_mesh = init_device_mesh(device, world.dense_shape, mesh_dim_names=DENSE_AXES)
-            expert_mesh = init_device_mesh(device, world.expert_shape, mesh_dim_names=EXPERT_AXES) if ep > 1 else None
-            return cls(device_mesh, expert_mesh)
-        whole = init_device_mesh(device, (pp, *world.dense_shape), mesh_dim_names=(PIPELINE_AXIS, *DENSE_AXES))
-        expert_mesh = None
-        if ep > 1:
-            expert_whole = init_device_mesh(device, (pp, *world.expert_shape), mesh_dim_names=(PIPELINE_AXIS, *EXPERT_AXES))
-            expert_mesh = expert_whole[EXPERT_AXES]
-        return cls(whole[DENSE_AXES], expert_mesh, whole[PIPELINE_AXIS])
+        device_mesh, pp_mesh = stage_mesh(device, world, world.dense_shape, DENSE_AXES)
+        expert_mesh = stage_mesh(device, world, world.expert_shape, EXPERT_AXES)[0] if ep > 1 else None
+        return cls(device_mesh, expert_mesh, pp_mesh)
 
     def axis_sizes(self) -> dict[str, int]:
         """Every axis of the world and its size (``ep`` is 1 without an expert mesh)."""

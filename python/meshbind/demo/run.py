@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -29,12 +28,12 @@ from meshbind.fsdp import apply_fully_shard
 from meshbind.fsdp_request import FullyShard
 from meshbind.launch import run_local_world
 from meshbind.layouts import apply_layouts
-from meshbind.mesh import MeshContext
+from meshbind.mesh import MeshContext, stage_mesh
 from meshbind.names import DTYPE_NAMES, MeshSide
 from meshbind.report import plan_report
 from meshbind.resolution import resolve_plan
 from meshbind.resolution.plan import ParallelPlan
-from meshbind.world import EXPERT_AXES, FSDP_AXES, PIPELINE_AXIS
+from meshbind.world import EXPERT_AXES, FSDP_AXES
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 """The torch dtype of each of the demo's ``--dtype`` choices."""
@@ -72,13 +71,7 @@ def _mesh_context(config: DemoConfig) -> MeshContext:
     )
     if context.fsdp_moe_mesh is None:
         # ep = 1: the experts still bind, over one-rank expert groups of a mesh made here.
-        if world.pp > 1:
-            whole = init_device_mesh(
-                context.device_type, (world.pp, *world.expert_shape), mesh_dim_names=(PIPELINE_AXIS, *EXPERT_AXES)
-            )
-            expert_mesh = whole[EXPERT_AXES]
-        else:
-            expert_mesh = init_device_mesh(context.device_type, world.expert_shape, mesh_dim_names=EXPERT_AXES)
+        expert_mesh = stage_mesh(context.device_type, world, world.expert_shape, EXPERT_AXES)[0]
         context = MeshContext(context.device_mesh, expert_mesh, context.pp_mesh)
     return context
 

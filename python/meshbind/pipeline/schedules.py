@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -102,14 +101,10 @@ def in_flight(schedule: Schedule, pp: int, stages: int, microbatches: int) -> tu
     held: Counter[int] = Counter()
     most: Counter[int] = Counter()
     for action in (action for rank in actions for action in rank if action is not None):
-        kind = str(_value(action.computation_type))
+        kind = action.computation_type  # torch's str enum: "F", "B", "I", "W"
         if kind == "F":
             held[action.stage_index] += 1
             most[action.stage_index] = max(most[action.stage_index], held[action.stage_index])
         elif kind in ("B", "W"):
             held[action.stage_index] -= 1
     return tuple(most[stage] for stage in range(stages))
-
-
-def _value(kind: Any) -> Any:
-    return getattr(kind, "value", kind)

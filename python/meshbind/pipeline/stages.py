@@ -60,7 +60,7 @@ class PipelineStages:
         roots = (*self.stages[stage], *self.everywhere)
 
         def keep(fqn: str) -> bool:
-            return any(fqn == root or fqn.startswith(f"{root}.") or not fqn or root.startswith(f"{fqn}.") for root in roots)
+            return any(_within(fqn, root) or _within(root, fqn) for root in roots)
 
         return keep
 
