@@ -20,11 +20,13 @@ from meshbind.examples.moe_transformer import (
     loss_head_request,
 )
 from meshbind.examples.parallel_parts import local
-from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state
+from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state, pipelined_training_step
+from meshbind.mesh import stage_mesh
+from meshbind.pipeline import Pipeline, pipeline_parts, pipeline_schedule
 from meshbind.names import Checkpointing
 from meshbind.world import DENSE_AXES, EXPERT_AXES
 
-from step_memory_truth import count_every_thread, measured_step_peak
+from step_memory_truth import count_every_thread, measured_peak, measured_step_peak
 
 DEMO_UNITS = FullyShard(("blocks.*.moe", "blocks.*"))
 
@@ -106,6 +108,56 @@ def demo_step_peak(
     tokens, targets = batch(config, batch_per_rank * world.dp_shard, seq_len, seed=0)
     rows = slice(dp_rank * batch_per_rank, (dp_rank + 1) * batch_per_rank)
     return measured_step_peak(model, optimizer, (tokens[rows], targets[rows]), {})
+
+
+def pipelined_demo_step_peaks(
+    axes: dict[str, int], layers: int, batch_per_rank: int, seq_len: int, runs: list[tuple[str, int, str]]
+) -> list[int]:
+    """This rank's measured peak of one pipelined demo step for each ``(schedule, microbatches,
+    checkpointing)`` of ``runs``, in turn on one world: its stages cut, planned (FSDP over
+    ``dp_shard``), materialised and stepped by torch's schedule, the optimizer's state made first."""
+    count_every_thread()
+    context = LayoutContext(axes)
+    world = context.world
+    mesh_context = MeshContext.build(**world.axis_sizes())
+    if mesh_context.fsdp_moe_mesh is None:  # ep = 1: the experts bind over one-rank expert groups
+        expert_mesh = stage_mesh("cpu", world, world.expert_shape, EXPERT_AXES)[0]
+        mesh_context = MeshContext(mesh_context.device_mesh, expert_mesh, mesh_context.pp_mesh)
+    config = TransformerConfig(layers=layers)
+    dp_rank = mesh_context.world.coordinates(torch.distributed.get_rank())["dp_shard"]
+    tokens, targets = batch(config, batch_per_rank * world.dp_shard, seq_len, seed=0)
+    rows = slice(dp_rank * batch_per_rank, (dp_rank + 1) * batch_per_rank)
+    tokens, targets = tokens[rows].contiguous(), targets[rows].contiguous()
+    peaks = []
+    for schedule_name, microbatches, checkpointing in runs:
+        with torch.device("meta"):
+            whole = MoETransformer(config)
+        plan = resolve_plan(whole, [loss_head_request()], context, fully_shard=demo_units(world.dp_shard, None), index=True)
+        stages, parts = pipeline_parts(whole, plan, Pipeline(schedule_name, microbatches), mesh_context)
+        for part in parts:
+            apply_plan(part.model, part.plan, mesh_context, Checkpointing.parse(checkpointing, "checkpointing"))
+            part.model.to_empty(device="cpu")
+            assert isinstance(part.model, MoETransformer)
+            initialize(part.model, seed=0)
+            for module in part.model.modules():
+                if isinstance(module, MoELayer):
+                    module.route = balanced_route(module)  # type: ignore[method-assign]
+        models = nn.ModuleList(part.model for part in parts)
+        optimizer = make_optimizer(models, "adam", "cpu")
+        make_optimizer_state(optimizer)
+        last_stage = len(stages.stages) - 1
+        last = next((part.model for part in parts if part.stage == last_stage), None)
+
+        def loss(hidden: torch.Tensor, microbatch_targets: torch.Tensor, last: Any = last, count: int = microbatches) -> Any:
+            return last.pipeline_loss(hidden, microbatch_targets) / count
+
+        schedule = pipeline_schedule(stages, parts, mesh_context, torch.device("cpu"), loss)
+        given = tokens if any(part.stage == 0 for part in parts) else None
+        wanted = targets if last is not None else None
+        peaks.append(
+            measured_peak(lambda: pipelined_training_step(schedule, optimizer, given, wanted), models, optimizer, (given, wanted))
+        )
+    return peaks
 
 
 def hf_step_peak(

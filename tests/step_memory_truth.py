@@ -52,10 +52,16 @@ def measured_step_peak(
     (parameters, buffers, optimizer state, the inputs) and the most the step added to the allocator's
     total, frees on other threads included; the lowest of ``STEPS`` identical steps (the optimizer's
     state exists before the first, so each step starts and ends with the same tensors)."""
+    return measured_peak(lambda: training_step(model, optimizer, args, kwargs), model, optimizer, (args, kwargs))
+
+
+def measured_peak(step: Callable[[], None], model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Any) -> int:
+    """``measured_step_peak`` of any ``step`` of ``model`` (a pipeline rank's stages in a
+    ``ModuleList``) that starts and ends with its parameters, buffers, optimizer state and ``inputs``."""
     count_every_thread()
-    before = _storage_bytes(_existing_tensors(model, optimizer, (args, kwargs)))
-    added = lowest_step_added(lambda: training_step(model, optimizer, args, kwargs))
-    after = _storage_bytes(_existing_tensors(model, optimizer, (args, kwargs)))
+    before = _storage_bytes(_existing_tensors(model, optimizer, inputs))
+    added = lowest_step_added(step)
+    after = _storage_bytes(_existing_tensors(model, optimizer, inputs))
     assert after == before, f"a step changed the tensors it starts with: {before} bytes before, {after} after"
     return before + added
 

@@ -74,7 +74,7 @@ def apply_checkpointing(
 def checkpoint_units(model: nn.Module, plan: ParallelPlan) -> list[str]:
     """The blocks: each FSDP unit below the root that no other such unit contains (a transformer
     block, not also its experts inside it); without FSDP units, each module of the model's longest
-    ``ModuleList`` (its blocks, as torchtitan wraps them)."""
+    ``ModuleList`` (its blocks, as torchtitan wraps them); none in a pipeline stage without blocks."""
     if plan.fsdp is not None:
         fqns = sorted(unit.fqn for unit in plan.fsdp.units if unit.fqn)
         outermost: list[str] = []
@@ -84,6 +84,8 @@ def checkpoint_units(model: nn.Module, plan: ParallelPlan) -> list[str]:
         if outermost:
             return outermost
     blocks = index_of(model, plan.index).layer_list()
+    if blocks is None and plan.context.world.pp > 1:
+        return []  # a pipeline stage of the embedding or the head alone holds no block
     if blocks is None:
         raise StepMemoryError(
             f"activation checkpointing wraps the FSDP units or the blocks of a ModuleList: {type(model).__name__} has neither"

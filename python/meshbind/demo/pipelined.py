@@ -88,7 +88,7 @@ def pipelined_step(
 
     def loss(hidden: torch.Tensor, microbatch_targets: torch.Tensor) -> torch.Tensor:
         assert last is not None
-        return last.head.loss(hidden=hidden, targets=microbatch_targets) / microbatches
+        return last.pipeline_loss(hidden, microbatch_targets) / microbatches
 
     schedule = pipeline_schedule(stages, parts, mesh_context, device, loss)
     losses: list[torch.Tensor] = []

@@ -129,6 +129,10 @@ class MoETransformer(nn.Module):
         hidden: torch.Tensor = self.norm(x)
         return hidden if targets is None else self.head.loss(hidden=hidden, targets=targets)
 
+    def pipeline_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of one microbatch on the last pipeline stage, from what its forward hands on."""
+        return self.head.loss(hidden=hidden, targets=targets)
+
 
 def initialize(model: MoETransformer, seed: int) -> None:
     """Deterministic values from the seed and each parameter's FQN, the same with or without

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshbind.names import Checkpointing, Device, Optimizer
+from meshbind.pipeline import PipelineStages
 from meshbind.routing import Routing
 from meshbind.units import size_text
 from meshbind.world import World
@@ -44,6 +45,8 @@ class StepSettings:
     device: Device
     device_memory: int | None
     routing: Routing
+    pipeline: PipelineStages | None = None
+    """Under ``pp`` above 1: the stages, schedule and microbatches the step ran."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,13 @@ class RankClassMemory:
     peak_phase: str
     """``forward``, ``backward`` or ``optimizer step``."""
     traced: str
-    """How: ``the whole model``, or which depths of its alike blocks were traced and extrapolated."""
+    """How: ``the whole model``, which depths of its alike blocks were traced and extrapolated, or
+    which pipeline stages."""
     seconds: float
+    stages: tuple[int, ...] = ()
+    """Under a pipeline, the stages these ranks run."""
+    peak_action: str = ""
+    """Under a pipeline, the schedule's action at the peak (``action 5: stage 1 backward of microbatch 2``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +80,7 @@ class RankClassMemory:
             "peak_phase": self.peak_phase,
             "traced": self.traced,
             "seconds": self.seconds,
+            **({"stages": list(self.stages), "peak_action": self.peak_action} if self.stages else {}),
         }
 
 
@@ -112,6 +121,7 @@ class StepMemory:
             "device": s.device,
             "device_memory": s.device_memory,
             "routing": {"capacity_factor": s.routing.capacity_factor},
+            **({"pipeline": s.pipeline.to_dict()} if s.pipeline is not None else {}),
             "peak_bytes": self.peak_bytes,
             "fits": self.fits,
             "shortfall_bytes": self.shortfall_bytes,
@@ -126,9 +136,15 @@ class StepMemory:
             f"optimizer {s.optimizer}, activation checkpointing {s.activation_checkpointing}, {s.routing.text()}; "
             f"world {self.world.text()}"
         ]
+        if s.pipeline is not None:
+            lines.append(
+                f"pipeline: {len(s.pipeline.stages)} stages, {s.pipeline.schedule.name}, "
+                f"{s.pipeline.microbatches} microbatches of {s.batch // s.pipeline.microbatches}"
+            )
         for c in self.classes:
             who = f"ranks {c.first_rank}-{c.first_rank + c.ranks - 1}" if c.ranks > 1 else f"rank {c.first_rank}"
-            lines.append(f"{who}: peak {size_text(c.peak_bytes)} in {c.peak_module} {c.peak_phase}")
+            at = f", {c.peak_action}" if c.peak_action else ""
+            lines.append(f"{who}: peak {size_text(c.peak_bytes)} in {c.peak_module} {c.peak_phase}{at}")
             lines.append(f"  traced: {c.traced}")
             live = [(kind, size) for kind, size in c.live_at_peak.items() if size]
             lines += [

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
 from meshbind.activation_checkpointing import RecomputeContext, apply_checkpointing
@@ -95,6 +96,21 @@ def training_step(
         )
     loss.backward()  # type: ignore[no-untyped-call]
     del output, loss
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def pipelined_training_step(
+    schedule: _PipelineSchedule,
+    optimizer: torch.optim.Optimizer | None,
+    tokens: torch.Tensor | None,
+    targets: torch.Tensor | None,
+) -> None:
+    """One step of torch's pipeline schedule over this rank's stages (the rank of the first stage
+    given the batch's inputs, the rank of the last its targets), then the optimizer step, gradients
+    dropped: the pipelined step both the trace and a real measurement run."""
+    schedule.step(*(() if tokens is None else (tokens,)), target=targets)
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

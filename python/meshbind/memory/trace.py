@@ -11,34 +11,31 @@ class of ranks holding alike shards (``plan_report``'s rank groups).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.device_mesh import DeviceMesh
 
 from meshbind.errors import StepMemoryError
 from meshbind.memory.attention import CudaAttention, real_step_masks
 from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, kept_modules, truncated
+from meshbind.memory.fake_world import fake_world, without_torch_advice
 from meshbind.memory.fsdp_chunks import chunks_for_traced_rank
+from meshbind.memory.pipelined import Examples, stage_examples, trace_pipelined_rank
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.step import StepInputs, apply_plan, default_inputs, make_optimizer, make_optimizer_state, training_step
-from meshbind.memory.trackers import Peak, step_tracker, untracked_shape_propagation
-from meshbind.mesh import MeshContext
+from meshbind.memory.trackers import Peak, step_tracker, untraceable, untracked_shape_propagation
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
+from meshbind.pipeline import Pipeline, PipelineStages, split_stages
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing, assuming
-from meshbind.world import DENSE_AXES, EXPERT_AXES, World
+from meshbind.world import PIPELINE_AXIS
 
 TRACED_OPTIMIZERS = (Optimizer.NONE, Optimizer.SGD_MOMENTUM, Optimizer.ADAM)
 """The optimizers a trace steps (a float32 master copy is the mixed-precision issue's)."""
@@ -57,6 +54,7 @@ def step_memory(
     routing: Routing | None = None,
     inputs: StepInputs | None = None,
     alike_layers: bool = True,
+    pipeline: Pipeline | None = None,
 ) -> StepMemory:
     """The peak bytes of one training step (forward, backward, optimizer step) on each class of
     ranks, with what is live at the peak and where it falls.
@@ -76,6 +74,11 @@ def step_memory(
     With ``alike_layers`` (the default), a model whose blocks end in more than five alike ones is
     traced at three, four and five of them, under the plan of the modules each copy keeps, and
     extrapolated where that is exact (``memory/depth.py``), else traced whole.
+
+    With ``pp`` above 1, ``pipeline`` (default ``Pipeline()``: 1F1B, a microbatch per stage)
+    splits the model, and each class of ranks runs its stages' whole step under torch's schedule
+    (``memory/pipelined.py``): ``batch`` splits into the microbatches, the first stage takes the
+    token ids and the last stage's output gives the loss (``pipeline.stage_loss``).
     """
     settings = StepSettings(
         batch=batch,
@@ -89,8 +92,6 @@ def step_memory(
     _check_settings(settings)
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
-    if plan.context.world.pp > 1:
-        raise StepMemoryError("step_memory does not yet trace pipeline stages: the plan has pp above 1")
     if dist.is_available() and dist.is_initialized():
         raise StepMemoryError(
             "step_memory traces over torch's fake process group and cannot while a process group is "
@@ -98,8 +99,23 @@ def step_memory(
         )
     started = time.perf_counter()
     models = _Models(build, plan, alike_layers)
-    groups = plan_report(models.index, plan, optimizer="none").rank_groups
-    classes = [_trace_class(models, plan, group, settings, inputs) for group in groups]
+    if plan.context.world.pp == 1:
+        if pipeline is not None:
+            raise ValueError("pipeline is for a plan with pp above 1; this plan has pp=1")
+        groups = plan_report(models.index, plan, optimizer="none").rank_groups
+        classes = [_trace_class(models, plan, group, settings, inputs) for group in groups]
+        return StepMemory(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
+    if inputs is not None:
+        raise ValueError("inputs is not taken under a pipeline: the first stage takes token ids [batch, seq_len]")
+    stages = split_stages(models.index, plan.context.world.pp, pipeline or Pipeline())
+    if settings.batch % stages.microbatches:
+        raise ValueError(f"batch {settings.batch} does not split into {stages.microbatches} pipeline microbatches")
+    settings = replace(settings, pipeline=stages)
+    groups = plan_report(models.index, plan, optimizer="none", pipeline=stages).rank_groups
+    whole = models.first()
+    examples = stage_examples(whole, stages, settings.batch // stages.microbatches, settings.seq_len, settings.routing)
+    indexed = replace(plan, index=models.index)
+    classes = [_trace_pipelined_class(whole, indexed, stages, examples, group, settings) for group in groups]
     return StepMemory(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
 
 
@@ -119,6 +135,11 @@ class _Models:
     def kept(self, blocks: int) -> nn.Module:
         assert self.run is not None and self.deepest is not None
         return truncated(self.deepest, self.run, blocks)
+
+    def first(self) -> nn.Module:
+        """The model first built, which a pipeline's stages are cut from (each a copy)."""
+        assert self.unused is not None
+        return self.unused
 
     def whole(self) -> nn.Module:
         if self.unused is not None:
@@ -169,6 +190,32 @@ def _trace_class(
     )
 
 
+def _trace_pipelined_class(
+    whole: nn.Module,
+    plan: ParallelPlan,
+    stages: PipelineStages,
+    examples: Examples,
+    group: RankGroup,
+    settings: StepSettings,
+) -> RankClassMemory:
+    """One rank of ``group``: its stages' whole step under the schedule."""
+    started = time.perf_counter()
+    peak = trace_pipelined_rank(whole, plan, stages, examples, group.first, settings)
+    mine = stages.stages_of_rank(plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
+    return RankClassMemory(
+        first_rank=group.first,
+        ranks=group.count,
+        peak_bytes=peak.total,
+        live_at_peak=peak.kinds,
+        peak_module=peak.module,
+        peak_phase=peak.phase,
+        traced=f"stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} whole, under {stages.schedule.name}",
+        seconds=time.perf_counter() - started,
+        stages=mine,
+        peak_action=peak.action,
+    )
+
+
 MAX_TOKENS = 2**31 - 1
 """The most tokens one rank's batch may hold (``batch * seq_len``): torch indexes a tensor's
 elements in 32 bits in many CPU and CUDA kernels, and a step past it is no real step."""
@@ -202,45 +249,10 @@ def _check_settings(settings: StepSettings) -> None:
         raise TypeError(f"routing must be a Routing, got {type(settings.routing).__name__}")
 
 
-@contextmanager
-def _fake_world(rank: int, world: World) -> Iterator[MeshContext]:
-    """The default group replaced by torch's fake one for ``rank``, and both meshes over it (the
-    expert mesh even at ``ep`` 1: expert modules bind over one-rank groups there)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world.size)
-    try:
-        yield MeshContext(_rank_mesh(rank, world.dense_shape, DENSE_AXES), _rank_mesh(rank, world.expert_shape, EXPERT_AXES))
-    finally:
-        dist.destroy_process_group()
-
-
-def _rank_mesh(rank: int, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """A device mesh of ``shape`` over the fake group holding only ``rank``'s own group along each
-    dim: ``init_device_mesh`` would make every group of every dim, a million at a million ranks."""
-    ranks = torch.arange(math.prod(shape)).view(shape)
-    coordinate = torch.unravel_index(torch.tensor(rank), shape)
-    groups: list[dist.ProcessGroup] = []
-    for dim in range(len(shape)):
-        along = ranks[tuple(slice(None) if index == dim else int(coordinate[index]) for index in range(len(shape)))]
-        group = dist.new_group(along.tolist(), use_local_synchronization=True)
-        assert isinstance(group, dist.ProcessGroup)  # the rank is in every group made here
-        groups.append(group)
-    return DeviceMesh.from_group(groups, "cpu", mesh=ranks, mesh_dim_names=names)
-
-
-@contextmanager
-def _without_torch_advice() -> Iterator[None]:
-    """torch.distributed's warnings are for the user's own run, which will give them again."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
-        yield
-
-
 def _trace_rank(
     model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None, blocks: str | None
 ) -> Peak:
-    with _without_torch_advice(), chunks_for_traced_rank(), _fake_world(rank, plan.context.world) as mesh_context:
+    with without_torch_advice(), chunks_for_traced_rank(), fake_world(rank, plan.context.world) as mesh_context:
         on_device = CudaAttention if settings.device is Device.CUDA else contextlib.nullcontext
         apply_plan(model, plan, mesh_context, settings.activation_checkpointing, on_device)
         step_inputs = inputs or default_inputs(model)
@@ -249,20 +261,12 @@ def _trace_rank(
             optimizer = make_optimizer(model, settings.optimizer, settings.device)
             make_optimizer_state(optimizer)
             args, kwargs = step_inputs(settings.batch, settings.seq_len)
-            tracker = step_tracker(model, optimizer, (args, kwargs), blocks)
+            tracker = step_tracker([model], optimizer, (args, kwargs), blocks)
             try:
                 with tracker, untracked_shape_propagation(tracker):
                     training_step(model, optimizer, args, kwargs)
             except StepMemoryError:
                 raise
             except Exception as error:
-                raise StepMemoryError(_untraceable(error, tracker)) from error
+                raise StepMemoryError(untraceable(error, tracker)) from error
     return tracker.peak()
-
-
-def _untraceable(error: Exception, tracker: Any) -> str:
-    where = tracker.current_module() or "the model"
-    return (
-        f"one training step cannot be traced with fake tensors: {where} ({tracker.current_phase()}) raised "
-        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    )

@@ -3,7 +3,7 @@ where each one's peak falls."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -34,6 +34,8 @@ class Peak(NamedTuple):
     phase: str
     places: dict[Place, dict[str, int]]
     """For each place the step ran in, the most bytes live there (``"peak"``) and each kind then."""
+    action: str
+    """Under a pipeline, the schedule's action running at the peak (``""`` otherwise)."""
 
 
 _KIND_OF = {
@@ -61,11 +63,15 @@ class _PeakPlace:
     (``untracked_shape_propagation``)."""
 
     untracked = False
+    action = ""
+    """What a pipeline's schedule is running (set by its trace): the peak names it."""
 
-    def __init__(self, *args: Any, blocks: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, blocks: str | None = None, roots: Sequence[nn.Module] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._places: dict[Place, dict[Any, int]] = {}
         self._peak_place: Place = ("<root>", "forward", "")
+        self._peak_action = ""
+        self._roots = roots
         self._block_prefix = None if blocks is None else f"{blocks}." if blocks else ""
         self._last_block: dict[str, str] = {}
 
@@ -75,6 +81,7 @@ class _PeakPlace:
         return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
 
     _mod_tracker: Any
+    memory_tracking: Any
     _in_opt: bool
     _peak_mem: dict[torch.device, int]
     _peak_mem_snap: dict[torch.device, dict[Any, int]]
@@ -90,6 +97,7 @@ class _PeakPlace:
         place = self._place()
         if self._peak_mem.get(TRACED_DEVICE, 0) > before:
             self._peak_place = place
+            self._peak_action = self.action
         if place not in self._places or current["Total"] > self._places[place]["Total"]:
             self._places[place] = dict(current)
 
@@ -101,6 +109,13 @@ class _PeakPlace:
             if number.isdigit():
                 self._last_block[phase] = prefix + number
         return module, phase, self._last_block.get(phase, "")
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        # A pipeline stage's root runs forward once per microbatch, which the trackers refuse as a
+        # second step; its own statistics (not the step's totals) start again with each microbatch.
+        if any(module is root for root in self._roots) and not self._mod_tracker.is_bw:
+            self.memory_tracking.pop(module, None)
+        super()._pre_fw_hook(module, inputs)  # type: ignore[misc]
 
     def current_module(self) -> str:
         running = [name for name in self._mod_tracker.parents if name != "Global"]
@@ -124,7 +139,7 @@ class _PeakPlace:
         total = figures.pop("peak")
         module, phase, _ = self._peak_place
         places = {place: _figures(snapshot) for place, snapshot in self._places.items()}
-        return Peak(total, figures, module, phase, places)
+        return Peak(total, figures, module, phase, places, self._peak_action)
 
 
 def _figures(snapshot: dict[Any, int]) -> dict[str, int]:
@@ -143,7 +158,18 @@ class _StepTracker(_PeakPlace, MemTracker):  # type: ignore[no-untyped-call]
 
 
 class _FSDPStepTracker(_PeakPlace, FSDPMemTracker):  # type: ignore[no-untyped-call]
-    pass
+    def _fsdp_state_pre_forward(self, fsdp_mod: nn.Module, orig_fsdp_state_pre_fw: Any) -> Any:
+        # As `_pre_fw_hook`: FSDP's own pre-forward of a stage's root runs once per microbatch.
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)  # type: ignore[misc]
+        if not any(fsdp_mod is root for root in self._roots):
+            return inner
+
+        def again(*args: Any, **kwargs: Any) -> Any:
+            if not self._mod_tracker.is_bw:
+                self.memory_tracking.pop(fsdp_mod, None)
+            return inner(*args, **kwargs)
+
+        return again
 
 
 @contextmanager
@@ -168,19 +194,31 @@ def untracked_shape_propagation(tracker: _StepTracker | _FSDPStepTracker) -> Ite
 
 
 def step_tracker(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Any, blocks: str | None = None
+    roots: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None, inputs: Any, blocks: str | None = None
 ) -> _StepTracker | _FSDPStepTracker:
-    """``FSDPMemTracker`` when the root is an FSDP unit (it names the all-gather and reduce-scatter
-    buffers), ``MemTracker`` otherwise; the parameters, optimizer state and inputs made before the
-    step are counted from its start. ``blocks`` is the FQN of the model's layer list, if any: its
-    blocks tell the places of the step apart (``Place``)."""
-    if isinstance(model, FSDPModule):
-        fsdp_tracker = _FSDPStepTracker(model, optimizer, blocks=blocks)
+    """``FSDPMemTracker`` when the roots (the model, or a pipeline rank's stage models) are FSDP
+    units (it names the all-gather and reduce-scatter buffers), ``MemTracker`` otherwise; the
+    parameters, optimizer state and inputs made before the step are counted from its start.
+    ``blocks`` is the FQN of the model's layer list, if any: its blocks tell the places of the step
+    apart (``Place``)."""
+    if all(isinstance(root, FSDPModule) for root in roots):
+        fsdp_tracker = _FSDPStepTracker(roots[0], optimizer, blocks=blocks, roots=roots)
+        if len(roots) > 1:
+            fsdp_tracker._root_mod = nn.ModuleList(roots)  # type: ignore[assignment]  # it only walks the root's modules and buffers
         fsdp_tracker.track_inputs(inputs)
         if optimizer is not None:  # FSDPMemTracker counts the state only after the step made it
             fsdp_tracker._track_optimizer_states(_FSDPRefType.OPT, optimizer)
         return fsdp_tracker
-    tracker = _StepTracker(blocks=blocks)
-    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    tracker = _StepTracker(blocks=blocks, roots=roots)
+    tracker.track_external(*roots, *([optimizer] if optimizer is not None else []))
     tracker.track_external(*[leaf for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor)])
     return tracker
+
+
+def untraceable(error: Exception, tracker: _StepTracker | _FSDPStepTracker) -> str:
+    """Why a step could not be traced: where the tracker was, and what was raised."""
+    where = tracker.current_module() or "the model"
+    return (
+        f"one training step cannot be traced with fake tensors: {where} ({tracker.current_phase()}) raised "
+        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    )

@@ -1,7 +1,7 @@
 """Pipeline parallelism over the ``pp`` axis: the stages split from the model index, torch's
 schedules and what each needs, and the stages and schedule built by torch."""
 
-from meshbind.pipeline.build import StagePart, pipeline_parts, pipeline_schedule, stage_model
+from meshbind.pipeline.build import StagePart, pipeline_parts, pipeline_schedule, runnable_stage, stage_loss, stage_model
 from meshbind.pipeline.schedules import SCHEDULES, Schedule, schedule_named
 from meshbind.pipeline.stages import Pipeline, PipelineStages, split_stages
 
@@ -13,7 +13,9 @@ __all__ = [
     "StagePart",
     "pipeline_parts",
     "pipeline_schedule",
+    "runnable_stage",
     "schedule_named",
     "split_stages",
+    "stage_loss",
     "stage_model",
 ]

@@ -6,7 +6,7 @@ whole model, between ``pipeline_parts`` and ``pipeline_schedule``, as torchtitan
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -86,20 +86,54 @@ def stage_model(whole: nn.Module, keep: Callable[[str], bool]) -> nn.Module:
     return model
 
 
+def runnable_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
+    """A stage model torch's ``PipelineStage`` can run: a transformers causal LM's made so by
+    ``hf_stage`` (its forward takes ids or hidden states and hands on tensors), any other as it is
+    (its own forward skips the modules the stage does not hold)."""
+    if type(model).__module__.startswith("transformers."):
+        from meshbind.interop.hf_pipeline import hf_stage
+
+        return hf_stage(model, first=stage == 0, last=stage == stages - 1)
+    return model
+
+
+def stage_loss(last: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss of one microbatch from the last stage's output and its targets: the last stage
+    model's own ``pipeline_loss(output, targets)`` when it has one, else the cross entropy of the
+    output's last dimension (a head's logits) against the targets, as torchtitan computes it."""
+    own = getattr(last, "pipeline_loss", None)
+    if callable(own):
+        return own  # type: ignore[no-any-return]
+
+    def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+    return cross_entropy
+
+
 def pipeline_schedule(
     stages: PipelineStages,
     parts: list[StagePart],
     mesh_context: MeshContext,
     device: torch.device,
     loss: Callable[..., torch.Tensor],
+    examples: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> _PipelineSchedule:
     """torch's ``PipelineStage`` for each of this rank's parts (their models as the rest of the
     plan left them) and torch's schedule over them, ``loss(output, target)`` on the last stage.
     torch scales nothing: ``loss`` divides by the microbatches itself (torchtitan's
-    ``rescale_accumulated_loss``)."""
+    ``rescale_accumulated_loss``). ``examples`` gives a stage's microbatch input and output
+    (torch otherwise learns them from the stages before it at the first step)."""
     assert mesh_context.pp_mesh is not None
     group = mesh_context.pp_mesh.get_group()
-    built = [PipelineStage(part.model, part.stage, len(stages.stages), device, group=group) for part in parts]
+    built = []
+    for part in parts:
+        given, handed_on = (None, None) if examples is None else examples[part.stage]
+        built.append(
+            PipelineStage(
+                part.model, part.stage, len(stages.stages), device, input_args=given, output_args=handed_on, group=group
+            )
+        )
     schedule_class: Any = get_schedule_class(stages.schedule.name)
     runs: Any = built[0] if stages.schedule.single_stage else built
     schedule: _PipelineSchedule = schedule_class(runs, n_microbatches=stages.microbatches, loss_fn=loss, scale_grads=False)

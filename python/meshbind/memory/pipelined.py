@@ -1,0 +1,151 @@
+"""One pipelined training step of one rank, traced: the rank's stages cut from the whole model on
+``meta`` and the plan applied to each as a training job applies it, then torch's own
+``PipelineStage``s and schedule run over fake tensors and torch's fake process group (a send
+moves nothing, a receive allocates its buffer as in a real step), and the optimizer step.
+
+The microbatches in flight at each moment are torch's own: its schedule runs every action of this
+rank in its order, so a stage holds each microbatch's activations from its forward to its
+backward, FSDP keeps what it keeps between microbatches (gathered parameters, unsharded gradients
+until the last backward reduces them), and receive buffers live as torch allocates them. The
+trackers count the step as a whole; each stage's root runs forward once per microbatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from meshbind.errors import StepMemoryError
+from meshbind.memory.attention import CudaAttention, real_step_masks
+from meshbind.memory.fake_world import fake_world, without_torch_advice
+from meshbind.memory.fsdp_chunks import chunks_for_traced_rank
+from meshbind.memory.result import StepSettings
+from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state, pipelined_training_step
+from meshbind.memory.trackers import TRACED_DEVICE, Peak, step_tracker, untraceable, untracked_shape_propagation
+from meshbind.names import Device
+from meshbind.pipeline import PipelineStages, StagePart, pipeline_schedule, runnable_stage, stage_loss, stage_model
+from meshbind.resolution.plan import ParallelPlan
+from meshbind.routing import Routing, assuming
+from meshbind.world import PIPELINE_AXIS
+
+Examples = dict[int, tuple[torch.Tensor, torch.Tensor]]
+"""Each stage's microbatch input and output, on ``meta``."""
+
+
+def stage_examples(whole: nn.Module, stages: PipelineStages, microbatch: int, seq_len: int, routing: Routing) -> Examples:
+    """Each stage's input and output for one microbatch of ``microbatch`` sequences: the stages run
+    in turn on fake tensors, without the plan (a stage hands on whole tensors, as its layouts
+    hand them on), each output the next stage's input. torch learns these in a real step by
+    sending them between the stages, which a fake group cannot."""
+    examples: Examples = {}
+    count = len(stages.stages)
+    models = [runnable_stage(stage_model(whole, stages.keeps(stage)), stage, count) for stage in range(count)]
+    with FakeTensorMode(allow_non_fake_inputs=True), assuming(routing), real_step_masks():
+        given = torch.zeros(microbatch, seq_len, dtype=torch.long)
+        for stage, model in enumerate(models):
+            model.to_empty(device=TRACED_DEVICE)
+            output = model(given)
+            if not isinstance(output, torch.Tensor):
+                raise StepMemoryError(
+                    f"pipeline stage {stage} of {type(whole).__name__} hands on {type(output).__name__}, not a tensor"
+                )
+            examples[stage] = (_on_meta(given), _on_meta(output))
+            given = output.detach()
+    return examples
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's shape and dtype on ``meta``, needing a gradient when it can have one (a stage's
+    output, and its input after the first stage, carry gradients between stages)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta").requires_grad_(tensor.is_floating_point())
+
+
+def trace_pipelined_rank(
+    whole: nn.Module, plan: ParallelPlan, stages: PipelineStages, examples: Examples, rank: int, settings: StepSettings
+) -> Peak:
+    """One step of ``rank``'s stages under ``stages``' schedule, traced; the peak names the
+    schedule's action running at it."""
+    assert plan.index is not None
+    world = plan.context.world
+    count = len(stages.stages)
+    mine = stages.stages_of_rank(world.coordinates(rank)[PIPELINE_AXIS])
+    on_device = CudaAttention if settings.device is Device.CUDA else contextlib.nullcontext
+    with without_torch_advice(), chunks_for_traced_rank(), fake_world(rank, world) as mesh_context:
+        parts = []
+        for stage in mine:
+            keep = stages.keeps(stage)
+            model = runnable_stage(stage_model(whole, keep), stage, count)
+            part = StagePart(stage, model, replace(plan.only(keep), index=plan.index.restricted(model, keep)))
+            apply_plan(part.model, part.plan, mesh_context, settings.activation_checkpointing, on_device)
+            parts.append(part)
+        with FakeTensorMode(allow_non_fake_inputs=True), assuming(settings.routing), on_device(), real_step_masks():
+            models = [part.model for part in parts]
+            for model in models:
+                model.to_empty(device=TRACED_DEVICE)
+            optimizer = make_optimizer(nn.ModuleList(models), settings.optimizer, settings.device)
+            make_optimizer_state(optimizer)
+            last = next((part.model for part in parts if part.stage == count - 1), None)
+            schedule = pipeline_schedule(
+                stages, parts, mesh_context, TRACED_DEVICE, _scaled_loss(last, stages.microbatches), examples
+            )
+            tokens = torch.zeros(settings.batch, settings.seq_len, dtype=torch.long) if 0 in mine else None
+            targets = torch.zeros(settings.batch, settings.seq_len, dtype=torch.long) if last is not None else None
+            tracker = step_tracker(models, optimizer, (tokens, targets), plan.index.layer_list())
+            try:
+                with tracker, untracked_shape_propagation(tracker), _named_actions(schedule, tracker):
+                    pipelined_training_step(schedule, optimizer, tokens, targets)
+            except StepMemoryError:
+                raise
+            except Exception as error:
+                raise StepMemoryError(untraceable(error, tracker)) from error
+    return tracker.peak()
+
+
+def _scaled_loss(last: nn.Module | None, microbatches: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The last stage's loss of one microbatch, divided by their count (torch scales nothing)."""
+    loss = stage_loss(last) if last is not None else None
+
+    def scaled(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert loss is not None  # torch calls it on the last stage only
+        return loss(output, targets) / microbatches
+
+    return scaled
+
+
+@contextmanager
+def _named_actions(schedule: _PipelineSchedule, tracker: Any) -> Iterator[None]:
+    """Each action torch's schedule runs on this rank's stages named on the tracker as it starts
+    (``action 5: stage 1 backward of microbatch 2``), and what follows the schedule as ``after the
+    schedule``. The schedule and its stages are this trace's own: nothing is put back."""
+    # torch keeps a schedule's stages as `_stage` (one per rank) or `_stages`.
+    built = getattr(schedule, "_stages", None) or [schedule._stage]  # type: ignore[attr-defined]
+    numbers = itertools.count(1)
+    kinds = {"forward_one_chunk": "forward", "backward_one_chunk": "backward", "backward_weight_one_chunk": "weight gradients"}
+    for stage in built:
+        for method, kind in kinds.items():
+            setattr(stage, method, _naming(tracker, numbers, stage.stage_index, kind, getattr(stage, method)))
+    run = schedule.step
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        run(*args, **kwargs)
+        tracker.action = "after the schedule"
+
+    schedule.step = step  # type: ignore[method-assign]
+    yield
+
+
+def _naming(tracker: Any, numbers: Iterator[int], stage: int, kind: str, run: Callable[..., Any]) -> Callable[..., Any]:
+    def named(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        tracker.action = f"action {next(numbers)}: stage {stage} {kind} of microbatch {chunk}"
+        return run(chunk, *args, **kwargs)
+
+    return named
