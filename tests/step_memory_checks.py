@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,8 +23,8 @@ from meshbind.examples.moe_transformer import (
 from meshbind.examples.parallel_parts import local
 from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state, pipelined_training_step
 from meshbind.mesh import stage_mesh
-from meshbind.pipeline import Pipeline, pipeline_parts, pipeline_schedule
 from meshbind.names import Checkpointing
+from meshbind.pipeline import Pipeline, pipeline_parts, pipeline_schedule
 from meshbind.world import DENSE_AXES, EXPERT_AXES
 
 from step_memory_truth import count_every_thread, measured_peak, measured_step_peak
@@ -154,9 +155,8 @@ def pipelined_demo_step_peaks(
         schedule = pipeline_schedule(stages, parts, mesh_context, torch.device("cpu"), loss)
         given = tokens if any(part.stage == 0 for part in parts) else None
         wanted = targets if last is not None else None
-        peaks.append(
-            measured_peak(lambda: pipelined_training_step(schedule, optimizer, given, wanted), models, optimizer, (given, wanted))
-        )
+        step = partial(pipelined_training_step, schedule, optimizer, given, wanted)
+        peaks.append(measured_peak(step, models, optimizer, (given, wanted)))
     return peaks
 
 

@@ -17,10 +17,9 @@ from meshbind.cli import main
 from meshbind.demo import run as demo
 from meshbind.demo.checks import FlagError, check_flags
 from meshbind.demo.config import DemoConfig
-from meshbind.errors import PipelineError, StepMemoryError
+from meshbind.errors import PipelineError
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
-from meshbind.memory.trace import step_memory
 from meshbind.model_index import ModelIndex
 from meshbind.pipeline import SCHEDULES, Pipeline, split_stages, stage_model
 from meshbind.report import plan_report
@@ -198,7 +197,7 @@ def test_ranks_that_split_differently_all_refuse_before_any_stage_is_cut() -> No
         assert parameters == []
 
 
-def test_check_reports_each_stage_and_says_what_it_cannot_answer_per_stage(capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_reports_each_stage_and_refuses_a_checkpoint_check_per_stage(capsys: pytest.CaptureFixture[str]) -> None:
     model = "meshbind.examples.moe_transformer:MoETransformer"
     plan = "meshbind.examples.moe_transformer:loss_head_request"
     axes = ["--axis", "pp=2", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]
@@ -214,8 +213,8 @@ def test_check_reports_each_stage_and_says_what_it_cannot_answer_per_stage(capsy
     answer = json.loads(capsys.readouterr().out)
     assert answer["pipeline"]["stages"][1] == {"modules": ["blocks.1", "norm", "head"], "pp_rank": 1, "in_flight": 1}
     assert [group["stages"] for group in answer["report"]["rank_groups"]] == [[0], [1]]
-    assert main(["check", model, plan, *axes, "--memory", "--batch", "2", "--seq-len", "32"]) == 2
-    assert "--memory does not yet answer per pipeline stage; with --axis pp=2" in capsys.readouterr().err
+    assert main(["check", model, plan, *axes, "--checkpoint", "anywhere"]) == 2
+    assert "--checkpoint does not yet answer per pipeline stage; with --axis pp=2" in capsys.readouterr().err
     assert main(["check", model, plan, *axes, "--pp-microbatches", "1"]) == 1
     assert "1F1B needs at least as many microbatches as stages" in capsys.readouterr().err
     with torch.device("meta"):
@@ -223,8 +222,6 @@ def test_check_reports_each_stage_and_says_what_it_cannot_answer_per_stage(capsy
     resolved = resolve_plan(demo_model, [loss_head_request()], LayoutContext({"pp": 2, **DEMO_AXES}), index=True)
     with pytest.raises(ValueError, match="the plan has pp=2: give plan_report the pipeline's stages"):
         plan_report(demo_model, resolved)
-    with pytest.raises(StepMemoryError, match="does not yet trace pipeline stages"):
-        step_memory(MoETransformer, resolved, batch=2, seq_len=32, device="cpu")
 
 
 def test_each_stage_holds_the_bytes_of_its_own_parameters() -> None:

@@ -51,11 +51,11 @@ def check(args: argparse.Namespace) -> int:
     """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
     context = _layout_context(args.axis)
     fully_shard = _fully_shard(args)
-    not_per_stage = [flag for flag in ("memory", "checkpoint") if getattr(args, flag)]
-    if context.world.pp > 1 and not_per_stage:
+    if context.world.pp > 1 and args.checkpoint is not None:
         print(
-            f"meshbind check: --{not_per_stage[0]} does not yet answer per pipeline stage; with --axis "
-            f"pp={context.world.pp} the check resolves the plan, splits the stages and reports each (--report, --json, --html)",
+            f"meshbind check: --checkpoint does not yet answer per pipeline stage; with --axis pp={context.world.pp} "
+            "the check resolves the plan, splits the stages, reports each (--report, --json, --html) and traces "
+            "their step (--memory)",
             file=sys.stderr,
         )
         return 2
@@ -95,7 +95,7 @@ def check(args: argparse.Namespace) -> int:
         except CheckpointError as error:
             print(str(error), file=sys.stderr)
             return 1
-    memory = _step_memory(args, plan) if args.memory else None
+    memory = _step_memory(args, plan, pipeline) if args.memory else None
     if args.html:
         try:
             with open(args.html, "w", encoding="utf-8") as page:
@@ -189,9 +189,9 @@ def _layout_context(axes: list[tuple[str, int]]) -> LayoutContext:
         raise UsageError(f"--axis: {error}") from None
 
 
-def _step_memory(args: argparse.Namespace, plan: ParallelPlan) -> StepMemory:
+def _step_memory(args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipeline | None) -> StepMemory:
     """--memory: one training step traced on each class of ranks under the plan resolved (the
-    model built again for it)."""
+    model built again for it), under the pipeline's schedule with ``pp`` above 1."""
     from meshbind.errors import StepMemoryError
     from meshbind.memory.trace import step_memory
 
@@ -208,8 +208,9 @@ def _step_memory(args: argparse.Namespace, plan: ParallelPlan) -> StepMemory:
             device=args.device,
             device_memory=args.device_memory,
             routing=Routing(args.capacity_factor),
+            pipeline=pipeline,
         )
-    except StepMemoryError as error:
+    except (StepMemoryError, ValueError) as error:
         raise UsageError(f"--memory: {error}") from None
 
 

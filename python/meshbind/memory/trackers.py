@@ -158,10 +158,10 @@ class _StepTracker(_PeakPlace, MemTracker):  # type: ignore[no-untyped-call]
 
 
 class _FSDPStepTracker(_PeakPlace, FSDPMemTracker):  # type: ignore[no-untyped-call]
-    def _fsdp_state_pre_forward(self, fsdp_mod: nn.Module, orig_fsdp_state_pre_fw: Any) -> Any:
+    def _fsdp_state_pre_forward(self, fsdp_mod: FSDPModule, orig_fsdp_state_pre_fw: Any) -> Any:
         # As `_pre_fw_hook`: FSDP's own pre-forward of a stage's root runs once per microbatch.
-        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)  # type: ignore[misc]
-        if not any(fsdp_mod is root for root in self._roots):
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+        if not any(fsdp_mod is root for root in self._roots):  # type: ignore[comparison-overlap]
             return inner
 
         def again(*args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,123 @@
+"""Step memory under a pipeline: each rank's stages traced through torch's own schedule, held to
+within 1% of the peak the CPU allocator records in a real pipelined step on every rank of a gloo
+world (``step_memory_checks.pipelined_demo_step_peaks``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from step_memory_checks import demo_units
+
+from meshbind import LayoutContext, StepMemory, resolve_plan, step_memory
+from meshbind.cli import main
+from meshbind.errors import PipelineError
+from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
+from meshbind.launch import run_local_world
+from meshbind.pipeline import Pipeline
+
+LAYERS, BATCH, SEQ_LEN, MICROBATCHES = 4, 4, 32, 4
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+RUNS = [(schedule, MICROBATCHES, checkpointing) for schedule in SCHEDULES for checkpointing in ("none", "full")]
+
+
+def pipelined_demo(axes: dict[str, int], schedule: str, checkpointing: str = "none", **settings: Any) -> StepMemory:
+    """``step_memory`` of the demo's model (4 blocks) at ``axes`` under ``schedule``."""
+
+    def build() -> MoETransformer:
+        return MoETransformer(TransformerConfig(layers=LAYERS))
+
+    with torch.device("meta"):
+        model = build()
+    units = demo_units(axes["dp_shard"], None)
+    plan = resolve_plan(model, [loss_head_request()], LayoutContext(axes), fully_shard=units, index=True)
+    pipeline = Pipeline(schedule=schedule, microbatches=MICROBATCHES)
+    return step_memory(
+        build,
+        plan,
+        batch=BATCH,
+        seq_len=SEQ_LEN,
+        device="cpu",
+        activation_checkpointing=checkpointing,
+        pipeline=pipeline,
+        **settings,
+    )
+
+
+def axes_of(dp_shard: int) -> dict[str, int]:
+    return {"pp": 2, "dp_replicate": 1, "dp_shard": dp_shard, "cp": 1, "tp": 1, "ep": 1}
+
+
+@pytest.mark.parametrize("dp_shard", [1, 2], ids=["pp2", "pp2 dp_shard2"])
+def test_pipelined_estimate_is_within_a_hundredth_of_every_rank_measured(dp_shard: int) -> None:
+    axes = axes_of(dp_shard)
+    size = LayoutContext(axes).world.size
+    target = "step_memory_checks:pipelined_demo_step_peaks"
+    measured = run_local_world(size, target, axes, LAYERS, BATCH, SEQ_LEN, RUNS, timeout=300)
+    errors = {}
+    for index, (schedule, _, checkpointing) in enumerate(RUNS):
+        estimate = pipelined_demo(axes, schedule, checkpointing)
+        by_rank = {c.first_rank + offset: c.peak_bytes for c in estimate.classes for offset in range(c.ranks)}
+        errors.update({(schedule, checkpointing, rank): by_rank[rank] / measured[rank][index] - 1 for rank in range(size)})
+    beyond = {key: f"{error:+.4f}" for key, error in errors.items() if abs(error) > 0.01}
+    assert not beyond, beyond
+
+
+def test_each_pipeline_rank_is_its_own_class_and_the_peak_names_the_schedules_action() -> None:
+    answer = pipelined_demo(axes_of(2), "1F1B")
+    assert [(c.first_rank, c.ranks, c.stages) for c in answer.classes] == [(0, 2, (0,)), (2, 2, (1,))]
+    first, last = answer.classes
+    # 1F1B: stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3; two microbatches in flight from action 2 on.
+    assert first.peak_action.startswith("action ") and ": stage 0 " in first.peak_action
+    assert int(first.peak_action.split()[1].rstrip(":")) >= 2
+    assert ": stage 1 " in last.peak_action
+    assert first.live_at_peak["activations"] > last.live_at_peak["activations"]
+    text = answer.text()
+    assert "pipeline: 2 stages, 1F1B, 4 microbatches of 1" in text and first.peak_action in text
+    as_json = answer.to_dict()
+    assert as_json["pipeline"]["schedule"] == "1F1B" and as_json["rank_classes"][0]["stages"] == [0]
+    assert as_json["rank_classes"][1]["peak_action"] == last.peak_action
+    gpipe = pipelined_demo(axes_of(2), "GPipe").classes[0]
+    assert gpipe.live_at_peak["activations"] > first.live_at_peak["activations"]  # GPipe holds all four
+
+
+def test_what_a_pipelined_trace_cannot_run_is_refused_before_it_starts() -> None:
+    with pytest.raises(ValueError, match="batch 4 does not split into 3 pipeline microbatches"):
+        _with_microbatches(3)
+    with pytest.raises(PipelineError, match="1F1B needs at least as many microbatches as stages"):
+        _with_microbatches(1)
+    with torch.device("meta"):
+        model = MoETransformer(TransformerConfig(layers=LAYERS))
+    flat = resolve_plan(model, [loss_head_request()], LayoutContext({**axes_of(1), "pp": 1}), index=True)
+    with pytest.raises(ValueError, match="pipeline is for a plan with pp above 1"):
+        step_memory(lambda: MoETransformer(TransformerConfig(layers=LAYERS)), flat, batch=2, seq_len=8, pipeline=Pipeline())
+    with pytest.raises(ValueError, match="inputs is not taken under a pipeline"):
+        pipelined_demo(axes_of(1), "1F1B", inputs=lambda batch, seq_len: ((), {}))
+
+
+def _with_microbatches(microbatches: int) -> StepMemory:
+    def build() -> MoETransformer:
+        return MoETransformer(TransformerConfig(layers=LAYERS))
+
+    with torch.device("meta"):
+        model = build()
+    plan = resolve_plan(model, [loss_head_request()], LayoutContext(axes_of(1)), index=True)
+    return step_memory(build, plan, batch=BATCH, seq_len=8, device="cpu", pipeline=Pipeline("1F1B", microbatches=microbatches))
+
+
+def test_check_memory_answers_per_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    model = "meshbind.examples.moe_transformer:MoETransformer"
+    plan = "meshbind.examples.moe_transformer:loss_head_request"
+    axes = ["--axis", "pp=2", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]
+    memory = ["--memory", "--batch", "2", "--seq-len", "32", "--device", "cpu"]
+    assert main(["check", model, plan, *axes, *memory, "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)["memory"]
+    assert [c["stages"] for c in answer["rank_classes"]] == [[0], [1]]
+    assert answer["pipeline"]["microbatches"] == 2
+    assert main(["check", model, plan, *axes, *memory, "--pp-microbatches", "2", "--pp-schedule", "gpipe"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stages, GPipe, 2 microbatches of 1" in out and "ranks 4-7: peak" in out
+    assert main(["check", model, plan, *axes, "--memory", "--batch", "3", "--seq-len", "32"]) == 2
+    assert "batch 3 does not split into 2 pipeline microbatches" in capsys.readouterr().err
