@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from meshbind import resolve_plan
 from meshbind.errors import RankMismatchError
@@ -30,16 +31,19 @@ def split_with_other_microbatches() -> tuple[str | None, list[str]]:
     return None, [fqn for part in parts for fqn, _ in part.model.named_parameters()]
 
 
-def hf_pipelined(name: str, schedule: str) -> float | None:
-    """A small transformers model (float64, 4 layers) trained one step at pp = the world size
-    under ``schedule``; on rank 0, the largest difference of the loss and of every gradient,
-    relative to the whole model's in one process (each rank builds the same seeded model)."""
+def hf_pipelined(name: str, schedule: str, tp: int = 1) -> float | None:
+    """A small transformers model (float64, 4 layers) trained one step at pp = the world size / ``tp``
+    under ``schedule``, with its own TP plan in each stage when ``tp`` is above 1; on rank 0, the
+    largest difference of the loss and of every (whole) gradient, relative to the whole model's in
+    one process (each rank builds the same seeded model)."""
+    from meshbind.appliers import apply_parallelism
     from meshbind.interop.hf_pipeline import hf_stage
+    from meshbind.interop.hf_plans import from_hf_plan
     from meshbind.pipeline import pipeline_schedule
 
     from hf_models import hf_model
 
-    context = MeshContext.build(pp=dist.get_world_size())
+    context = MeshContext.build(pp=dist.get_world_size() // tp, tp=tp)
     whole = hf_model(name, layers=4).double()
     whole.config._experts_implementation = "eager"  # grouped_mm takes no float64
     vocab = whole.config.vocab_size
@@ -49,18 +53,20 @@ def hf_pipelined(name: str, schedule: str) -> float | None:
         """transformers' causal LM loss (each token predicts the next), in the logits' dtype."""
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
 
-    plan = resolve_plan(whole, [], context.layout_context(), index=True)
+    plan = resolve_plan(whole, from_hf_plan(whole) if tp > 1 else [], context.layout_context(), index=True)
     stages, parts = pipeline_parts(whole, plan, Pipeline(schedule, microbatches=4), context)
     last_stage = len(stages.stages) - 1
     for part in parts:
+        apply_parallelism(part.model, part.plan, context)  # transformers' own TP, agreed within the stage
         hf_stage(part.model, first=part.stage == 0, last=part.stage == last_stage)
     built = pipeline_schedule(stages, parts, context, torch.device("cpu"), lambda out, labels: loss_of(out, labels) / 4)
     losses: list[torch.Tensor] = []
     first, last = any(part.stage == 0 for part in parts), any(part.stage == last_stage for part in parts)
     built.step(*((ids,) if first else ()), target=ids if last else None, losses=losses)
-    mine = {fqn: p.grad for part in parts for fqn, p in part.model.named_parameters() if p.grad is not None}
+    mine = {fqn: whole_tensor(p.grad) for part in parts for fqn, p in part.model.named_parameters() if p.grad is not None}
     loss = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
     dist.all_reduce(loss)
+    loss /= tp  # each of the last stage's tp ranks holds the loss
     received: list[dict[str, torch.Tensor]] | None = [{}] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, received, dst=0)
     if received is None:
@@ -74,6 +80,11 @@ def hf_pipelined(name: str, schedule: str) -> float | None:
         scale = float(parameter.grad.abs().max()) or 1.0
         worst = max(worst, float((gradients[fqn] - parameter.grad).abs().max()) / scale)
     return worst
+
+
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective over its mesh), a plain tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def one_stage_rank_differs() -> str | None:

@@ -258,11 +258,14 @@ def test_a_checkpoint_saved_by_a_pipeline_loads_at_other_layouts_with_the_same_l
         demo.run_local(deeper)
 
 
-@pytest.mark.parametrize(("name", "schedule"), [("llama", "1F1B"), ("qwen3_moe", "Interleaved1F1B")])
-def test_a_transformers_model_trains_at_pp2_with_the_loss_and_gradients_of_one_process(name: str, schedule: str) -> None:
-    """A transformers stage (``hf_stage``) under torch's schedule: float64, every gradient and the
-    loss within 1e-10 of the whole model run in one process."""
-    worst = run_local_world(2, "pipeline_checks:hf_pipelined", name, schedule, timeout=240)[0]
+@pytest.mark.parametrize(
+    ("name", "schedule", "tp"), [("llama", "1F1B", 1), ("qwen3_moe", "Interleaved1F1B", 1), ("llama", "1F1B", 2)]
+)
+def test_a_transformers_model_trains_at_pp2_with_the_loss_and_gradients_of_one_process(name: str, schedule: str, tp: int) -> None:
+    """A transformers stage (``hf_stage``) under torch's schedule, with transformers' own TP plan
+    inside each stage at ``tp=2``: float64, every gradient and the loss within 1e-10 of the whole
+    model run in one process."""
+    worst = run_local_world(2 * tp, "pipeline_checks:hf_pipelined", name, schedule, tp, timeout=240)[0]
     assert worst is not None and worst <= 1e-10, worst
 
 

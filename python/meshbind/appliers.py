@@ -30,7 +30,7 @@ def _meshbind_requests(model: nn.Module, plan: ParallelPlan, mesh_context: MeshC
 
 def _torch_plan(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext) -> None:
     """torch's ``parallelize_module`` plans, on the ``tp`` mesh."""
-    torch_plans.parallelize_checked(model, plan, mesh_context.device_mesh["tp"])
+    torch_plans.parallelize_checked(model, plan, mesh_context.device_mesh["tp"], group=mesh_context.stage_group)
 
 
 def _transformers_plan(model: nn.Module, plan: ParallelPlan, mesh_context: MeshContext) -> None:
@@ -40,7 +40,14 @@ def _transformers_plan(model: nn.Module, plan: ParallelPlan, mesh_context: MeshC
     world = mesh_context.world
     ep_mesh = mesh_context.fsdp_moe_mesh["ep"] if mesh_context.fsdp_moe_mesh is not None and world.ep > 1 else None
     tp_mesh = mesh_context.device_mesh["tp"]
-    hf_plans.apply_hf_plan(model, plan, tp_mesh=tp_mesh, ep_mesh=ep_mesh, ep_implementation=hf_routing.ASSUMED_ROUTING_EP)
+    hf_plans.apply_hf_plan(
+        model,
+        plan,
+        tp_mesh=tp_mesh,
+        ep_mesh=ep_mesh,
+        ep_implementation=hf_routing.ASSUMED_ROUTING_EP,
+        group=mesh_context.stage_group,
+    )
 
 
 APPLIERS: Mapping[str, PlanApplier] = MappingProxyType({HF_PROTOCOL: _transformers_plan, torch_plans.PROTOCOL: _torch_plan})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import torch.distributed as dist
 import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -207,6 +208,7 @@ def apply_hf_plan(
     tp_mesh: DeviceMesh | None = None,
     ep_mesh: DeviceMesh | None = None,
     ep_implementation: str = "auto",
+    group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """Apply a resolved Hugging Face plan with transformers' own ``apply_tensor_parallelism`` and
     ``apply_expert_parallelism``, given the exact plans (no second matching). EP runs, as in
@@ -215,9 +217,14 @@ def apply_hf_plan(
 
     A tied parameter (``lm_head.weight`` holding the embedding's) is sharded under its first FQN
     only, then tied again, as transformers' own loading does: one tensor, placed alike on both
-    sides (resolution refuses a tie whose sides the plan places differently)."""
+    sides (resolution refuses a tie whose sides the plan places differently).
+
+    The ranks of ``group`` agree on the model, plan and meshes first: every rank by default, a
+    pipeline stage's (``MeshContext.stage_group``) when the model is one stage."""
     check_ranks_agree(
-        "apply_hf_plan", lambda: [*model_entries(model, plan.index), *plan_entries(plan), *mesh_entries(tp_mesh, ep_mesh)]
+        "apply_hf_plan",
+        lambda: [*model_entries(model, plan.index), *plan_entries(plan), *mesh_entries(tp_mesh, ep_mesh)],
+        group=group,
     )
     ties = index_of(model, plan.index).ties
     exact = {

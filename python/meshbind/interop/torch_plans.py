@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -129,14 +130,20 @@ def _layout_of(style: ParallelStyle) -> Any:
     return layout
 
 
-def parallelize_checked(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh) -> nn.Module:
+def parallelize_checked(
+    model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh, group: dist.ProcessGroup | None = None
+) -> nn.Module:
     """Apply a resolved torch plan with torch's own ``parallelize_module``, module by module (the
     matching is done: each planned module gets its key's style, once, without torch walking the
-    model from the root again for every FQN)."""
+    model from the root again for every FQN). The ranks of ``group`` agree first: every rank by
+    default, a pipeline stage's (``MeshContext.stage_group``) when the model is one stage."""
     # The ranks agree on the mesh tp_mesh is cut from, as apply_fully_shard does on the same plan.
     root = tp_mesh._get_root_mesh()
     check_ranks_agree(
-        "parallelize_checked", lambda: [*model_entries(model, plan.index), *plan_entries(plan), *mesh_entries(root)], model=model
+        "parallelize_checked",
+        lambda: [*model_entries(model, plan.index), *plan_entries(plan), *mesh_entries(root)],
+        model=model,
+        group=group,
     )
     styled = [
         (submodule(model, fqn), spec.options["style"]) for fqn, spec in plan.parallel_modules.items() if spec.protocol == PROTOCOL
