@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from meshbind import FullyShard, LayoutContext, MeshContext, StepMemory, resolve_plan, step_memory
 from meshbind.examples.moe_layer import MoELayer
@@ -24,7 +24,7 @@ from meshbind.examples.parallel_parts import local
 from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state, pipelined_training_step
 from meshbind.mesh import stage_mesh
 from meshbind.names import Checkpointing
-from meshbind.pipeline import Pipeline, pipeline_parts, pipeline_schedule
+from meshbind.pipeline import Pipeline, pipeline_parts, pipeline_schedule, runnable_stage, stage_loss
 from meshbind.world import DENSE_AXES, EXPERT_AXES
 
 from step_memory_truth import count_every_thread, measured_peak, measured_step_peak
@@ -155,8 +155,7 @@ def pipelined_demo_step_peaks(
         schedule = pipeline_schedule(stages, parts, mesh_context, torch.device("cpu"), loss)
         given = tokens if any(part.stage == 0 for part in parts) else None
         wanted = targets if last is not None else None
-        step = partial(pipelined_training_step, schedule, optimizer, given, wanted)
-        peaks.append(measured_peak(step, models, optimizer, (given, wanted)))
+        peaks.append(measured_peak(first_step_again(schedule, optimizer, given, wanted), models, optimizer, (given, wanted)))
     return peaks
 
 
@@ -191,6 +190,65 @@ def hf_step_peak(
     make_optimizer_state(optimizer)
     ids = torch.randint(0, model.config.vocab_size, (batch_per_rank, seq_len), generator=generator)
     return measured_step_peak(model, optimizer, (), {"input_ids": ids, "labels": ids.clone(), "use_cache": False})
+
+
+def first_step_again(
+    schedule: _PipelineSchedule,
+    optimizer: torch.optim.Optimizer | None,
+    tokens: torch.Tensor | None,
+    targets: torch.Tensor | None,
+) -> Callable[[], None]:
+    """One pipelined step that leaves nothing of its own behind: torch keeps the last stage's
+    outputs of a step until the next one starts (and frees them there, before its peak), which
+    would lower a next step's total by bytes it never held at its peak."""
+
+    def step() -> None:
+        pipelined_training_step(schedule, optimizer, tokens, targets)
+        for stage in getattr(schedule, "_stages", None) or [schedule._stage]:  # type: ignore[attr-defined]
+            stage.clear_runtime_states()
+
+    return step
+
+
+def hf_pipelined_step_peak(
+    name: str, axes: dict[str, int], fully_shard: FullyShard | None, batch_per_rank: int, seq_len: int
+) -> int:
+    """This rank's measured peak of one 1F1B step (four microbatches) of a small transformers model
+    (four layers) split over ``pp``, under its own plans, each stage made runnable by ``hf_stage``."""
+    count_every_thread()
+    from meshbind.interop.hf_plans import from_hf_plan
+
+    context = LayoutContext(axes)
+    mesh_context = MeshContext.build(**context.world.axis_sizes())
+    with torch.device("meta"):
+        whole = hf_transformer(name, layers=4)
+    plan = resolve_plan(whole, from_hf_plan(whole), context, fully_shard=fully_shard, index=True)
+    stages, parts = pipeline_parts(whole, plan, Pipeline("1F1B", microbatches=4), mesh_context)
+    generator = torch.Generator().manual_seed(0)
+    for part in parts:
+        runnable_stage(part.model, part.stage, len(stages.stages))
+        apply_plan(part.model, part.plan, mesh_context, Checkpointing.parse("none", "checkpointing"))
+        part.model.to_empty(device="cpu")
+        with torch.no_grad():
+            for parameter in part.model.parameters():
+                held = local(parameter)
+                held.copy_(0.02 * torch.randn(held.shape, generator=generator))
+        part.model.train()
+    models = nn.ModuleList(part.model for part in parts)
+    optimizer = make_optimizer(models, "adam", "cpu")
+    make_optimizer_state(optimizer)
+    last = next((part.model for part in parts if part.stage == len(stages.stages) - 1), None)
+    loss = stage_loss(last) if last is not None else None
+
+    def scaled(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert loss is not None
+        return loss(logits, labels) / 4
+
+    schedule = pipeline_schedule(stages, parts, mesh_context, torch.device("cpu"), scaled)
+    ids = torch.randint(0, whole.config.vocab_size, (batch_per_rank, seq_len), generator=generator)
+    given = ids if any(part.stage == 0 for part in parts) else None
+    wanted = ids.clone() if last is not None else None
+    return measured_peak(first_step_again(schedule, optimizer, given, wanted), models, optimizer, (given, wanted))
 
 
 def hf_transformer(name: str, layers: int = 2) -> nn.Module:

@@ -65,6 +65,35 @@ def test_pipelined_estimate_is_within_a_hundredth_of_every_rank_measured(dp_shar
     assert not beyond, beyond
 
 
+@pytest.mark.parametrize(
+    ("axes", "units"),
+    [({"pp": 2}, None), ({"pp": 2, "dp_shard": 2, "tp": 2}, ("model.layers.*",))],
+    ids=["pp2", "pp2 dp_shard2 tp2"],
+)
+def test_a_pipelined_transformers_model_is_within_a_hundredth_of_every_rank_measured(
+    axes: dict[str, int], units: tuple[str, ...] | None
+) -> None:
+    """A small Llama (four layers) under 1F1B, its own TP plan and FSDP inside each stage, the
+    stages made runnable by ``hf_stage``, the loss the cross entropy of the logits."""
+    from step_memory_checks import hf_transformer
+
+    from meshbind import FullyShard
+    from meshbind.interop.hf_plans import from_hf_plan
+
+    fully_shard = FullyShard(units) if units else None
+    with torch.device("meta"):
+        model = hf_transformer("llama", layers=4)
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext(axes), fully_shard=fully_shard, index=True)
+    estimate = step_memory(
+        lambda: hf_transformer("llama", layers=4), plan, batch=8, seq_len=64, device="cpu", pipeline=Pipeline("1F1B", 4)
+    )
+    by_rank = {c.first_rank + offset: c.peak_bytes for c in estimate.classes for offset in range(c.ranks)}
+    size = LayoutContext(axes).world.size
+    measured = run_local_world(size, "step_memory_checks:hf_pipelined_step_peak", "llama", axes, fully_shard, 8, 64, timeout=300)
+    errors = {rank: f"{by_rank[rank] / peak - 1:+.4f}" for rank, peak in enumerate(measured)}
+    assert all(abs(by_rank[rank] / peak - 1) <= 0.01 for rank, peak in enumerate(measured)), errors
+
+
 def test_each_pipeline_rank_is_its_own_class_and_the_peak_names_the_schedules_action() -> None:
     answer = pipelined_demo(axes_of(2), "1F1B")
     assert [(c.first_rank, c.ranks, c.stages) for c in answer.classes] == [(0, 2, (0,)), (2, 2, (1,))]

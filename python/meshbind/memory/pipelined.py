@@ -13,6 +13,7 @@ trackers count the step as a whole; each stage's root runs forward once per micr
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from meshbind.errors import StepMemoryError
@@ -87,6 +88,7 @@ def trace_pipelined_rank(
             part = StagePart(stage, model, replace(plan.only(keep), index=plan.index.restricted(model, keep)))
             apply_plan(part.model, part.plan, mesh_context, settings.activation_checkpointing, on_device)
             parts.append(part)
+        plain = torch.empty(0)  # made outside the fake mode: what a real stage's output is
         with FakeTensorMode(allow_non_fake_inputs=True), assuming(settings.routing), on_device(), real_step_masks():
             models = [part.model for part in parts]
             for model in models:
@@ -99,6 +101,7 @@ def trace_pipelined_rank(
             )
             tokens = torch.zeros(settings.batch, settings.seq_len, dtype=torch.long) if 0 in mine else None
             targets = torch.zeros(settings.batch, settings.seq_len, dtype=torch.long) if last is not None else None
+            _released_after_sending(schedule, plain)
             tracker = step_tracker(models, optimizer, (tokens, targets), plan.index.layer_list())
             try:
                 with tracker, untracked_shape_propagation(tracker), _named_actions(schedule, tracker):
@@ -121,13 +124,31 @@ def _scaled_loss(last: nn.Module | None, microbatches: int) -> Callable[[torch.T
     return scaled
 
 
+def _released_after_sending(schedule: _PipelineSchedule, plain: torch.Tensor) -> None:
+    """torch's stage drops its reference to an output once the output is sent (the backward starts
+    from its gradient edge), but only for a plain tensor: a fake one would be kept to its backward,
+    holding a microbatch's output longer than a real step does. Here a fake output is judged as
+    the plain tensor it stands for."""
+    for stage in _stages_of(schedule):
+        judge = stage._output_slot_is_releasable
+
+        def releasable(output: Any, _judge: Any = judge) -> Any:
+            return _judge(plain if isinstance(output, FakeTensor) else output)
+
+        stage._output_slot_is_releasable = releasable
+
+
+def _stages_of(schedule: _PipelineSchedule) -> list[Any]:
+    """The stages a schedule runs: torch keeps them as ``_stage`` (one per rank) or ``_stages``."""
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])  # type: ignore[attr-defined]
+
+
 @contextmanager
 def _named_actions(schedule: _PipelineSchedule, tracker: Any) -> Iterator[None]:
     """Each action torch's schedule runs on this rank's stages named on the tracker as it starts
     (``action 5: stage 1 backward of microbatch 2``), and what follows the schedule as ``after the
     schedule``. The schedule and its stages are this trace's own: nothing is put back."""
-    # torch keeps a schedule's stages as `_stage` (one per rank) or `_stages`.
-    built = getattr(schedule, "_stages", None) or [schedule._stage]  # type: ignore[attr-defined]
+    built = _stages_of(schedule)
     numbers = itertools.count(1)
     kinds = {"forward_one_chunk": "forward", "backward_one_chunk": "backward", "backward_weight_one_chunk": "weight gradients"}
     for stage in built:
@@ -140,11 +161,18 @@ def _named_actions(schedule: _PipelineSchedule, tracker: Any) -> Iterator[None]:
         tracker.action = "after the schedule"
 
     schedule.step = step  # type: ignore[method-assign]
-    yield
+    gc.freeze()  # what exists before the step is never its garbage: each action's collection skips it
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _naming(tracker: Any, numbers: Iterator[int], stage: int, kind: str, run: Callable[..., Any]) -> Callable[..., Any]:
     def named(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        # The trackers' hooks on a stage's output close a reference cycle around it: an output the
+        # stage released after sending (freed there in a real step) is freed here before the next action.
+        gc.collect()
         tracker.action = f"action {next(numbers)}: stage {stage} {kind} of microbatch {chunk}"
         return run(chunk, *args, **kwargs)
 
