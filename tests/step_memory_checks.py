@@ -251,6 +251,19 @@ def hf_pipelined_step_peak(
     return measured_peak(first_step_again(schedule, optimizer, given, wanted), models, optimizer, (given, wanted))
 
 
+def hf_pipelined_estimate(axes: dict[str, int], fully_shard: FullyShard | None) -> dict[int, int]:
+    """``step_memory``'s peak per rank for ``hf_pipelined_step_peak``'s step (batch 8 x seq 64)."""
+    from meshbind.interop.hf_plans import from_hf_plan
+
+    with torch.device("meta"):
+        model = hf_transformer("llama", layers=4)
+    plan = resolve_plan(model, from_hf_plan(model), LayoutContext(axes), fully_shard=fully_shard, index=True)
+    estimate = step_memory(
+        lambda: hf_transformer("llama", layers=4), plan, batch=8, seq_len=64, device="cpu", pipeline=Pipeline("1F1B", 4)
+    )
+    return {c.first_rank + offset: c.peak_bytes for c in estimate.classes for offset in range(c.ranks)}
+
+
 def hf_transformer(name: str, layers: int = 2) -> nn.Module:
     """A small transformers model; its experts, if any, run transformers' ``grouped_mm``, whose
     token counts stay on the device (the default loops over the experts a batch hit, which a fake
