@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from browser_pages import opened_page
+from safetensors.torch import save_file
 
 from meshbind import LayoutContext, resolve_plan
 from meshbind.cli import main
@@ -197,7 +198,7 @@ def test_ranks_that_split_differently_all_refuse_before_any_stage_is_cut() -> No
         assert parameters == []
 
 
-def test_check_reports_each_stage_and_refuses_a_checkpoint_check_per_stage(capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_reports_each_stage(capsys: pytest.CaptureFixture[str]) -> None:
     model = "meshbind.examples.moe_transformer:MoETransformer"
     plan = "meshbind.examples.moe_transformer:loss_head_request"
     axes = ["--axis", "pp=2", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]
@@ -213,8 +214,6 @@ def test_check_reports_each_stage_and_refuses_a_checkpoint_check_per_stage(capsy
     answer = json.loads(capsys.readouterr().out)
     assert answer["pipeline"]["stages"][1] == {"modules": ["blocks.1", "norm", "head"], "pp_rank": 1, "in_flight": 1}
     assert [group["stages"] for group in answer["report"]["rank_groups"]] == [[0], [1]]
-    assert main(["check", model, plan, *axes, "--checkpoint", "anywhere"]) == 2
-    assert "--checkpoint does not yet answer per pipeline stage; with --axis pp=2" in capsys.readouterr().err
     assert main(["check", model, plan, *axes, "--pp-microbatches", "1"]) == 1
     assert "1F1B needs at least as many microbatches as stages" in capsys.readouterr().err
     with torch.device("meta"):
@@ -222,6 +221,28 @@ def test_check_reports_each_stage_and_refuses_a_checkpoint_check_per_stage(capsy
     resolved = resolve_plan(demo_model, [loss_head_request()], LayoutContext({"pp": 2, **DEMO_AXES}), index=True)
     with pytest.raises(ValueError, match="the plan has pp=2: give plan_report the pipeline's stages"):
         plan_report(demo_model, resolved)
+
+
+def test_check_names_the_stage_of_each_key_a_checkpoint_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under a pipeline the checkpoint is checked against the whole model (each stage keeps its
+    modules' full FQNs), and a key it lacks or holds at another shape is named with its stage."""
+    model = "meshbind.examples.moe_transformer:MoETransformer"
+    plan = "meshbind.examples.moe_transformer:loss_head_request"
+    axes = ["--axis", "pp=2", "--axis", "cp=2", "--axis", "tp=2", "--axis", "ep=2"]
+    state = {key: value.contiguous() for key, value in MoETransformer(TransformerConfig()).state_dict().items()}
+    whole, short = tmp_path / "whole", tmp_path / "short"
+    whole.mkdir()
+    short.mkdir()
+    save_file(state, str(whole / "model.safetensors"))
+    lacking = {key: value for key, value in state.items() if not key.startswith("blocks.1.")}
+    lacking["embed.weight"] = state["embed.weight"][:-1].contiguous()
+    save_file(lacking, str(short / "model.safetensors"))
+    assert main(["check", model, plan, *axes, "--checkpoint", str(whole), "--allow-unverified"]) == 0
+    assert f"the checkpoint in {whole} fits the model" in capsys.readouterr().err
+    assert main(["check", model, plan, *axes, "--checkpoint", str(short), "--allow-unverified"]) == 1
+    err = capsys.readouterr().err
+    assert "'blocks.1.attn.qkv.weight': not in the checkpoint (stage 1 holds it)" in err
+    assert "'embed.weight': the checkpoint's shape" in err and "(stage 0 holds it)" in err
 
 
 def test_each_stage_holds_the_bytes_of_its_own_parameters() -> None:

@@ -7,7 +7,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verified_or_refused
@@ -51,14 +52,6 @@ def check(args: argparse.Namespace) -> int:
     """Offline pre-flight: build the model on meta, resolve the plan, print the table or every problem."""
     context = _layout_context(args.axis)
     fully_shard = _fully_shard(args)
-    if context.world.pp > 1 and args.checkpoint is not None:
-        print(
-            f"meshbind check: --checkpoint does not yet answer per pipeline stage; with --axis pp={context.world.pp} "
-            "the check resolves the plan, splits the stages, reports each (--report, --json, --html) and traces "
-            "their step (--memory)",
-            file=sys.stderr,
-        )
-        return 2
     pipeline = _pipeline(args, context.world.pp)
     if args.memory:
         _check_step_sizes(args)
@@ -92,6 +85,9 @@ def check(args: argparse.Namespace) -> int:
         try:  # a damaged checkpoint is a finding (exit 1), like a misfit
             verified = verified_or_refused(args.checkpoint, allow_unverified=args.allow_unverified)
             misfits = checkpoint_fit(model, args.checkpoint)
+            if stages is not None:
+                holder = stages.holders()
+                misfits = [_with_stage(misfit, holder) for misfit in misfits]
         except CheckpointError as error:
             print(str(error), file=sys.stderr)
             return 1
@@ -234,6 +230,14 @@ def _check_positions(args: argparse.Namespace) -> None:
     if args.strict:
         raise UsageError(f"{message} (--strict)")
     print(f"warning: {message}: traced as given", file=sys.stderr)
+
+
+def _with_stage(misfit: Misfit, holder: Callable[[str], str]) -> Misfit:
+    """A key of the model the checkpoint lacks or holds at another shape, naming the pipeline stage
+    that loads it (``PipelineStages.holders``)."""
+    if misfit.kind == "unexpected":
+        return misfit
+    return replace(misfit, reason=f"{misfit.reason} ({holder(misfit.key)} holds it)")
 
 
 def _misfit_text(misfits: Sequence[Misfit], directory: str) -> str:

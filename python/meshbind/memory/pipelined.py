@@ -31,7 +31,7 @@ from meshbind.memory.fake_world import fake_world, without_torch_advice
 from meshbind.memory.fsdp_chunks import chunks_for_traced_rank
 from meshbind.memory.result import StepSettings
 from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state, pipelined_training_step
-from meshbind.memory.trackers import TRACED_DEVICE, Peak, step_tracker, untraceable, untracked_shape_propagation
+from meshbind.memory.trackers import TRACED_DEVICE, Peak, step_tracker, traced_step
 from meshbind.names import Device
 from meshbind.pipeline import PipelineStages, StagePart, pipeline_schedule, runnable_stage, stage_loss, stage_model
 from meshbind.resolution.plan import ParallelPlan
@@ -103,13 +103,8 @@ def trace_pipelined_rank(
             targets = torch.zeros(settings.batch, settings.seq_len, dtype=torch.long) if last is not None else None
             _released_after_sending(schedule, plain)
             tracker = step_tracker(models, optimizer, (tokens, targets), plan.index.layer_list())
-            try:
-                with tracker, untracked_shape_propagation(tracker), _named_actions(schedule, tracker):
-                    pipelined_training_step(schedule, optimizer, tokens, targets)
-            except StepMemoryError:
-                raise
-            except Exception as error:
-                raise StepMemoryError(untraceable(error, tracker)) from error
+            with traced_step(tracker), _named_actions(schedule, tracker):
+                pipelined_training_step(schedule, optimizer, tokens, targets)
     return tracker.peak()
 
 

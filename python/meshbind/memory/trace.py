@@ -28,7 +28,7 @@ from meshbind.memory.fsdp_chunks import chunks_for_traced_rank
 from meshbind.memory.pipelined import Examples, stage_examples, trace_pipelined_rank
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.step import StepInputs, apply_plan, default_inputs, make_optimizer, make_optimizer_state, training_step
-from meshbind.memory.trackers import Peak, step_tracker, untraceable, untracked_shape_propagation
+from meshbind.memory.trackers import Peak, step_tracker, traced_step
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline, PipelineStages, split_stages
@@ -98,7 +98,8 @@ def step_memory(
             "initialised: call it before init_process_group, or in a process of its own"
         )
     started = time.perf_counter()
-    models = _Models(build, plan, alike_layers)
+    # Under a pipeline each stage is traced whole: no shallower copies are cut.
+    models = _Models(build, plan, alike_layers and plan.context.world.pp == 1)
     if plan.context.world.pp == 1:
         if pipeline is not None:
             raise ValueError("pipeline is for a plan with pp above 1; this plan has pp=1")
@@ -156,38 +157,22 @@ def _trace_class(
     started = time.perf_counter()
     run = models.run
     if run is not None:
-        traced = []
+        shallow_peaks = []
         for kept in TRACED_DEPTHS:
             model, keep = models.kept(kept), kept_modules(run, kept)
             shallower = replace(plan.only(keep), index=models.index.restricted(model, keep))
-            traced.append(_trace_rank(model, shallower, group.first, settings, inputs, run.list_fqn))
-        found = extrapolated([peak.places for peak in traced], run)
+            shallow_peaks.append(_trace_rank(model, shallower, group.first, settings, inputs, run.list_fqn))
+        found = extrapolated([peak.places for peak in shallow_peaks], run)
         if found is not None:
             (module, phase, _), full = found
             depths = ", ".join(map(str, TRACED_DEPTHS[:-1])) + f" and {TRACED_DEPTHS[-1]}"
-            return RankClassMemory(
-                first_rank=group.first,
-                ranks=group.count,
-                peak_bytes=full.pop("peak"),
-                live_at_peak=full,
-                peak_module=module,
-                peak_phase=phase,
-                traced=f"{depths} of the {run.count} alike blocks of {run.list_fqn}, extrapolated (exact)",
-                seconds=time.perf_counter() - started,
-            )
+            peak = Peak(full.pop("peak"), full, module, phase, {}, "")
+            how = f"{depths} of the {run.count} alike blocks of {run.list_fqn}, extrapolated (exact)"
+            return _class_memory(group, peak, how, started)
     model = models.whole()
     whole_plan = replace(plan, index=models.index.restricted(model))
     peak = _trace_rank(model, whole_plan, group.first, settings, inputs, models.index.layer_list())
-    return RankClassMemory(
-        first_rank=group.first,
-        ranks=group.count,
-        peak_bytes=peak.total,
-        live_at_peak=peak.kinds,
-        peak_module=peak.module,
-        peak_phase=peak.phase,
-        traced="the whole model",
-        seconds=time.perf_counter() - started,
-    )
+    return _class_memory(group, peak, "the whole model", started)
 
 
 def _trace_pipelined_class(
@@ -202,6 +187,12 @@ def _trace_pipelined_class(
     started = time.perf_counter()
     peak = trace_pipelined_rank(whole, plan, stages, examples, group.first, settings)
     mine = stages.stages_of_rank(plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
+    traced = f"stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} whole, under {stages.schedule.name}"
+    return _class_memory(group, peak, traced, started, mine)
+
+
+def _class_memory(group: RankGroup, peak: Peak, traced: str, started: float, stages: tuple[int, ...] = ()) -> RankClassMemory:
+    """The answer for ``group`` from its traced rank's peak (``started``: when its tracing began)."""
     return RankClassMemory(
         first_rank=group.first,
         ranks=group.count,
@@ -209,9 +200,9 @@ def _trace_pipelined_class(
         live_at_peak=peak.kinds,
         peak_module=peak.module,
         peak_phase=peak.phase,
-        traced=f"stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} whole, under {stages.schedule.name}",
+        traced=traced,
         seconds=time.perf_counter() - started,
-        stages=mine,
+        stages=stages,
         peak_action=peak.action,
     )
 
@@ -262,11 +253,6 @@ def _trace_rank(
             make_optimizer_state(optimizer)
             args, kwargs = step_inputs(settings.batch, settings.seq_len)
             tracker = step_tracker([model], optimizer, (args, kwargs), blocks)
-            try:
-                with tracker, untracked_shape_propagation(tracker):
-                    training_step(model, optimizer, args, kwargs)
-            except StepMemoryError:
-                raise
-            except Exception as error:
-                raise StepMemoryError(untraceable(error, tracker)) from error
+            with traced_step(tracker):
+                training_step(model, optimizer, args, kwargs)
     return tracker.peak()

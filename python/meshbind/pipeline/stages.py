@@ -64,6 +64,21 @@ class PipelineStages:
 
         return keep
 
+    def holders(self) -> Callable[[str], str]:
+        """Which stage holds a state-dict entry (a parameter or buffer under its full FQN):
+        ``stage 3``, or ``every stage`` for one of the modules each stage keeps."""
+        held = {root: f"stage {index}" for index, roots in enumerate(self.stages) for root in roots}
+        held.update(dict.fromkeys(self.everywhere, "every stage"))
+
+        def holder(key: str) -> str:
+            parts = key.split(".")
+            for end in range(len(parts) - 1, -1, -1):
+                if (found := held.get(".".join(parts[:end]))) is not None:
+                    return found
+            raise ValueError(f"no pipeline stage holds {key!r}")
+
+        return holder
+
     def to_dict(self) -> dict[str, object]:
         return {
             "pp": self.pp,
