@@ -87,6 +87,25 @@ def demo_step_peak(
     """This rank's measured peak of one demo training step (the optimizer's state made by a first
     step); with ``param_dtype``, FSDP2 mixed precision (gradients reduced in float32)."""
     count_every_thread()  # before anything the step may free exists
+    model, optimizer, inputs = planned_demo(
+        axes, layers, experts, batch_per_rank, seq_len, checkpointing, optimizer_name, dtype, param_dtype
+    )
+    return measured_step_peak(model, optimizer, inputs, {})
+
+
+def planned_demo(
+    axes: dict[str, int],
+    layers: int,
+    experts: int,
+    batch_per_rank: int,
+    seq_len: int,
+    checkpointing: str,
+    optimizer_name: str = "adam",
+    dtype: str = "float32",
+    param_dtype: str | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer | None, tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's demo model under its plan, routed as the estimate assumes, its optimizer (its
+    state made) and this data-parallel rank's batch."""
     context = LayoutContext(axes)
     world = context.world
     mesh_context = MeshContext(
@@ -108,7 +127,7 @@ def demo_step_peak(
     dp_rank = mesh_context.world.coordinates(torch.distributed.get_rank())["dp_shard"]
     tokens, targets = batch(config, batch_per_rank * world.dp_shard, seq_len, seed=0)
     rows = slice(dp_rank * batch_per_rank, (dp_rank + 1) * batch_per_rank)
-    return measured_step_peak(model, optimizer, (tokens[rows], targets[rows]), {})
+    return model, optimizer, (tokens[rows], targets[rows])
 
 
 def pipelined_demo_step_peaks(
@@ -164,6 +183,15 @@ def hf_step_peak(
 ) -> int:
     """This rank's measured peak of one step of a small transformers model under its own plans."""
     count_every_thread()
+    model, optimizer, kwargs = planned_hf(name, axes, fully_shard, batch_per_rank, seq_len, checkpointing)
+    return measured_step_peak(model, optimizer, (), kwargs)
+
+
+def planned_hf(
+    name: str, axes: dict[str, int], fully_shard: FullyShard | None, batch_per_rank: int, seq_len: int, checkpointing: str
+) -> tuple[nn.Module, torch.optim.Optimizer | None, dict[str, Any]]:
+    """This rank's small transformers model under its own plans, routed as the estimate assumes,
+    its optimizer (its state made) and one forward call's keyword arguments."""
     from meshbind.interop.hf_plans import from_hf_plan
 
     context = LayoutContext(axes)
@@ -189,7 +217,7 @@ def hf_step_peak(
     optimizer = make_optimizer(model, "adam", "cpu")
     make_optimizer_state(optimizer)
     ids = torch.randint(0, model.config.vocab_size, (batch_per_rank, seq_len), generator=generator)
-    return measured_step_peak(model, optimizer, (), {"input_ids": ids, "labels": ids.clone(), "use_cache": False})
+    return model, optimizer, {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
 
 
 def first_step_again(

@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     "meshbind.report": 4,
     "meshbind.report_page": 4,
     "meshbind.memory": 4,
+    "meshbind.comms": 4,
     "meshbind.bench": 4,
     "meshbind.examples": 4,
     "meshbind.demo": 4,

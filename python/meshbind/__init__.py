@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from meshbind._core import PatternSet
     from meshbind.binding import BoundModule as BoundModule
     from meshbind.binding import ParallelBinding, bind_parallel_modules, bound_modules, validate_materialized_modules
+    from meshbind.comms.result import StepComms as StepComms
+    from meshbind.comms.trace import step_comms
     from meshbind.cp import CPContext
     from meshbind.ep import EPContext
     from meshbind.ep import RoutedTokens as RoutedTokens
@@ -104,6 +106,8 @@ _HOMES = {
     "resolve_plan": "meshbind.resolution",
     "RoutedTokens": "meshbind.ep",
     "Routing": "meshbind.routing",
+    "step_comms": "meshbind.comms.trace",
+    "StepComms": "meshbind.comms.result",
     "step_memory": "meshbind.memory.trace",
     "StepMemory": "meshbind.memory.result",
     "StepMemoryError": "meshbind.errors",
@@ -168,6 +172,7 @@ __all__ = [
     "parallelize_checked",
     "plan_report",
     "resolve_plan",
+    "step_comms",
     "step_memory",
     "validate_materialized_modules",
     "validate_parallel_module",

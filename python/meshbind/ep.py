@@ -75,12 +75,15 @@ class EPContext:
         destination = torch.div(sorted_experts, self.num_local_experts, rounding_mode="floor")
         send_tokens = tokens.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
         local_ids = sorted_experts - destination * self.num_local_experts
-        if assumed is not None:  # a step-memory trace: the counts are assumed, the ids hold no data
+        if assumed is not None:  # a traced step: the counts are assumed, the ids hold no data
             send_counts, recv_counts = assumed.counts(num_tokens * top_k, self.size)
+            send_counts_tensor = torch.tensor(send_counts, device=tokens.device)
         else:
             send_counts_tensor = torch.bincount(destination, minlength=self.size)
-            # The receivers learn their counts first: every rank sends one count to every rank.
-            recv_counts_tensor = waited(funcol.all_to_all_single(send_counts_tensor, None, None, self.group))
+        # The receivers learn their counts first: every rank sends one count to every rank (a
+        # traced step too, so that its collectives are the real step's).
+        recv_counts_tensor = waited(funcol.all_to_all_single(send_counts_tensor, None, None, self.group))
+        if assumed is None:
             send_counts, recv_counts = send_counts_tensor.tolist(), recv_counts_tensor.tolist()
         received = waited(funcol.all_to_all_single_autograd(send_tokens, recv_counts, send_counts, self.group))
         received_ids = waited(funcol.all_to_all_single(local_ids, recv_counts, send_counts, self.group))

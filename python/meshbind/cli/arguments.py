@@ -140,11 +140,16 @@ def command_parser() -> argparse.ArgumentParser:
         "DualPipeV",
     )
     pipeline.add_argument("--pp-microbatches", type=_positive, metavar="M", help="microbatches per step (default: one per stage)")
-    memory = check.add_argument_group("step memory (--memory)")
+    memory = check.add_argument_group("one training step traced (--memory, --comms)")
     memory.add_argument(
         "--memory",
         action="store_true",
         help="trace one training step (forward, backward, optimizer step) with fake tensors: each rank's peak bytes",
+    )
+    memory.add_argument(
+        "--comms",
+        action="store_true",
+        help="trace one training step with fake tensors: every collective of each rank, by kind, axes, dtype, calls and bytes",
     )
     memory.add_argument("--batch", type=_positive, metavar="B", help="sequences per data-parallel rank")
     memory.add_argument("--seq-len", type=_positive, metavar="S", help="tokens per sequence")

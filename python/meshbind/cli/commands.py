@@ -14,6 +14,7 @@ from typing import Any
 from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verified_or_refused
 from meshbind.cli.arguments import UsageError
 from meshbind.cli.models import model_and_plan
+from meshbind.comms.result import StepComms
 from meshbind.errors import PipelineError, PlanError, index_groups
 from meshbind.fsdp_request import FullyShard
 from meshbind.memory.result import StepMemory
@@ -53,11 +54,13 @@ def check(args: argparse.Namespace) -> int:
     context = _layout_context(args.axis)
     fully_shard = _fully_shard(args)
     pipeline = _pipeline(args, context.world.pp)
-    if args.memory:
+    if args.memory or args.comms:
         _check_step_sizes(args)
     if args.html is not None:
         _check_writable(args.html, "--html")
     model, requests = model_and_plan(args)
+    if args.memory or args.comms:
+        _check_positions(args)
     started = time.perf_counter()
     try:
         # One walk of the model: the report and step memory read its index.
@@ -92,6 +95,7 @@ def check(args: argparse.Namespace) -> int:
             print(str(error), file=sys.stderr)
             return 1
     memory = _step_memory(args, plan, pipeline) if args.memory else None
+    comms = _step_comms(args, plan) if args.comms else None
     if args.html:
         try:
             with open(args.html, "w", encoding="utf-8") as page:
@@ -108,6 +112,8 @@ def check(args: argparse.Namespace) -> int:
         if memory is not None:
             result["memory"] = memory.to_dict()
             result["ok"] = result["ok"] and memory.fits is not False
+        if comms is not None:
+            result["comms"] = comms.to_dict()
         if misfits is not None:
             result["checkpoint"] = [{"kind": m.kind, "key": m.key, "reason": m.reason} for m in misfits]
             result["checkpoint_verified"] = verified
@@ -121,6 +127,10 @@ def check(args: argparse.Namespace) -> int:
             print()
             print(memory.text())
             print(f"traced in {memory.seconds:.1f} s", file=sys.stderr)
+        if comms is not None:
+            print()
+            print(comms.text())
+            print(f"collectives traced in {comms.seconds:.1f} s", file=sys.stderr)
     if misfits:
         print(_misfit_text(misfits, args.checkpoint), file=sys.stderr)
         return 1
@@ -191,7 +201,6 @@ def _step_memory(args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipelin
     from meshbind.errors import StepMemoryError
     from meshbind.memory.trace import step_memory
 
-    _check_positions(args)
     print(f"tracing one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
     try:
         return step_memory(
@@ -210,12 +219,37 @@ def _step_memory(args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipelin
         raise UsageError(f"--memory: {error}") from None
 
 
+def _step_comms(args: argparse.Namespace, plan: ParallelPlan) -> StepComms:
+    """--comms: every collective of one training step, traced on each class of ranks under the
+    plan resolved (the model built again for it)."""
+    from meshbind.comms.trace import step_comms
+    from meshbind.errors import StepMemoryError
+
+    if plan.context.world.pp > 1:
+        raise UsageError(f"--comms does not trace a pipeline yet (--axis pp={plan.context.world.pp})")
+    print(f"tracing the collectives of one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
+    try:
+        return step_comms(
+            args.build,
+            plan,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            optimizer=args.optimizer,
+            activation_checkpointing=args.activation_checkpointing,
+            device=args.device,
+            routing=Routing(args.capacity_factor),
+        )
+    except (StepMemoryError, ValueError) as error:
+        raise UsageError(f"--comms: {error}") from None
+
+
 def _check_step_sizes(args: argparse.Namespace) -> None:
-    """--memory's sizes, before any work: both given, and a batch a step can hold."""
+    """--memory's and --comms' sizes, before any work: both given, and a batch a step can hold."""
     from meshbind.memory.trace import step_size_problem
 
     if args.batch is None or args.seq_len is None:
-        raise UsageError("--memory needs --batch (sequences per data-parallel rank) and --seq-len")
+        flag = "--memory" if args.memory else "--comms"
+        raise UsageError(f"{flag} needs --batch (sequences per data-parallel rank) and --seq-len")
     if (problem := step_size_problem(args.batch, args.seq_len, ("--batch", "--seq-len"))) is not None:
         raise UsageError(problem)
 

@@ -1,7 +1,7 @@
 """transformers' expert-parallel dispatch under a step-memory trace, through transformers' own
 registry of EP implementations (``EPImplementationInterface``), not a patch: ``ASSUMED_ROUTING_EP``
-runs transformers' ``AllToAllEP``, except that while ``step_memory`` assumes a routing the split
-sizes come from that assumption instead of being read back from the routing's data."""
+runs transformers' ``AllToAllEP``, except that while a trace assumes a routing the split sizes come
+from that assumption instead of being read back from the routing's data."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ class AssumedRoutingEP(AllToAllEP):
         order = torch.argsort(top_k_index.reshape(-1))
         send_tokens = hidden_states[order // num_top_k]
         send_sizes, recv_sizes = routing.counts(top_k_index.numel(), self.ep_mesh.size())
+        # AllToAllEP's exchange of the per-expert counts, run as it runs it, so that a traced step's
+        # collectives are the real step's; what it receives is not read.
+        shape = (self.ep_mesh.size(), int(self.num_local_experts))  # type: ignore[arg-type]
+        send_counts = torch.zeros(shape, dtype=torch.long, device=hidden_states.device)
+        torch.distributed.all_to_all_single(torch.empty_like(send_counts), send_counts, group=self.ep_mesh.get_group())
         sent = all_to_all_single_autograd(send_tokens, recv_sizes, send_sizes, self.ep_mesh.get_group())
         received = expert_parallel._WaitTensor.apply(sent)  # type: ignore[attr-defined]
         rows, local_experts = sum(recv_sizes), int(self.num_local_experts)  # type: ignore[arg-type]

@@ -48,6 +48,32 @@ class StepSettings:
     pipeline: PipelineStages | None = None
     """Under ``pp`` above 1: the stages, schedule and microbatches the step ran."""
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_per_rank": self.batch,
+            "seq_len": self.seq_len,
+            "optimizer": self.optimizer,
+            "activation_checkpointing": str(self.activation_checkpointing),
+            "device": self.device,
+            "device_memory": self.device_memory,
+            "routing": {"capacity_factor": self.routing.capacity_factor},
+            **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
+        }
+
+    def text(self, world: World) -> list[str]:
+        """The step in words: its sizes, optimizer, checkpointing, routing, world and pipeline."""
+        lines = [
+            f"one training step on {self.device}: batch {self.batch} x seq {self.seq_len} per data-parallel rank, "
+            f"optimizer {self.optimizer}, activation checkpointing {self.activation_checkpointing}, {self.routing.text()}; "
+            f"world {world.text()}"
+        ]
+        if self.pipeline is not None:
+            lines.append(
+                f"pipeline: {len(self.pipeline.stages)} stages, {self.pipeline.schedule.name}, "
+                f"{self.pipeline.microbatches} microbatches of {self.batch // self.pipeline.microbatches}"
+            )
+        return lines
+
 
 @dataclass(frozen=True)
 class RankClassMemory:
@@ -111,17 +137,9 @@ class StepMemory:
         return 0 if limit is None else max(0, self.peak_bytes - limit)
 
     def to_dict(self) -> dict[str, Any]:
-        s = self.settings
         return {
             "world": self.world.axis_sizes(),
-            "batch_per_rank": s.batch,
-            "seq_len": s.seq_len,
-            "optimizer": s.optimizer,
-            "activation_checkpointing": str(s.activation_checkpointing),
-            "device": s.device,
-            "device_memory": s.device_memory,
-            "routing": {"capacity_factor": s.routing.capacity_factor},
-            **({"pipeline": s.pipeline.to_dict()} if s.pipeline is not None else {}),
+            **self.settings.to_dict(),
             "peak_bytes": self.peak_bytes,
             "fits": self.fits,
             "shortfall_bytes": self.shortfall_bytes,
@@ -131,18 +149,9 @@ class StepMemory:
 
     def text(self) -> str:
         s = self.settings
-        lines = [
-            f"one training step on {s.device}: batch {s.batch} x seq {s.seq_len} per data-parallel rank, "
-            f"optimizer {s.optimizer}, activation checkpointing {s.activation_checkpointing}, {s.routing.text()}; "
-            f"world {self.world.text()}"
-        ]
-        if s.pipeline is not None:
-            lines.append(
-                f"pipeline: {len(s.pipeline.stages)} stages, {s.pipeline.schedule.name}, "
-                f"{s.pipeline.microbatches} microbatches of {s.batch // s.pipeline.microbatches}"
-            )
+        lines = s.text(self.world)
         for c in self.classes:
-            who = f"ranks {c.first_rank}-{c.first_rank + c.ranks - 1}" if c.ranks > 1 else f"rank {c.first_rank}"
+            who = ranks_text(c.first_rank, c.ranks)
             at = f", {c.peak_action}" if c.peak_action else ""
             lines.append(f"{who}: peak {size_text(c.peak_bytes)} in {c.peak_module} {c.peak_phase}{at}")
             lines.append(f"  traced: {c.traced}")
@@ -159,3 +168,8 @@ class StepMemory:
                     f"({size_text(self.peak_bytes)} at its peak)"
                 )
         return "\n".join(lines)
+
+
+def ranks_text(first: int, count: int) -> str:
+    """``ranks 4-7``, or ``rank 4`` for one."""
+    return f"ranks {first}-{first + count - 1}" if count > 1 else f"rank {first}"

@@ -12,29 +12,27 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from meshbind.errors import StepMemoryError
-from meshbind.memory.attention import CudaAttention, real_step_masks
 from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, kept_modules, truncated
-from meshbind.memory.fake_world import fake_world, without_torch_advice
-from meshbind.memory.fsdp_chunks import chunks_for_traced_rank
+from meshbind.memory.fake_step import run_fake_step
 from meshbind.memory.pipelined import Examples, stage_examples, trace_pipelined_rank
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
-from meshbind.memory.step import StepInputs, apply_plan, default_inputs, make_optimizer, make_optimizer_state, training_step
+from meshbind.memory.step import StepInputs
 from meshbind.memory.trackers import Peak, step_tracker, traced_step
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline, PipelineStages, split_stages
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
-from meshbind.routing import Routing, assuming
+from meshbind.routing import Routing
 from meshbind.world import PIPELINE_AXIS
 
 TRACED_OPTIMIZERS = (Optimizer.NONE, Optimizer.SGD_MOMENTUM, Optimizer.ADAM)
@@ -89,7 +87,7 @@ def step_memory(
         device_memory=device_memory,
         routing=routing if routing is not None else Routing(),
     )
-    _check_settings(settings)
+    check_settings(settings)
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
     if dist.is_available() and dist.is_initialized():
@@ -225,7 +223,7 @@ def step_size_problem(batch: int, seq_len: int, names: tuple[str, str] = ("batch
     return None
 
 
-def _check_settings(settings: StepSettings) -> None:
+def check_settings(settings: StepSettings) -> None:
     for name in ("batch", "seq_len"):
         value = getattr(settings, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -243,16 +241,13 @@ def _check_settings(settings: StepSettings) -> None:
 def _trace_rank(
     model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None, blocks: str | None
 ) -> Peak:
-    with without_torch_advice(), chunks_for_traced_rank(), fake_world(rank, plan.context.world) as mesh_context:
-        on_device = CudaAttention if settings.device is Device.CUDA else contextlib.nullcontext
-        apply_plan(model, plan, mesh_context, settings.activation_checkpointing, on_device)
-        step_inputs = inputs or default_inputs(model)
-        with FakeTensorMode(allow_non_fake_inputs=True), assuming(settings.routing), on_device(), real_step_masks():
-            model.to_empty(device="cpu")
-            optimizer = make_optimizer(model, settings.optimizer, settings.device)
-            make_optimizer_state(optimizer)
-            args, kwargs = step_inputs(settings.batch, settings.seq_len)
-            tracker = step_tracker([model], optimizer, (args, kwargs), blocks)
-            with traced_step(tracker):
-                training_step(model, optimizer, args, kwargs)
-    return tracker.peak()
+    trackers = []
+
+    @contextlib.contextmanager
+    def tracked(model: nn.Module, optimizer: Any, step_inputs: Any, _: Any) -> Iterator[None]:
+        trackers.append(step_tracker([model], optimizer, step_inputs, blocks))
+        with traced_step(trackers[0]):
+            yield
+
+    run_fake_step(model, plan, rank, settings, inputs, tracked)
+    return trackers[0].peak()

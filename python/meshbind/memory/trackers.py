@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_leaves
 
-from meshbind.errors import StepMemoryError
+from meshbind.memory.fake_step import step_errors
 from meshbind.memory.result import KINDS
 
 TRACED_DEVICE = torch.device("cpu")
@@ -220,14 +220,9 @@ def step_tracker(
 def traced_step(tracker: _StepTracker | _FSDPStepTracker) -> Iterator[None]:
     """The tracker counting a step; what the step raises becomes a ``StepMemoryError`` naming where
     the tracker was."""
-    try:
-        with tracker, untracked_shape_propagation(tracker):
-            yield
-    except StepMemoryError:
-        raise
-    except Exception as error:
-        where = tracker.current_module() or "the model"
-        raise StepMemoryError(
-            f"one training step cannot be traced with fake tensors: {where} ({tracker.current_phase()}) raised "
-            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        ) from error
+
+    def where() -> str:
+        return f"{tracker.current_module() or 'the model'} ({tracker.current_phase()})"
+
+    with step_errors(where), tracker, untracked_shape_propagation(tracker):
+        yield
