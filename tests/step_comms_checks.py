@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from step_comms_truth import FLIGHT_RECORDER, Key, recorded_collectives
-from step_memory_checks import planned_demo, planned_hf
+from step_memory_checks import PipelinedDemoWorld, planned_demo, planned_hf
 
 from meshbind import FullyShard, LayoutContext
 from meshbind.memory.step import training_step
@@ -39,3 +39,14 @@ def hf_step_collectives(
     model, optimizer, kwargs = planned_hf(name, axes, fully_shard, batch_per_rank, seq_len, "none")
     training_step(model, optimizer, (), kwargs)
     return recorded_collectives(lambda: training_step(model, optimizer, (), kwargs), axis_sizes(axes))
+
+
+def pipelined_demo_step_collectives(
+    axes: dict[str, int], layers: int, batch_per_rank: int, seq_len: int, schedule: str, microbatches: int
+) -> dict[Key, list[int]]:
+    """This rank's collectives of the pipelined demo's second step under torch's ``schedule`` (the
+    first learns nothing here: the stages are given their inputs' shapes)."""
+    os.environ.update(FLIGHT_RECORDER)
+    step, _, _, _ = PipelinedDemoWorld(axes, layers, batch_per_rank, seq_len).planned(schedule, microbatches, "none")
+    step()
+    return recorded_collectives(step, axis_sizes(axes))

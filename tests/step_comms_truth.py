@@ -1,7 +1,9 @@
-"""Every collective of one real step on a gloo world, from two records that share no code with
-the trace: torch's profiler (each call's ``c10d`` op and its tensors' shapes, in call order) and
+"""Every collective of one real step on a gloo world, from records that share no code with the
+trace: torch's profiler (each call's ``c10d`` op and its tensors' shapes, in call order) and
 c10d's flight recorder (the process group each call ran on, and its dtypes, in the same order).
-The flight recorder keeps calls only when ``FLIGHT_RECORDER`` is set before the world starts."""
+The flight recorder keeps no send or receive on gloo: each of those is read from the
+``torch.distributed.P2POp`` made for it (its tensor and group), their number checked against the
+profiler's."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_internals
 
 FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "100000"}
@@ -29,9 +32,8 @@ _KINDS = {
     "c10d::allreduce_": ("all-reduce", 0),
     "c10d::alltoall_base_": ("all-to-all", 1),
     "c10d::broadcast_": ("broadcast", 0),
-    "c10d::send": ("send", 0),
-    "c10d::recv_": ("receive", 0),
 }
+_POINT_TO_POINT = ("c10d::send", "c10d::recv_")
 _DTYPES = {
     "Float": torch.float32,
     "Double": torch.float64,
@@ -49,24 +51,44 @@ def recorded_collectives(step: Callable[[], None], sizes: dict[str, int]) -> dic
     """Each (kind, axes, group size, dtype) of the collectives ``step`` runs on this rank, with its
     calls and bytes; ``sizes`` gives each mesh axis's size (a group's size is its axes')."""
     before = len(_flight_entries())
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
-        step()
+    made: list[dist.P2POp] = []
+    make = dist.P2POp.__init__
+
+    def recording(op: dist.P2POp, *args: Any, **kwargs: Any) -> None:
+        make(op, *args, **kwargs)
+        made.append(op)
+
+    dist.P2POp.__init__ = recording  # type: ignore[method-assign]
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+            step()
+    finally:
+        dist.P2POp.__init__ = make  # type: ignore[method-assign]
     entries = _flight_entries()[before:]
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         profile.export_chrome_trace(trace.name)
         events = json.load(open(trace.name))["traceEvents"]
     calls = sorted((e for e in events if e.get("name") in _KINDS), key=lambda e: (e["ts"], -e.get("dur", 0)))
     assert len(calls) == len(entries), f"the profiler saw {len(calls)} collectives, the flight recorder {len(entries)}"
+    sent = sum(e.get("name") in _POINT_TO_POINT for e in events)
+    assert sent == len(made), f"the profiler saw {sent} sends and receives, {len(made)} were made"
     found: dict[Key, list[int]] = {}
+
+    def add(kind: str, axes: tuple[str, ...], dtype: torch.dtype, size: int) -> None:
+        key = (kind, axes, math.prod(sizes[axis] for axis in axes), str(dtype).removeprefix("torch."))
+        totals = found.setdefault(key, [0, 0])
+        totals[0] += 1
+        totals[1] += size
+
     for call, entry in zip(calls, entries, strict=True):
         kind, sized = _KINDS[call["name"]]
         dtype = _DTYPES[entry["input_dtypes"][0]]
         elements = sum(math.prod(dims) for dims in _shapes(call["args"]["Input Dims"][sized]))
-        axes = _axes_of(entry["process_group"][1], sizes)
-        key = (kind, axes, math.prod(sizes[axis] for axis in axes), str(dtype).removeprefix("torch."))
-        totals = found.setdefault(key, [0, 0])
-        totals[0] += 1
-        totals[1] += elements * dtype.itemsize
+        add(kind, _axes_of(entry["process_group"][1], sizes), dtype, elements * dtype.itemsize)
+    for op in made:
+        assert op.group is not None
+        kind = "send" if op.op is dist.isend else "receive"
+        add(kind, _axes_of(op.group.group_desc, sizes), op.tensor.dtype, op.tensor.numel() * op.tensor.element_size())
     return found
 
 

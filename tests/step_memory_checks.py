@@ -134,25 +134,43 @@ def pipelined_demo_step_peaks(
     axes: dict[str, int], layers: int, batch_per_rank: int, seq_len: int, runs: list[tuple[str, int, str]]
 ) -> list[int]:
     """This rank's measured peak of one pipelined demo step for each ``(schedule, microbatches,
-    checkpointing)`` of ``runs``, in turn on one world: its stages cut, planned (FSDP over
-    ``dp_shard``), materialised and stepped by torch's schedule, the optimizer's state made first."""
+    checkpointing)`` of ``runs``, in turn on one world (``planned_pipelined_demo``)."""
     count_every_thread()
-    context = LayoutContext(axes)
-    world = context.world
-    mesh_context = MeshContext.build(**world.axis_sizes())
-    if mesh_context.fsdp_moe_mesh is None:  # ep = 1: the experts bind over one-rank expert groups
-        expert_mesh = stage_mesh("cpu", world, world.expert_shape, EXPERT_AXES)[0]
-        mesh_context = MeshContext(mesh_context.device_mesh, expert_mesh, mesh_context.pp_mesh)
-    config = TransformerConfig(layers=layers)
-    dp_rank = mesh_context.world.coordinates(torch.distributed.get_rank())["dp_shard"]
-    tokens, targets = batch(config, batch_per_rank * world.dp_shard, seq_len, seed=0)
-    rows = slice(dp_rank * batch_per_rank, (dp_rank + 1) * batch_per_rank)
-    tokens, targets = tokens[rows].contiguous(), targets[rows].contiguous()
+    world = PipelinedDemoWorld(axes, layers, batch_per_rank, seq_len)
     peaks = []
     for schedule_name, microbatches, checkpointing in runs:
+        step, models, optimizer, inputs = world.planned(schedule_name, microbatches, checkpointing)
+        peaks.append(measured_peak(step, models, optimizer, inputs))
+    return peaks
+
+
+class PipelinedDemoWorld:
+    """This rank's meshes of a pipelined demo world, and its data-parallel rank's batch."""
+
+    def __init__(self, axes: dict[str, int], layers: int, batch_per_rank: int, seq_len: int) -> None:
+        self.context = LayoutContext(axes)
+        world = self.context.world
+        mesh_context = MeshContext.build(**world.axis_sizes())
+        if mesh_context.fsdp_moe_mesh is None:  # ep = 1: the experts bind over one-rank expert groups
+            expert_mesh = stage_mesh("cpu", world, world.expert_shape, EXPERT_AXES)[0]
+            mesh_context = MeshContext(mesh_context.device_mesh, expert_mesh, mesh_context.pp_mesh)
+        self.mesh_context = mesh_context
+        self.config = TransformerConfig(layers=layers)
+        dp_rank = mesh_context.world.coordinates(torch.distributed.get_rank())["dp_shard"]
+        tokens, targets = batch(self.config, batch_per_rank * world.dp_shard, seq_len, seed=0)
+        rows = slice(dp_rank * batch_per_rank, (dp_rank + 1) * batch_per_rank)
+        self.tokens, self.targets = tokens[rows].contiguous(), targets[rows].contiguous()
+
+    def planned(
+        self, schedule_name: str, microbatches: int, checkpointing: str
+    ) -> tuple[Callable[[], None], nn.Module, torch.optim.Optimizer | None, tuple[Any, Any]]:
+        """This rank's stages cut, planned (FSDP over ``dp_shard``), materialised and routed as the
+        estimate assumes, the optimizer's state made; one step of torch's schedule
+        (``first_step_again``), the stages, the optimizer and the step's inputs."""
+        world, mesh_context = self.context.world, self.mesh_context
         with torch.device("meta"):
-            whole = MoETransformer(config)
-        plan = resolve_plan(whole, [loss_head_request()], context, fully_shard=demo_units(world.dp_shard, None), index=True)
+            whole = MoETransformer(self.config)
+        plan = resolve_plan(whole, [loss_head_request()], self.context, fully_shard=demo_units(world.dp_shard, None), index=True)
         stages, parts = pipeline_parts(whole, plan, Pipeline(schedule_name, microbatches), mesh_context)
         for part in parts:
             apply_plan(part.model, part.plan, mesh_context, Checkpointing.parse(checkpointing, "checkpointing"))
@@ -172,10 +190,9 @@ def pipelined_demo_step_peaks(
             return last.pipeline_loss(hidden, microbatch_targets) / count
 
         schedule = pipeline_schedule(stages, parts, mesh_context, torch.device("cpu"), loss)
-        given = tokens if any(part.stage == 0 for part in parts) else None
-        wanted = targets if last is not None else None
-        peaks.append(measured_peak(first_step_again(schedule, optimizer, given, wanted), models, optimizer, (given, wanted)))
-    return peaks
+        given = self.tokens if any(part.stage == 0 for part in parts) else None
+        wanted = self.targets if last is not None else None
+        return first_step_again(schedule, optimizer, given, wanted), models, optimizer, (given, wanted)
 
 
 def hf_step_peak(

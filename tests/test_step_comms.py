@@ -16,6 +16,7 @@ from meshbind import FullyShard, LayoutContext, StepComms, plan_report, resolve_
 from meshbind.cli import main
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
+from meshbind.pipeline import Pipeline
 
 CONFIG = TransformerConfig(layers=2, experts=4)
 
@@ -87,6 +88,34 @@ def test_a_transformers_models_collectives_are_every_ranks_real_ones(world: str)
         assert {("all-gather", "bfloat16"), ("reduce-scatter", "float32")} <= dtypes
 
 
+PIPELINED = {
+    "pp2 dp_shard2 (FSDP), 1F1B": ({"pp": 2, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1}, "1F1B", 4),
+    "pp2 cp2 tp2 ep2, Interleaved1F1B over 4 stages": ({"pp": 2, "cp": 2, "tp": 2, "ep": 2}, "Interleaved1F1B", 4),
+}
+
+
+@pytest.mark.parametrize("world", PIPELINED)
+def test_a_pipelined_steps_collectives_and_sends_are_every_ranks_real_ones(world: str) -> None:
+    """Each stage's sends and receives per microbatch (activations forward, their gradients
+    backward) on the ``pp`` group, beside what its stages' plan runs within the stage."""
+    axes, schedule, microbatches = PIPELINED[world]
+    config = TransformerConfig(layers=4)
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    fully_shard = DEMO_UNITS if axes.get("dp_shard", 1) > 1 else None
+    plan = resolve_plan(model, [loss_head_request()], LayoutContext(axes), fully_shard=fully_shard, index=True)
+    traced = step_comms(
+        lambda: MoETransformer(config), plan, batch=4, seq_len=16, device="cpu", pipeline=Pipeline(schedule, microbatches)
+    )
+    size = LayoutContext(axes).world.size
+    real = run_local_world(
+        size, "step_comms_checks:pipelined_demo_step_collectives", axes, 4, 4, 16, schedule, microbatches, timeout=240
+    )
+    for rank, recorded in enumerate(real):
+        assert by_key(traced, rank) == recorded, rank
+        assert {("send", ("pp",)), ("receive", ("pp",))} <= {key[:2] for key in recorded}
+
+
 def test_the_answer_in_words_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     model = "meshbind.examples.moe_transformer:MoETransformer"
     plan = "meshbind.examples.moe_transformer:loss_head_request"
@@ -104,8 +133,8 @@ def test_the_answer_in_words_and_json(capsys: pytest.CaptureFixture[str]) -> Non
     assert first["ranks"] == 4 and answer["comms"]["world"]["cp"] == 2
     assert main(["check", model, plan, *axes, "--comms"]) == 2
     assert "--comms needs --batch" in capsys.readouterr().err
-    assert main(["check", model, plan, "--axis", "pp=2", *axes, *flags]) == 2
-    assert "--comms does not trace a pipeline yet" in capsys.readouterr().err
+    assert main(["check", model, plan, "--axis", "pp=2", *axes, *flags, "--pp-microbatches", "3"]) == 2
+    assert "--comms: batch 2 does not split into 3 pipeline microbatches" in capsys.readouterr().err
 
 
 def test_fsdps_collectives_move_the_reports_unit_sizes() -> None:

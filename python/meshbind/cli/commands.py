@@ -95,7 +95,7 @@ def check(args: argparse.Namespace) -> int:
             print(str(error), file=sys.stderr)
             return 1
     memory = _step_memory(args, plan, pipeline) if args.memory else None
-    comms = _step_comms(args, plan) if args.comms else None
+    comms = _step_comms(args, plan, pipeline) if args.comms else None
     if args.html:
         try:
             with open(args.html, "w", encoding="utf-8") as page:
@@ -219,14 +219,12 @@ def _step_memory(args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipelin
         raise UsageError(f"--memory: {error}") from None
 
 
-def _step_comms(args: argparse.Namespace, plan: ParallelPlan) -> StepComms:
+def _step_comms(args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipeline | None) -> StepComms:
     """--comms: every collective of one training step, traced on each class of ranks under the
-    plan resolved (the model built again for it)."""
+    plan resolved (the model built again for it), under the pipeline's schedule with ``pp`` above 1."""
     from meshbind.comms.trace import step_comms
     from meshbind.errors import StepMemoryError
 
-    if plan.context.world.pp > 1:
-        raise UsageError(f"--comms does not trace a pipeline yet (--axis pp={plan.context.world.pp})")
     print(f"tracing the collectives of one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
     try:
         return step_comms(
@@ -238,6 +236,7 @@ def _step_comms(args: argparse.Namespace, plan: ParallelPlan) -> StepComms:
             activation_checkpointing=args.activation_checkpointing,
             device=args.device,
             routing=Routing(args.capacity_factor),
+            pipeline=pipeline,
         )
     except (StepMemoryError, ValueError) as error:
         raise UsageError(f"--comms: {error}") from None

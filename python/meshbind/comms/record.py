@@ -7,7 +7,8 @@ receive."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,16 +98,27 @@ class CollectiveRecord(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts every collective dispatched while it is entered, each under the axes of its group
     (``GroupAxes``)."""
 
-    def __init__(self, group_axes: GroupAxes) -> None:
+    def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self._group_axes = group_axes
+        self._group_axes: GroupAxes | None = None
         self._calls: dict[tuple[str, tuple[str, ...], int, str], list[int]] = {}
+
+    @contextmanager
+    def naming(self, group_axes: GroupAxes) -> Iterator[None]:
+        """Counting while entered, each collective under its group's axes in ``group_axes``."""
+        self._group_axes = group_axes
+        try:
+            with self:
+                yield
+        finally:
+            self._group_axes = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         known = _OPS.get(f"{func.namespace}.{func._opname}")
         if known is not None:
             kind, group_at, moved = known
             dtype, size = moved(args)
+            assert self._group_axes is not None
             axes, group_size = self._group_axes.of(args[group_at])
             key = (kind, axes, group_size, str(dtype).removeprefix("torch."))
             calls = self._calls.setdefault(key, [0, 0])

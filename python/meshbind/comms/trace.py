@@ -19,13 +19,15 @@ from meshbind.comms.record import CollectiveRecord, GroupAxes
 from meshbind.comms.result import RankClassComms, StepComms
 from meshbind.errors import StepMemoryError
 from meshbind.memory.fake_step import run_fake_step, step_errors
+from meshbind.memory.pipelined import PipelinedStep, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.result import StepSettings
 from meshbind.memory.step import StepInputs
 from meshbind.memory.trace import check_settings
 from meshbind.mesh import MeshContext
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
-from meshbind.report import plan_report
+from meshbind.pipeline import Pipeline
+from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
 
@@ -41,6 +43,7 @@ def step_comms(
     device: str = Device.CUDA,
     routing: Routing | None = None,
     inputs: StepInputs | None = None,
+    pipeline: Pipeline | None = None,
 ) -> StepComms:
     """Every collective one training step (forward, backward, optimizer step) issues on each class
     of ranks: its kind, the mesh axes of its group and the group's size, the dtype, the calls and
@@ -49,8 +52,10 @@ def step_comms(
     ``build``, ``plan``, ``batch``, ``seq_len``, ``inputs`` and the settings are ``step_memory``'s,
     and the step is the one it traces: FSDP2's all-gathers and reduce-scatters (HSDP's all-reduce
     too), TP's and sequence parallelism's, CP's and EP's all-to-all under the same ``routing``.
-    Each class's model is traced whole; the step needs no process group of its own and refuses to
-    run inside one. A pipeline (``pp`` above 1) is not traced yet: a ``ValueError``."""
+    Under a pipeline (``pp`` above 1, ``pipeline`` as ``step_memory`` takes it) each class runs its
+    stages' step under torch's schedule, and the stages' sends and receives are counted too. Each
+    class's model is traced whole; the step needs no process group of its own and refuses to run
+    inside one."""
     settings = StepSettings(
         batch=batch,
         seq_len=seq_len,
@@ -63,8 +68,6 @@ def step_comms(
     check_settings(settings)
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
-    if plan.context.world.pp > 1:
-        raise ValueError(f"step_comms does not trace a pipeline yet; this plan has pp={plan.context.world.pp}")
     if dist.is_available() and dist.is_initialized():
         raise StepMemoryError(
             "step_comms traces over torch's fake process group and cannot while a process group is "
@@ -75,29 +78,52 @@ def step_comms(
         model = build()
     index = plan.index if plan.index is not None else ModelIndex.of(model)
     classes = []
-    unplanned: nn.Module | None = model
-    for group in plan_report(index, plan, optimizer="none").rank_groups:
+    if plan.context.world.pp == 1:
+        if pipeline is not None:
+            raise ValueError("pipeline is for a plan with pp above 1; this plan has pp=1")
+        unplanned: nn.Module | None = model
+        for group in plan_report(index, plan, optimizer="none").rank_groups:
+            class_started = time.perf_counter()
+            if unplanned is None:  # the plan was applied to the last one: each class builds its own
+                with torch.device("meta"):
+                    unplanned = build()
+            recorded = _record_rank(unplanned, replace(plan, index=index.restricted(unplanned)), group.first, settings, inputs)
+            unplanned = None
+            classes.append(_class_comms(group, recorded, class_started))
+        return StepComms(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
+    step = pipelined_step(model, replace(plan, index=index), settings, pipeline, inputs)
+    for group in step.groups:  # each rank's stages are cut from the model: it is never planned itself
         class_started = time.perf_counter()
-        if unplanned is None:  # the plan was applied to the last one: each class builds its own
-            with torch.device("meta"):
-                unplanned = build()
-        recorded = _record_rank(unplanned, replace(plan, index=index.restricted(unplanned)), group.first, settings, inputs)
-        unplanned = None
-        seconds = time.perf_counter() - class_started
-        classes.append(RankClassComms(group.first, group.count, tuple(recorded.collectives()), seconds))
-    return StepComms(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
+        recorded = _record_pipelined_rank(model, step, group.first)
+        classes.append(_class_comms(group, recorded, class_started))
+    return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started)
+
+
+def _class_comms(group: RankGroup, recorded: CollectiveRecord, started: float) -> RankClassComms:
+    return RankClassComms(group.first, group.count, tuple(recorded.collectives()), time.perf_counter() - started)
 
 
 def _record_rank(
     model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None
 ) -> CollectiveRecord:
-    records: list[CollectiveRecord] = []
+    record = CollectiveRecord()
 
     @contextmanager
     def recorded(_model: nn.Module, _optimizer: Any, _inputs: Any, mesh_context: MeshContext) -> Iterator[None]:
-        records.append(CollectiveRecord(GroupAxes(mesh_context, plan.context.world, rank)))
-        with step_errors(lambda: "the model"), records[0]:
+        with step_errors(lambda: "the model"), record.naming(GroupAxes(mesh_context, plan.context.world, rank)):
             yield
 
     run_fake_step(model, plan, rank, settings, inputs, recorded)
-    return records[0]
+    return record
+
+
+def _record_pipelined_rank(whole: nn.Module, step: PipelinedStep, rank: int) -> CollectiveRecord:
+    record = CollectiveRecord()
+
+    @contextmanager
+    def recorded(_models: Any, _optimizer: Any, _inputs: Any, mesh_context: MeshContext, _schedule: Any) -> Iterator[None]:
+        with step_errors(lambda: "the pipeline's step"), record.naming(GroupAxes(mesh_context, step.plan.context.world, rank)):
+            yield
+
+    run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, rank, step.settings, recorded)
+    return record

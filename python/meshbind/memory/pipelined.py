@@ -16,8 +16,8 @@ import contextlib
 import gc
 import itertools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import replace
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,8 +32,19 @@ from meshbind.memory.fsdp_chunks import chunks_for_traced_rank
 from meshbind.memory.result import StepSettings
 from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state, pipelined_training_step
 from meshbind.memory.trackers import TRACED_DEVICE, Peak, step_tracker, traced_step
+from meshbind.mesh import MeshContext
 from meshbind.names import Device
-from meshbind.pipeline import PipelineStages, StagePart, pipeline_schedule, runnable_stage, stage_loss, stage_model
+from meshbind.pipeline import (
+    Pipeline,
+    PipelineStages,
+    StagePart,
+    pipeline_schedule,
+    runnable_stage,
+    split_stages,
+    stage_loss,
+    stage_model,
+)
+from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing, assuming
 from meshbind.world import PIPELINE_AXIS
@@ -64,10 +75,45 @@ def stage_examples(whole: nn.Module, stages: PipelineStages, microbatch: int, se
     return examples
 
 
+@dataclass(frozen=True)
+class PipelinedStep:
+    """What every rank class's pipelined step shares: the settings (the split among them), the
+    stages, the classes of ranks, each stage's microbatch input and output, the plan with its index."""
+
+    settings: StepSettings
+    stages: PipelineStages
+    groups: tuple[RankGroup, ...]
+    examples: Examples
+    plan: ParallelPlan
+
+
+def pipelined_step(
+    whole: nn.Module, plan: ParallelPlan, settings: StepSettings, pipeline: Pipeline | None, inputs: object | None
+) -> PipelinedStep:
+    """The pipeline ``pipeline`` asks for (default 1F1B, a microbatch per stage) over ``whole``
+    (built on ``meta``; ``plan`` resolved for it, with its index), checked against the step."""
+    assert plan.index is not None
+    if inputs is not None:
+        raise ValueError("inputs is not taken under a pipeline: the first stage takes token ids [batch, seq_len]")
+    stages = split_stages(plan.index, plan.context.world.pp, pipeline or Pipeline())
+    if settings.batch % stages.microbatches:
+        raise ValueError(f"batch {settings.batch} does not split into {stages.microbatches} pipeline microbatches")
+    groups = plan_report(plan.index, plan, optimizer="none", pipeline=stages).rank_groups
+    examples = stage_examples(whole, stages, settings.batch // stages.microbatches, settings.seq_len, settings.routing)
+    return PipelinedStep(replace(settings, pipeline=stages), stages, groups, examples, plan)
+
+
 def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's shape and dtype on ``meta``, needing a gradient when it can have one (a stage's
     output, and its input after the first stage, carry gradients between stages)."""
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta").requires_grad_(tensor.is_floating_point())
+
+
+PipelinedWatch = Callable[
+    [list[nn.Module], Any, tuple[torch.Tensor | None, torch.Tensor | None], MeshContext, _PipelineSchedule],
+    AbstractContextManager[Any],
+]
+"""``watch(stage_models, optimizer, (tokens, targets), mesh_context, schedule)``: what is entered around the step."""
 
 
 def trace_pipelined_rank(
@@ -75,6 +121,33 @@ def trace_pipelined_rank(
 ) -> Peak:
     """One step of ``rank``'s stages under ``stages``' schedule, traced; the peak names the
     schedule's action running at it."""
+    assert plan.index is not None
+    blocks = plan.index.layer_list()
+    trackers = []
+
+    @contextmanager
+    def tracked(
+        models: list[nn.Module], optimizer: Any, inputs: Any, _: MeshContext, schedule: _PipelineSchedule
+    ) -> Iterator[None]:
+        trackers.append(step_tracker(models, optimizer, inputs, blocks))
+        with traced_step(trackers[0]), _named_actions(schedule, trackers[0]):
+            yield
+
+    run_pipelined_fake_step(whole, plan, stages, examples, rank, settings, tracked)
+    return trackers[0].peak()
+
+
+def run_pipelined_fake_step(
+    whole: nn.Module,
+    plan: ParallelPlan,
+    stages: PipelineStages,
+    examples: Examples,
+    rank: int,
+    settings: StepSettings,
+    watch: PipelinedWatch,
+) -> None:
+    """``rank``'s stages cut from ``whole`` and planned as a job plans them, torch's stages and
+    schedule over them, then one step of the schedule and the optimizer under ``watch``."""
     assert plan.index is not None
     world = plan.context.world
     count = len(stages.stages)
@@ -102,10 +175,8 @@ def trace_pipelined_rank(
             tokens = torch.zeros(settings.batch, settings.seq_len, dtype=torch.long) if 0 in mine else None
             targets = torch.zeros(settings.batch, settings.seq_len, dtype=torch.long) if last is not None else None
             _released_after_sending(schedule, plain)
-            tracker = step_tracker(models, optimizer, (tokens, targets), plan.index.layer_list())
-            with traced_step(tracker), _named_actions(schedule, tracker):
+            with watch(models, optimizer, (tokens, targets), mesh_context, schedule):
                 pipelined_training_step(schedule, optimizer, tokens, targets)
-    return tracker.peak()
 
 
 def _scaled_loss(last: nn.Module | None, microbatches: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -23,13 +23,13 @@ from torch import nn
 from meshbind.errors import StepMemoryError
 from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, kept_modules, truncated
 from meshbind.memory.fake_step import run_fake_step
-from meshbind.memory.pipelined import Examples, stage_examples, trace_pipelined_rank
+from meshbind.memory.pipelined import PipelinedStep, pipelined_step, trace_pipelined_rank
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.step import StepInputs
 from meshbind.memory.trackers import Peak, step_tracker, traced_step
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
-from meshbind.pipeline import Pipeline, PipelineStages, split_stages
+from meshbind.pipeline import Pipeline
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
@@ -104,18 +104,10 @@ def step_memory(
         groups = plan_report(models.index, plan, optimizer="none").rank_groups
         classes = [_trace_class(models, plan, group, settings, inputs) for group in groups]
         return StepMemory(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
-    if inputs is not None:
-        raise ValueError("inputs is not taken under a pipeline: the first stage takes token ids [batch, seq_len]")
-    stages = split_stages(models.index, plan.context.world.pp, pipeline or Pipeline())
-    if settings.batch % stages.microbatches:
-        raise ValueError(f"batch {settings.batch} does not split into {stages.microbatches} pipeline microbatches")
-    settings = replace(settings, pipeline=stages)
-    groups = plan_report(models.index, plan, optimizer="none", pipeline=stages).rank_groups
     whole = models.first()
-    examples = stage_examples(whole, stages, settings.batch // stages.microbatches, settings.seq_len, settings.routing)
-    indexed = replace(plan, index=models.index)
-    classes = [_trace_pipelined_class(whole, indexed, stages, examples, group, settings) for group in groups]
-    return StepMemory(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
+    step = pipelined_step(whole, replace(plan, index=models.index), settings, pipeline, inputs)
+    classes = [_trace_pipelined_class(whole, step, group) for group in step.groups]
+    return StepMemory(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started)
 
 
 class _Models:
@@ -173,18 +165,12 @@ def _trace_class(
     return _class_memory(group, peak, "the whole model", started)
 
 
-def _trace_pipelined_class(
-    whole: nn.Module,
-    plan: ParallelPlan,
-    stages: PipelineStages,
-    examples: Examples,
-    group: RankGroup,
-    settings: StepSettings,
-) -> RankClassMemory:
+def _trace_pipelined_class(whole: nn.Module, step: PipelinedStep, group: RankGroup) -> RankClassMemory:
     """One rank of ``group``: its stages' whole step under the schedule."""
     started = time.perf_counter()
-    peak = trace_pipelined_rank(whole, plan, stages, examples, group.first, settings)
-    mine = stages.stages_of_rank(plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
+    stages = step.stages
+    peak = trace_pipelined_rank(whole, step.plan, stages, step.examples, group.first, step.settings)
+    mine = stages.stages_of_rank(step.plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
     traced = f"stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} whole, under {stages.schedule.name}"
     return _class_memory(group, peak, traced, started, mine)
 
