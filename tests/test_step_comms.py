@@ -38,6 +38,7 @@ def demo_comms(axes: dict[str, int]) -> StepComms:
 DEMO_WORLDS = {
     "4 ranks cp2 tp2 ep2 (default)": {"cp": 2, "tp": 2, "ep": 2},
     "8 ranks dp_shard2 cp2 tp2 ep4 (FSDP)": {"dp_shard": 2, "cp": 2, "tp": 2, "ep": 4},
+    "4 ranks HSDP dp_replicate2 dp_shard2 ep2": {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 2},
 }
 
 
@@ -51,9 +52,14 @@ def test_the_demos_collectives_are_every_ranks_real_ones(world: str) -> None:
     for rank, recorded in enumerate(real):
         assert by_key(traced, rank) == recorded, rank
     kinds = {key[:2] for key in recorded}
-    assert {("all-to-all", ("ep",)), ("all-reduce", ("tp",)), ("all-gather", ("cp",)), ("reduce-scatter", ("cp",))} <= kinds
-    if "dp_shard" in axes:  # FSDP's units over dp_shard and cp together, the experts' over edp_shard
+    assert ("all-to-all", ("ep",)) in kinds
+    if axes.get("cp", 1) > 1:
+        assert {("all-reduce", ("tp",)), ("all-gather", ("cp",)), ("reduce-scatter", ("cp",))} <= kinds
+    if axes.get("cp", 1) > 1 and "dp_shard" in axes:  # FSDP's units over dp_shard and cp together, the experts' over edp_shard
         assert {("all-gather", ("dp_shard", "cp")), ("reduce-scatter", ("edp_shard",))} <= kinds
+    if axes.get("dp_replicate", 1) > 1:  # HSDP: each unit's reduce-scattered gradients all-reduced across the replicas
+        units = recorded[("reduce-scatter", ("dp_shard",), 2, "float32")][0]
+        assert recorded[("all-reduce", ("dp_replicate",), 2, "float32")][0] > units
 
 
 HF_WORLDS: dict[str, tuple[str, dict[str, int], FullyShard]] = {
