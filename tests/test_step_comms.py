@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from step_comms_truth import Key
-from step_memory_checks import DEMO_UNITS, hf_transformer
+from step_memory_checks import DEMO_UNITS, deep_demo, hf_transformer
 
 from meshbind import FullyShard, LayoutContext, StepComms, plan_report, resolve_plan, step_comms
 from meshbind.cli import main
@@ -120,6 +120,20 @@ def test_a_pipelined_steps_collectives_and_sends_are_every_ranks_real_ones(world
     for rank, recorded in enumerate(real):
         assert by_key(traced, rank) == recorded, rank
         assert {("send", ("pp",)), ("receive", ("pp",))} <= {key[:2] for key in recorded}
+
+
+@pytest.mark.parametrize("world", ["4 ranks cp2 tp2 ep2 (default)", "8 ranks dp_shard2 cp2 tp2 ep4 (FSDP)"])
+def test_alike_layers_traced_at_three_depths_give_the_whole_models_collectives(world: str) -> None:
+    axes = DEMO_WORLDS[world]
+    with torch.device("meta"):
+        model = deep_demo()
+    fully_shard = DEMO_UNITS if axes.get("dp_shard", 1) > 1 else None
+    plan = resolve_plan(model, [loss_head_request()], LayoutContext(axes), fully_shard=fully_shard, index=True)
+    answers = [step_comms(deep_demo, plan, batch=2, seq_len=16, device="cpu", alike_layers=alike) for alike in (True, False)]
+    extrapolated, whole = ([c.collectives for c in answer.classes] for answer in answers)
+    assert extrapolated == whole
+    assert answers[0].classes[0].traced == "3, 4 and 5 of the 8 alike blocks of blocks, extrapolated (exact)"
+    assert answers[1].classes[0].traced == "the whole model"
 
 
 def test_the_answer_in_words_and_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,6 +34,11 @@ class Collective:
     count: int
     bytes: int
 
+    @property
+    def key(self) -> tuple[str, tuple[str, ...], int, str]:
+        """What tells collectives apart: kind, axes, group size, dtype."""
+        return (self.kind, self.axes, self.group_size, self.dtype)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind,

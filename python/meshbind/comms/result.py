@@ -19,6 +19,9 @@ class RankClassComms:
     first_rank: int
     ranks: int
     collectives: tuple[Collective, ...]
+    traced: str
+    """How: ``the whole model``, which depths of its alike blocks were traced and extrapolated, or
+    which pipeline stages."""
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
@@ -26,6 +29,7 @@ class RankClassComms:
             "first_rank": self.first_rank,
             "ranks": self.ranks,
             "collectives": [collective.to_dict() for collective in self.collectives],
+            "traced": self.traced,
             "seconds": self.seconds,
         }
 
@@ -54,6 +58,7 @@ class StepComms:
             calls = sum(collective.count for collective in c.collectives)
             total = sum(collective.bytes for collective in c.collectives)
             lines.append(f"{ranks_text(c.first_rank, c.ranks)}: {calls} calls, {size_text(total)}")
+            lines.append(f"  traced: {c.traced}")
             lines += [f"  {_line(collective)}" for collective in c.collectives]
         return "\n".join(lines)
 

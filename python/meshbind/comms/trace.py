@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshbind.comms.record import CollectiveRecord, GroupAxes
+from meshbind.comms.record import Collective, CollectiveRecord, GroupAxes
 from meshbind.comms.result import RankClassComms, StepComms
 from meshbind.errors import StepMemoryError
+from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun, alike_run, depth_copies, truncated
 from meshbind.memory.fake_step import run_fake_step, step_errors
 from meshbind.memory.pipelined import PipelinedStep, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.result import StepSettings
@@ -30,6 +31,7 @@ from meshbind.pipeline import Pipeline
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
+from meshbind.world import PIPELINE_AXIS
 
 
 def step_comms(
@@ -44,6 +46,7 @@ def step_comms(
     routing: Routing | None = None,
     inputs: StepInputs | None = None,
     pipeline: Pipeline | None = None,
+    alike_layers: bool = True,
 ) -> StepComms:
     """Every collective one training step (forward, backward, optimizer step) issues on each class
     of ranks: its kind, the mesh axes of its group and the group's size, the dtype, the calls and
@@ -52,10 +55,12 @@ def step_comms(
     ``build``, ``plan``, ``batch``, ``seq_len``, ``inputs`` and the settings are ``step_memory``'s,
     and the step is the one it traces: FSDP2's all-gathers and reduce-scatters (HSDP's all-reduce
     too), TP's and sequence parallelism's, CP's and EP's all-to-all under the same ``routing``.
+    With ``alike_layers`` (the default) a model whose blocks end in more than five alike ones is
+    traced at three, four and five of them and each collective's calls and bytes extrapolated,
+    where they grow by equal steps (exact), as step memory extrapolates; else traced whole.
     Under a pipeline (``pp`` above 1, ``pipeline`` as ``step_memory`` takes it) each class runs its
-    stages' step under torch's schedule, and the stages' sends and receives are counted too. Each
-    class's model is traced whole; the step needs no process group of its own and refuses to run
-    inside one."""
+    stages' step under torch's schedule, and the stages' sends and receives are counted too; each
+    stage is traced whole. The step needs no process group of its own and refuses to run inside one."""
     settings = StepSettings(
         batch=batch,
         seq_len=seq_len,
@@ -81,26 +86,57 @@ def step_comms(
     if plan.context.world.pp == 1:
         if pipeline is not None:
             raise ValueError("pipeline is for a plan with pp above 1; this plan has pp=1")
+        run = alike_run(index) if alike_layers else None
+        deepest = truncated(model, run, TRACED_DEPTHS[-1]) if run is not None else None
         unplanned: nn.Module | None = model
         for group in plan_report(index, plan, optimizer="none").rank_groups:
             class_started = time.perf_counter()
+            if run is not None and deepest is not None:
+                shallow = [
+                    _record_rank(copy, shallower, group.first, settings, inputs).collectives()
+                    for copy, shallower in depth_copies(deepest, plan, index, run)
+                ]
+                if (full := _extrapolated(shallow, run)) is not None:
+                    depths = ", ".join(map(str, TRACED_DEPTHS[:-1])) + f" and {TRACED_DEPTHS[-1]}"
+                    how = f"{depths} of the {run.count} alike blocks of {run.list_fqn}, extrapolated (exact)"
+                    classes.append(RankClassComms(group.first, group.count, full, how, time.perf_counter() - class_started))
+                    continue
             if unplanned is None:  # the plan was applied to the last one: each class builds its own
                 with torch.device("meta"):
                     unplanned = build()
             recorded = _record_rank(unplanned, replace(plan, index=index.restricted(unplanned)), group.first, settings, inputs)
             unplanned = None
-            classes.append(_class_comms(group, recorded, class_started))
+            classes.append(_class_comms(group, recorded.collectives(), "the whole model", class_started))
         return StepComms(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
     step = pipelined_step(model, replace(plan, index=index), settings, pipeline, inputs)
     for group in step.groups:  # each rank's stages are cut from the model: it is never planned itself
         class_started = time.perf_counter()
         recorded = _record_pipelined_rank(model, step, group.first)
-        classes.append(_class_comms(group, recorded, class_started))
+        mine = step.stages.stages_of_rank(plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
+        how = f"stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} whole, under {step.stages.schedule.name}"
+        classes.append(_class_comms(group, recorded.collectives(), how, class_started))
     return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started)
 
 
-def _class_comms(group: RankGroup, recorded: CollectiveRecord, started: float) -> RankClassComms:
-    return RankClassComms(group.first, group.count, tuple(recorded.collectives()), time.perf_counter() - started)
+def _class_comms(group: RankGroup, collectives: list[Collective], traced: str, started: float) -> RankClassComms:
+    return RankClassComms(group.first, group.count, tuple(collectives), traced, time.perf_counter() - started)
+
+
+def _extrapolated(shallow: list[list[Collective]], run: AlikeRun) -> tuple[Collective, ...] | None:
+    """Each collective's calls and bytes at the run's full depth, from the traced depths, or
+    ``None`` where some do not grow by equal steps from one depth to the next (extrapolating
+    would not be exact). Listed in the order the deepest trace first made each."""
+    at = [{collective.key: (collective.count, collective.bytes) for collective in depth} for depth in shallow]
+    full = []
+    for key in dict.fromkeys(key for depth in reversed(at) for key in depth):
+        (calls, size), (calls_one_more, size_one_more), (calls_two_more, size_two_more) = (depth.get(key, (0, 0)) for depth in at)
+        if calls_two_more - calls_one_more != calls_one_more - calls or size_two_more - size_one_more != size_one_more - size:
+            return None
+        blocks = run.count - TRACED_DEPTHS[0]
+        count = calls + blocks * (calls_one_more - calls)
+        if count:
+            full.append(Collective(*key, count, size + blocks * (size_one_more - size)))
+    return tuple(full)
 
 
 def _record_rank(

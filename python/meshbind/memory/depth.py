@@ -18,13 +18,14 @@ whole model is traced.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from meshbind.memory.trackers import Place
 from meshbind.model_index import ModelIndex, ParameterKind
+from meshbind.resolution.plan import ParallelPlan
 
 TRACED_DEPTHS = (3, 4, 5)
 """Blocks of the alike run kept in the three traces."""
@@ -103,6 +104,16 @@ def truncated(model: nn.Module, run: AlikeRun, kept: int) -> nn.Module:
         return copy.deepcopy(model)
     finally:
         parent._modules[name] = blocks
+
+
+def depth_copies(
+    deepest: nn.Module, plan: ParallelPlan, index: ModelIndex, run: AlikeRun
+) -> Iterator[tuple[nn.Module, ParallelPlan]]:
+    """The model at each traced depth (each a copy of ``deepest``, the copy keeping the most
+    blocks) and the plan of the modules it keeps, ``index`` (the whole model's) cut to it."""
+    for kept in TRACED_DEPTHS:
+        model, keep = truncated(deepest, run, kept), kept_modules(run, kept)
+        yield model, replace(plan.only(keep), index=index.restricted(model, keep))
 
 
 def extrapolated(places: Sequence[Mapping[Place, Mapping[str, int]]], run: AlikeRun) -> tuple[Place, dict[str, int]] | None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshbind.errors import StepMemoryError
-from meshbind.memory.depth import TRACED_DEPTHS, alike_run, extrapolated, kept_modules, truncated
+from meshbind.memory.depth import TRACED_DEPTHS, alike_run, depth_copies, extrapolated, truncated
 from meshbind.memory.fake_step import run_fake_step
 from meshbind.memory.pipelined import PipelinedStep, pipelined_step, trace_pipelined_rank
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
@@ -123,10 +123,6 @@ class _Models:
         self.run = alike_run(self.index) if alike_layers else None
         self.deepest = truncated(self.unused, self.run, TRACED_DEPTHS[-1]) if self.run is not None else None
 
-    def kept(self, blocks: int) -> nn.Module:
-        assert self.run is not None and self.deepest is not None
-        return truncated(self.deepest, self.run, blocks)
-
     def first(self) -> nn.Module:
         """The model first built, which a pipeline's stages are cut from (each a copy)."""
         assert self.unused is not None
@@ -147,11 +143,11 @@ def _trace_class(
     started = time.perf_counter()
     run = models.run
     if run is not None:
-        shallow_peaks = []
-        for kept in TRACED_DEPTHS:
-            model, keep = models.kept(kept), kept_modules(run, kept)
-            shallower = replace(plan.only(keep), index=models.index.restricted(model, keep))
-            shallow_peaks.append(_trace_rank(model, shallower, group.first, settings, inputs, run.list_fqn))
+        assert models.deepest is not None
+        shallow_peaks = [
+            _trace_rank(model, shallower, group.first, settings, inputs, run.list_fqn)
+            for model, shallower in depth_copies(models.deepest, plan, models.index, run)
+        ]
         found = extrapolated([peak.places for peak in shallow_peaks], run)
         if found is not None:
             (module, phase, _), full = found
