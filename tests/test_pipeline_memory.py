@@ -5,13 +5,11 @@ world (``step_memory_checks.pipelined_demo_step_peaks``)."""
 from __future__ import annotations
 
 import json
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import pytest
 import torch
-from step_memory_checks import demo_units, hf_pipelined_estimate
+from step_memory_checks import demo_units, hf_pipelined_estimate, hf_transformer, traced
 
 from meshbind import LayoutContext, StepMemory, resolve_plan, step_memory
 from meshbind.cli import main
@@ -76,18 +74,33 @@ def test_a_pipelined_transformers_model_is_within_a_hundredth_of_every_rank_meas
     axes: dict[str, int], units: tuple[str, ...] | None
 ) -> None:
     """A small Llama (four layers) under 1F1B, its own TP plan and FSDP inside each stage, the
-    stages made runnable by ``hf_stage``, the loss the cross entropy of the logits. The estimate
-    runs in a process of its own, as ``meshbind check`` does: a TP trace under a pipeline leaves
-    state behind that a later TP trace in the same process trips on (an open defect)."""
+    stages made runnable by ``hf_stage``, the loss the cross entropy of the logits."""
     from meshbind import FullyShard
 
     fully_shard = FullyShard(units) if units else None
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as one:
-        by_rank = one.submit(hf_pipelined_estimate, axes, fully_shard).result(timeout=300)
+    by_rank = hf_pipelined_estimate(axes, fully_shard)
     size = LayoutContext(axes).world.size
     measured = run_local_world(size, "step_memory_checks:hf_pipelined_step_peak", "llama", axes, fully_shard, 8, 64, timeout=300)
     errors = {rank: f"{by_rank[rank] / peak - 1:+.4f}" for rank, peak in enumerate(measured)}
     assert all(abs(by_rank[rank] / peak - 1) <= 0.01 for rank, peak in enumerate(measured)), errors
+
+
+def test_a_tp_trace_after_a_pipelined_one_in_the_same_process_keeps_to_its_own_world() -> None:
+    """DTensor caches each op's sharding by meshes that compare equal over the same ranks whatever
+    their groups: without each fake world clearing it, the later trace's outputs would carry the
+    pipelined world's mesh, whose groups no longer exist."""
+    from meshbind import FullyShard
+    from meshbind.interop.hf_plans import from_hf_plan
+
+    fully_shard = FullyShard(("model.layers.*",))
+    hf_pipelined_estimate({"pp": 2, "dp_shard": 2, "tp": 2}, fully_shard)
+    with torch.device("meta"):
+        plan_source = from_hf_plan(hf_transformer("llama"))
+    context = LayoutContext({"dp_shard": 2, "tp": 2})
+    answer = traced(
+        lambda: hf_transformer("llama"), plan_source, context, batch=2, seq_len=64, fully_shard=fully_shard, device="cpu"
+    )
+    assert answer.peak_bytes > 0
 
 
 def test_each_pipeline_rank_is_its_own_class_and_the_peak_names_the_schedules_action() -> None:

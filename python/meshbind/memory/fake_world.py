@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from meshbind.mesh import MeshContext
 from meshbind.world import DENSE_AXES, EXPERT_AXES, PIPELINE_AXIS, World
@@ -23,6 +24,10 @@ def fake_world(rank: int, world: World) -> Iterator[MeshContext]:
     lays them (``pp`` outermost)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    # DTensor caches each op's sharding by its meshes, and a mesh is equal to another over the same
+    # ranks whatever its groups: a cached answer would carry one world's mesh (and its groups) into
+    # another, a fake world's into a real one. Each fake world starts and ends with none cached.
+    _clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world.size)
     try:
         stage = rank // world.stage_size
@@ -35,6 +40,7 @@ def fake_world(rank: int, world: World) -> Iterator[MeshContext]:
         yield MeshContext(_rank_mesh(rank, dense, DENSE_AXES), _rank_mesh(rank, expert, EXPERT_AXES), pp_mesh)
     finally:
         dist.destroy_process_group()
+        _clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
 
 
 def _rank_mesh(rank: int, ranks: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
