@@ -119,7 +119,7 @@ class CollectiveRecord(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._group_axes = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        known = _OPS.get(f"{func.namespace}.{func._opname}")
+        known = _OPS.get(f"{getattr(func, 'namespace', '')}.{getattr(func, '_opname', '')}")
         if known is not None:
             kind, group_at, moved = known
             dtype, size = moved(args)

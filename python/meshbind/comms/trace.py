@@ -6,7 +6,7 @@ traced per class of ranks holding alike shards (``plan_report``'s rank groups)."
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -97,9 +97,7 @@ def step_comms(
                     for copy, shallower in depth_copies(deepest, plan, index, run)
                 ]
                 if (full := _extrapolated(shallow, run)) is not None:
-                    depths = ", ".join(map(str, TRACED_DEPTHS[:-1])) + f" and {TRACED_DEPTHS[-1]}"
-                    how = f"{depths} of the {run.count} alike blocks of {run.list_fqn}, extrapolated (exact)"
-                    classes.append(RankClassComms(group.first, group.count, full, how, time.perf_counter() - class_started))
+                    classes.append(_class_comms(group, full, run.extrapolated_text(), class_started))
                     continue
             if unplanned is None:  # the plan was applied to the last one: each class builds its own
                 with torch.device("meta"):
@@ -118,7 +116,7 @@ def step_comms(
     return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started)
 
 
-def _class_comms(group: RankGroup, collectives: list[Collective], traced: str, started: float) -> RankClassComms:
+def _class_comms(group: RankGroup, collectives: Sequence[Collective], traced: str, started: float) -> RankClassComms:
     return RankClassComms(group.first, group.count, tuple(collectives), traced, time.perf_counter() - started)
 
 

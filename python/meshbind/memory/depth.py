@@ -40,6 +40,11 @@ class AlikeRun:
     first: int
     count: int
 
+    def extrapolated_text(self) -> str:
+        """How a trace extrapolated from it: ``3, 4 and 5 of the 126 alike blocks of model.layers, ...``."""
+        depths = ", ".join(map(str, TRACED_DEPTHS[:-1])) + f" and {TRACED_DEPTHS[-1]}"
+        return f"{depths} of the {self.count} alike blocks of {self.list_fqn}, extrapolated (exact)"
+
 
 def alike_run(index: ModelIndex) -> AlikeRun | None:
     """The run of alike blocks worth tracing at three depths (more blocks than the deepest), or ``None``."""

@@ -151,10 +151,8 @@ def _trace_class(
         found = extrapolated([peak.places for peak in shallow_peaks], run)
         if found is not None:
             (module, phase, _), full = found
-            depths = ", ".join(map(str, TRACED_DEPTHS[:-1])) + f" and {TRACED_DEPTHS[-1]}"
             peak = Peak(full.pop("peak"), full, module, phase, {}, "")
-            how = f"{depths} of the {run.count} alike blocks of {run.list_fqn}, extrapolated (exact)"
-            return _class_memory(group, peak, how, started)
+            return _class_memory(group, peak, run.extrapolated_text(), started)
     model = models.whole()
     whole_plan = replace(plan, index=models.index.restricted(model))
     peak = _trace_rank(model, whole_plan, group.first, settings, inputs, models.index.layer_list())
