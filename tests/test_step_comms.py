@@ -136,6 +136,23 @@ def test_alike_layers_traced_at_three_depths_give_the_whole_models_collectives(w
     assert answers[1].classes[0].traced == "the whole model"
 
 
+def test_a_group_over_a_million_ranks_is_named_without_visiting_them_one_by_one() -> None:
+    """FSDP's group over ``dp_shard`` and ``cp`` flattened across a million ranks is named by the
+    axes its ranks differ on, and each unit's gather carries every rank's padded chunk."""
+    from test_step_memory import TinyLM
+
+    with torch.device("meta"):
+        model = TinyLM()
+    plan = resolve_plan(model, [], LayoutContext({"dp_shard": 500_000, "cp": 2}), index=True)
+    (only,) = step_comms(TinyLM, plan, batch=1, seq_len=8, device="cpu").classes
+    assert only.ranks == 10**6
+    gathered, reduced = only.collectives
+    assert (gathered.kind, gathered.axes, gathered.group_size, gathered.count) == ("all-gather", ("dp_shard", "cp"), 10**6, 1)
+    assert (reduced.kind, reduced.axes, reduced.bytes) == ("reduce-scatter", ("dp_shard", "cp"), gathered.bytes)
+    parameters = len(list(TinyLM().parameters()))
+    assert gathered.bytes >= 10**6 * parameters * 4  # each shorter than the world: a padded row per rank
+
+
 def test_the_answer_in_words_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     model = "meshbind.examples.moe_transformer:MoETransformer"
     plan = "meshbind.examples.moe_transformer:loss_head_request"
@@ -145,7 +162,7 @@ def test_the_answer_in_words_and_json(capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "collectives of one training step on cpu: batch 2 x seq 16 per data-parallel rank" in out
     assert "ranks 0-3:" in out
-    assert "all-to-all      ep (2 ranks)" in out
+    assert "all-to-all      ep (2 ranks)            " in out
     assert main(["check", model, plan, *axes, *flags, "--json"]) == 0
     answer: dict[str, Any] = json.loads(capsys.readouterr().out)
     first = answer["comms"]["rank_classes"][0]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.distributed_c10d import _resolve_process_group  # type: ignore[attr-defined]
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -141,9 +142,8 @@ class GroupAxes:
     by the dim; one made by flattening dims (FSDP's group over ``dp_shard`` and ``cp``) by the
     axes of the device mesh its ranks differ on."""
 
-    def __init__(self, mesh_context: MeshContext, world: World, rank: int) -> None:
+    def __init__(self, mesh_context: MeshContext, world: World) -> None:
         self._world = world
-        self._coordinates = world.coordinates(rank)
         self._known: dict[str, tuple[tuple[str, ...], int]] = {}
         meshes = [mesh_context.device_mesh, mesh_context.fsdp_moe_mesh, mesh_context.pp_mesh]
         for mesh in (mesh for mesh in meshes if mesh is not None):
@@ -156,10 +156,24 @@ class GroupAxes:
             group = dist.ProcessGroup.unbox(group)
         name = group if isinstance(group, str) else group.group_name
         if name not in self._known:
-            ranks = dist.get_process_group_ranks(_resolve_process_group(name))  # type: ignore[arg-type]
-            varying = {
-                axis for rank in ranks for axis, at in self._world.coordinates(rank).items() if at != self._coordinates[axis]
-            }
-            axes = tuple(axis for axis in (PIPELINE_AXIS, *DENSE_AXES) if axis in varying)
-            self._known[name] = (axes, len(ranks))
+            with unset_fake_temporarily():  # the step runs under fake tensors: these ranks are real
+                ranks = torch.tensor(dist.get_process_group_ranks(_resolve_process_group(name)))  # type: ignore[arg-type]
+                self._known[name] = (self._differing_axes(ranks), len(ranks))
         return self._known[name]
+
+    def _differing_axes(self, ranks: torch.Tensor) -> tuple[str, ...]:
+        """The axes on which ``ranks`` do not all have one coordinate (``World.coordinates``'
+        order: ``pp`` outermost, the last device-mesh axis varying fastest), in tensor arithmetic:
+        a group may span most of a world."""
+        world = self._world
+        differing = []
+        stage = ranks // world.stage_size
+        if stage.min() != stage.max():
+            differing.append(PIPELINE_AXIS)
+        stride = world.stage_size
+        for axis in DENSE_AXES:
+            stride //= getattr(world, axis)
+            coordinate = (ranks // stride) % getattr(world, axis)
+            if coordinate.min() != coordinate.max():
+                differing.append(axis)
+        return tuple(differing)

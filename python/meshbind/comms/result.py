@@ -64,7 +64,7 @@ class StepComms:
 
 
 def _line(collective: Collective) -> str:
-    """``all-gather      dp_shard·cp (4 ranks)    float32     9 calls   1.50 MiB``"""
+    """``all-gather      dp_shard·cp (4 ranks)        float32     9 calls   1.50 MiB``"""
     group = f"{'·'.join(collective.axes) or '-'} ({collective.group_size} rank{'s' if collective.group_size > 1 else ''})"
     calls = f"{collective.count} call{'s' if collective.count > 1 else ''}"
-    return f"{collective.kind:<15} {group:<24} {collective.dtype:<9} {calls:>10} {size_text(collective.bytes):>12}"
+    return f"{collective.kind:<15} {group:<28} {collective.dtype:<9} {calls:>10} {size_text(collective.bytes):>12}"

@@ -144,7 +144,7 @@ def _record_rank(
 
     @contextmanager
     def recorded(_model: nn.Module, _optimizer: Any, _inputs: Any, mesh_context: MeshContext) -> Iterator[None]:
-        with step_errors(lambda: "the model"), record.naming(GroupAxes(mesh_context, plan.context.world, rank)):
+        with step_errors(lambda: "the model"), record.naming(GroupAxes(mesh_context, plan.context.world)):
             yield
 
     run_fake_step(model, plan, rank, settings, inputs, recorded)
@@ -156,7 +156,7 @@ def _record_pipelined_rank(whole: nn.Module, step: PipelinedStep, rank: int) -> 
 
     @contextmanager
     def recorded(_models: Any, _optimizer: Any, _inputs: Any, mesh_context: MeshContext, _schedule: Any) -> Iterator[None]:
-        with step_errors(lambda: "the pipeline's step"), record.naming(GroupAxes(mesh_context, step.plan.context.world, rank)):
+        with step_errors(lambda: "the pipeline's step"), record.naming(GroupAxes(mesh_context, step.plan.context.world)):
             yield
 
     run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, rank, step.settings, recorded)
