@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "meshbind.modules": 0,
     "meshbind.model_index": 0,
     "meshbind.launch": 0,
+    "meshbind.model_flops": 0,
     # the meshes and contexts a module binds to, and the per-module rules
     "meshbind.mesh": 1,
     "meshbind.cp": 1,
@@ -49,6 +50,7 @@ LAYERS: dict[str, int] = {
     "meshbind.report_page": 4,
     "meshbind.memory": 4,
     "meshbind.comms": 4,
+    "meshbind.steptime": 4,
     "meshbind.bench": 4,
     "meshbind.examples": 4,
     "meshbind.demo": 4,

@@ -6,6 +6,7 @@ import argparse
 
 from meshbind.demo import config as demo_config
 from meshbind.names import DTYPE_NAMES, ActivationCheckpointing, Checkpointing, Device, Optimizer
+from meshbind.steptime.cluster import GPUS, Gpu, gpu_named, link_bytes_per_second
 from meshbind.units import parse_bytes
 
 
@@ -40,6 +41,20 @@ def _positive(text: str) -> int:
 def _bytes(text: str) -> int:
     try:
         return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _gpu(text: str) -> Gpu:
+    try:
+        return gpu_named(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _link(text: str) -> float:
+    try:
+        return link_bytes_per_second(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -140,7 +155,7 @@ def command_parser() -> argparse.ArgumentParser:
         "DualPipeV",
     )
     pipeline.add_argument("--pp-microbatches", type=_positive, metavar="M", help="microbatches per step (default: one per stage)")
-    memory = check.add_argument_group("one training step traced (--memory, --comms)")
+    memory = check.add_argument_group("one training step traced (--memory, --comms, --step-time)")
     memory.add_argument(
         "--memory",
         action="store_true",
@@ -150,6 +165,16 @@ def command_parser() -> argparse.ArgumentParser:
         "--comms",
         action="store_true",
         help="trace one training step with fake tensors: every collective of each rank, by kind, axes, dtype, calls and bytes",
+    )
+    memory.add_argument(
+        "--step-time",
+        action="store_true",
+        help="with --comms: the step's time on --gpu per rank class (compute, exposed collectives, bubble), tokens/s, MFU",
+    )
+    memory.add_argument("--gpu", type=_gpu, metavar="{" + ",".join(GPUS) + "}", help="the GPU --step-time prices the step on")
+    memory.add_argument("--gpus-per-node", type=_positive, default=8, metavar="N", help="GPUs per node over NVLink (default 8)")
+    memory.add_argument(
+        "--inter-node", type=_link, default="400Gbps", metavar="BANDWIDTH", help="each GPU's link between nodes (default 400Gbps)"
     )
     memory.add_argument("--batch", type=_positive, metavar="B", help="sequences per data-parallel rank")
     memory.add_argument("--seq-len", type=_positive, metavar="S", help="tokens per sequence")

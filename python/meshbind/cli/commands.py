@@ -24,6 +24,8 @@ from meshbind.report_page import report_page
 from meshbind.resolution import ParallelPlan, resolve_plan
 from meshbind.routing import Routing
 from meshbind.specs import LayoutContext
+from meshbind.steptime.cluster import GPUS, Cluster
+from meshbind.steptime.estimate import step_time
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -54,6 +56,10 @@ def check(args: argparse.Namespace) -> int:
     context = _layout_context(args.axis)
     fully_shard = _fully_shard(args)
     pipeline = _pipeline(args, context.world.pp)
+    if args.step_time and not args.comms:
+        raise UsageError("--step-time prices the step --comms traces: give --comms too")
+    if args.step_time and args.gpu is None:
+        raise UsageError("--step-time needs --gpu (one of " + ", ".join(GPUS) + ")")
     if args.memory or args.comms:
         _check_step_sizes(args)
     if args.html is not None:
@@ -96,6 +102,8 @@ def check(args: argparse.Namespace) -> int:
             return 1
     memory = _step_memory(args, plan, pipeline) if args.memory else None
     comms = _step_comms(args, plan, pipeline) if args.comms else None
+    cluster = Cluster(args.gpu, args.gpus_per_node, args.inter_node) if args.step_time else None
+    timed = step_time(comms, cluster) if comms is not None and cluster is not None else None
     if args.html:
         try:
             with open(args.html, "w", encoding="utf-8") as page:
@@ -114,6 +122,8 @@ def check(args: argparse.Namespace) -> int:
             result["ok"] = result["ok"] and memory.fits is not False
         if comms is not None:
             result["comms"] = comms.to_dict()
+        if timed is not None:
+            result["step_time"] = timed.to_dict()
         if misfits is not None:
             result["checkpoint"] = [{"kind": m.kind, "key": m.key, "reason": m.reason} for m in misfits]
             result["checkpoint_verified"] = verified
@@ -131,6 +141,9 @@ def check(args: argparse.Namespace) -> int:
             print()
             print(comms.text())
             print(f"collectives traced in {comms.seconds:.1f} s", file=sys.stderr)
+        if timed is not None:
+            print()
+            print(timed.text())
     if misfits:
         print(_misfit_text(misfits, args.checkpoint), file=sys.stderr)
         return 1

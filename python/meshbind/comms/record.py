@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.distributed_c10d import _resolve_process_group  # type: ignore[attr-defined]
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshbind.comms.timeline import Timeline, Transfer
 from meshbind.mesh import MeshContext
 from meshbind.world import DENSE_AXES, PIPELINE_AXIS, World
 
@@ -104,10 +105,12 @@ class CollectiveRecord(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts every collective dispatched while it is entered, each under the axes of its group
     (``GroupAxes``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeline: Timeline | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._group_axes: GroupAxes | None = None
         self._calls: dict[tuple[str, tuple[str, ...], int, str], list[int]] = {}
+        self.timeline = timeline
+        """Where every operator and collective is added in order as well, when given."""
 
     @contextmanager
     def naming(self, group_axes: GroupAxes) -> Iterator[None]:
@@ -120,21 +123,47 @@ class CollectiveRecord(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._group_axes = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        known = _OPS.get(f"{getattr(func, 'namespace', '')}.{getattr(func, '_opname', '')}")
-        if known is not None:
-            kind, group_at, moved = known
-            dtype, size = moved(args)
-            assert self._group_axes is not None
-            axes, group_size = self._group_axes.of(args[group_at])
-            key = (kind, axes, group_size, str(dtype).removeprefix("torch."))
-            calls = self._calls.setdefault(key, [0, 0])
-            calls[0] += 1
-            calls[1] += size
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        namespace = getattr(func, "namespace", "")
+        known = _OPS.get(f"{namespace}.{getattr(func, '_opname', '')}")
+        if known is None:
+            out = func(*args, **kwargs)
+            if self.timeline is not None and namespace not in _NO_COMPUTE:
+                self.timeline.compute(func, args, kwargs, out)
+            return out
+        kind, group_at, moved = known
+        dtype, size = moved(args)
+        assert self._group_axes is not None
+        group = self._group_axes.of(args[group_at])
+        key = (kind, group.axes, group.size, str(dtype).removeprefix("torch."))
+        calls = self._calls.setdefault(key, [0, 0])
+        calls[0] += 1
+        calls[1] += size
+        if self.timeline is not None:
+            # FSDP2 calls the process group itself, from streams of its own; the rest waits on the result.
+            beside = namespace == "c10d" and kind in ("all-gather", "reduce-scatter", "all-reduce")
+            transfer = Transfer(kind, group.axes, group.size, size, group.lowest, group.highest, beside)
+            self.timeline.transfer(transfer, _flatten(args[:1]))
+        return func(*args, **kwargs)
 
     def collectives(self) -> list[Collective]:
         """What was counted, in the order each kind of call was first made."""
         return [Collective(*key, count, size) for key, (count, size) in self._calls.items()]
+
+
+# Waiting on a collective, and c10d's bookkeeping: no kernel of the step's own.
+_NO_COMPUTE = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group as a step time needs it: the mesh axes it spans, its size, and its lowest
+    and highest rank (whether it stays within a node)."""
+
+    axes: tuple[str, ...]
+    size: int
+    lowest: int
+    highest: int
 
 
 class GroupAxes:
@@ -144,21 +173,23 @@ class GroupAxes:
 
     def __init__(self, mesh_context: MeshContext, world: World) -> None:
         self._world = world
-        self._known: dict[str, tuple[tuple[str, ...], int]] = {}
+        self._dims: dict[str, str] = {}
+        self._known: dict[str, Group] = {}
         meshes = [mesh_context.device_mesh, mesh_context.fsdp_moe_mesh, mesh_context.pp_mesh]
         for mesh in (mesh for mesh in meshes if mesh is not None):
             for dim, name in enumerate(mesh.mesh_dim_names or ()):
-                self._known[mesh.get_group(dim).group_name] = ((name,), mesh.size(dim))
+                self._dims[mesh.get_group(dim).group_name] = name
 
-    def of(self, group: Any) -> tuple[tuple[str, ...], int]:
-        """The axes and size of ``group``: a process group, its name, or torch's boxed handle."""
+    def of(self, group: Any) -> Group:
+        """The axes, size and span of ``group``: a process group, its name, or torch's boxed handle."""
         if isinstance(group, torch.ScriptObject):
             group = dist.ProcessGroup.unbox(group)
         name = group if isinstance(group, str) else group.group_name
         if name not in self._known:
             with unset_fake_temporarily():  # the step runs under fake tensors: these ranks are real
                 ranks = torch.tensor(dist.get_process_group_ranks(_resolve_process_group(name)))  # type: ignore[arg-type]
-                self._known[name] = (self._differing_axes(ranks), len(ranks))
+                axes = (self._dims[name],) if name in self._dims else self._differing_axes(ranks)
+                self._known[name] = Group(axes, len(ranks), int(ranks.min()), int(ranks.max()))
         return self._known[name]
 
     def _differing_axes(self, ranks: torch.Tensor) -> tuple[str, ...]:

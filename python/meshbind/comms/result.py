@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshbind.comms.record import Collective
+from meshbind.comms.timeline import TracedWork
 from meshbind.memory.result import StepSettings, ranks_text
 from meshbind.units import size_text
 from meshbind.world import World
@@ -23,6 +24,8 @@ class RankClassComms:
     """How: ``the whole model``, which depths of its alike blocks were traced and extrapolated, or
     which pipeline stages."""
     seconds: float
+    work: TracedWork
+    """Every operator and collective of the traced step in order, for a step time to price."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -42,6 +45,8 @@ class StepComms:
     world: World
     classes: tuple[RankClassComms, ...]
     seconds: float
+    flops_per_token: int | None = None
+    """The model's FLOPs per token as torchtitan counts them for MFU (``model_flops_per_token``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {

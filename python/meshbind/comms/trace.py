@@ -17,14 +17,16 @@ from torch import nn
 
 from meshbind.comms.record import Collective, CollectiveRecord, GroupAxes
 from meshbind.comms.result import RankClassComms, StepComms
+from meshbind.comms.timeline import OPTIMIZER, SCHEDULE_END, Timeline, TracedWork
 from meshbind.errors import StepMemoryError
 from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun, alike_run, depth_copies, truncated
 from meshbind.memory.fake_step import run_fake_step, step_errors
-from meshbind.memory.pipelined import PipelinedStep, pipelined_step, run_pipelined_fake_step
+from meshbind.memory.pipelined import PipelinedStep, on_each_action, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.result import StepSettings
 from meshbind.memory.step import StepInputs
 from meshbind.memory.trace import check_settings
 from meshbind.mesh import MeshContext
+from meshbind.model_flops import model_flops_per_token
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline
@@ -82,6 +84,7 @@ def step_comms(
     with torch.device("meta"):
         model = build()
     index = plan.index if plan.index is not None else ModelIndex.of(model)
+    flops_per_token = model_flops_per_token(model, seq_len)
     classes = []
     if plan.context.world.pp == 1:
         if pipeline is not None:
@@ -92,32 +95,41 @@ def step_comms(
         for group in plan_report(index, plan, optimizer="none").rank_groups:
             class_started = time.perf_counter()
             if run is not None and deepest is not None:
-                shallow = [
-                    _record_rank(copy, shallower, group.first, settings, inputs).collectives()
+                records = [
+                    _record_rank(copy, shallower, group.first, settings, inputs)
                     for copy, shallower in depth_copies(deepest, plan, index, run)
                 ]
-                if (full := _extrapolated(shallow, run)) is not None:
-                    classes.append(_class_comms(group, full, run.extrapolated_text(), class_started))
+                if (full := _extrapolated([record.collectives() for record in records], run)) is not None:
+                    work = TracedWork(tuple(_timeline(record) for record in records), run.count)
+                    classes.append(_class_comms(group, full, run.extrapolated_text(), work, class_started))
                     continue
             if unplanned is None:  # the plan was applied to the last one: each class builds its own
                 with torch.device("meta"):
                     unplanned = build()
             recorded = _record_rank(unplanned, replace(plan, index=index.restricted(unplanned)), group.first, settings, inputs)
             unplanned = None
-            classes.append(_class_comms(group, recorded.collectives(), "the whole model", class_started))
-        return StepComms(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
+            work = TracedWork((_timeline(recorded),))
+            classes.append(_class_comms(group, recorded.collectives(), "the whole model", work, class_started))
+        return StepComms(settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
     step = pipelined_step(model, replace(plan, index=index), settings, pipeline, inputs)
     for group in step.groups:  # each rank's stages are cut from the model: it is never planned itself
         class_started = time.perf_counter()
         recorded = _record_pipelined_rank(model, step, group.first)
         mine = step.stages.stages_of_rank(plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
         how = f"stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} whole, under {step.stages.schedule.name}"
-        classes.append(_class_comms(group, recorded.collectives(), how, class_started))
-    return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started)
+        classes.append(_class_comms(group, recorded.collectives(), how, TracedWork((_timeline(recorded),)), class_started))
+    return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
 
 
-def _class_comms(group: RankGroup, collectives: Sequence[Collective], traced: str, started: float) -> RankClassComms:
-    return RankClassComms(group.first, group.count, tuple(collectives), traced, time.perf_counter() - started)
+def _class_comms(
+    group: RankGroup, collectives: Sequence[Collective], traced: str, work: TracedWork, started: float
+) -> RankClassComms:
+    return RankClassComms(group.first, group.count, tuple(collectives), traced, time.perf_counter() - started, work)
+
+
+def _timeline(record: CollectiveRecord) -> Timeline:
+    assert record.timeline is not None
+    return record.timeline
 
 
 def _extrapolated(shallow: list[list[Collective]], run: AlikeRun) -> tuple[Collective, ...] | None:
@@ -140,11 +152,15 @@ def _extrapolated(shallow: list[list[Collective]], run: AlikeRun) -> tuple[Colle
 def _record_rank(
     model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None
 ) -> CollectiveRecord:
-    record = CollectiveRecord()
+    record = CollectiveRecord(Timeline())
 
     @contextmanager
-    def recorded(_model: nn.Module, _optimizer: Any, _inputs: Any, mesh_context: MeshContext) -> Iterator[None]:
-        with step_errors(lambda: "the model"), record.naming(GroupAxes(mesh_context, plan.context.world)):
+    def recorded(_model: nn.Module, optimizer: Any, _inputs: Any, mesh_context: MeshContext) -> Iterator[None]:
+        with (
+            step_errors(lambda: "the model"),
+            record.naming(GroupAxes(mesh_context, plan.context.world)),
+            _marked(optimizer, record),
+        ):
             yield
 
     run_fake_step(model, plan, rank, settings, inputs, recorded)
@@ -152,12 +168,43 @@ def _record_rank(
 
 
 def _record_pipelined_rank(whole: nn.Module, step: PipelinedStep, rank: int) -> CollectiveRecord:
-    record = CollectiveRecord()
+    record = CollectiveRecord(Timeline())
 
     @contextmanager
-    def recorded(_models: Any, _optimizer: Any, _inputs: Any, mesh_context: MeshContext, _schedule: Any) -> Iterator[None]:
-        with step_errors(lambda: "the pipeline's step"), record.naming(GroupAxes(mesh_context, step.plan.context.world)):
+    def recorded(_models: Any, optimizer: Any, _inputs: Any, mesh_context: MeshContext, schedule: Any) -> Iterator[None]:
+        with (
+            step_errors(lambda: "the pipeline's step"),
+            record.naming(GroupAxes(mesh_context, step.plan.context.world)),
+            _marked(optimizer, record),
+            _marked_actions(schedule, record),
+        ):
             yield
 
     run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, rank, step.settings, recorded)
     return record
+
+
+@contextmanager
+def _marked(optimizer: torch.optim.Optimizer | None, record: CollectiveRecord) -> Iterator[None]:
+    """Marks where the optimizer step starts on the record's timeline: it waits for every gradient."""
+    if optimizer is None:
+        yield
+        return
+    assert record.timeline is not None
+    timeline = record.timeline
+    handle = optimizer.register_step_pre_hook(lambda *_: timeline.mark(OPTIMIZER))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def _marked_actions(schedule: Any, record: CollectiveRecord) -> Iterator[None]:
+    """Marks each pipeline action as it starts, and the schedule's end, on the record's timeline."""
+    assert record.timeline is not None
+    timeline = record.timeline
+    on_each_action(
+        schedule, lambda stage, kind, microbatch: timeline.mark(kind, stage, microbatch), lambda: timeline.mark(SCHEDULE_END)
+    )
+    yield

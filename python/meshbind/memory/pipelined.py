@@ -209,24 +209,26 @@ def _stages_of(schedule: _PipelineSchedule) -> list[Any]:
     return list(getattr(schedule, "_stages", None) or [schedule._stage])  # type: ignore[attr-defined]
 
 
+_ACTION_WORDS = {"F": "forward", "B": "backward", "I": "backward", "W": "weight gradients"}
+
+
 @contextmanager
 def _named_actions(schedule: _PipelineSchedule, tracker: Any) -> Iterator[None]:
     """Each action torch's schedule runs on this rank's stages named on the tracker as it starts
     (``action 5: stage 1 backward of microbatch 2``), and what follows the schedule as ``after the
-    schedule``. The schedule and its stages are this trace's own: nothing is put back."""
-    built = _stages_of(schedule)
+    schedule``."""
     numbers = itertools.count(1)
-    kinds = {"forward_one_chunk": "forward", "backward_one_chunk": "backward", "backward_weight_one_chunk": "weight gradients"}
-    for stage in built:
-        for method, kind in kinds.items():
-            setattr(stage, method, _naming(tracker, numbers, stage.stage_index, kind, getattr(stage, method)))
-    run = schedule.step
 
-    def step(*args: Any, **kwargs: Any) -> None:
-        run(*args, **kwargs)
+    def starting(stage: int, kind: str, microbatch: int) -> None:
+        # The trackers' hooks on a stage's output close a reference cycle around it: an output the
+        # stage released after sending (freed there in a real step) is freed here before the next action.
+        gc.collect()
+        tracker.action = f"action {next(numbers)}: stage {stage} {_ACTION_WORDS[kind]} of microbatch {microbatch}"
+
+    def ended() -> None:
         tracker.action = "after the schedule"
 
-    schedule.step = step  # type: ignore[method-assign]
+    on_each_action(schedule, starting, ended)
     gc.freeze()  # what exists before the step is never its garbage: each action's collection skips it
     try:
         yield
@@ -234,12 +236,28 @@ def _named_actions(schedule: _PipelineSchedule, tracker: Any) -> Iterator[None]:
         gc.unfreeze()
 
 
-def _naming(tracker: Any, numbers: Iterator[int], stage: int, kind: str, run: Callable[..., Any]) -> Callable[..., Any]:
-    def named(chunk: int, *args: Any, **kwargs: Any) -> Any:
-        # The trackers' hooks on a stage's output close a reference cycle around it: an output the
-        # stage released after sending (freed there in a real step) is freed here before the next action.
-        gc.collect()
-        tracker.action = f"action {next(numbers)}: stage {stage} {kind} of microbatch {chunk}"
+def on_each_action(schedule: _PipelineSchedule, starting: Callable[[int, str, int], None], ended: Callable[[], None]) -> None:
+    """``starting(stage, kind, microbatch)`` called as each action torch's schedule runs on this
+    rank's stages starts (kind as torch's actions name it: ``F``, ``B``, ``I`` for a backward that
+    leaves the weights' gradients to a ``W``), ``ended()`` after the schedule's step. The schedule
+    and its stages are the trace's own: nothing is put back."""
+    for stage in _stages_of(schedule):
+        index = stage.stage_index
+        stage.forward_one_chunk = _starting(starting, index, "F", stage.forward_one_chunk)
+        stage.backward_one_chunk = _starting(starting, index, "B", stage.backward_one_chunk)
+        stage.backward_weight_one_chunk = _starting(starting, index, "W", stage.backward_weight_one_chunk)
+    run = schedule.step
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        run(*args, **kwargs)
+        ended()
+
+    schedule.step = step  # type: ignore[method-assign]
+
+
+def _starting(starting: Callable[[int, str, int], None], stage: int, kind: str, run: Callable[..., Any]) -> Callable[..., Any]:
+    def started(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        starting(stage, "I" if kind == "B" and kwargs.get("full_backward") is False else kind, chunk)
         return run(chunk, *args, **kwargs)
 
-    return named
+    return started

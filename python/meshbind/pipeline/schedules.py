@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -83,13 +84,10 @@ def schedule_named(name: str, what: str = "schedule") -> Schedule:
     return by_lower[name.lower()]
 
 
-def in_flight(schedule: Schedule, pp: int, stages: int, microbatches: int) -> tuple[int, ...]:
-    """For each stage, the most microbatches it has run forward and not yet backward at any point
-    of torch's own order of each rank's actions (``get_schedule_ops``, which builds the schedule
-    over stand-in stages, so torch's own checks of the schedule run too). A microbatch is in flight
-    from its forward (``F``) to its full backward (``B``) or, split in two under a zero-bubble
-    schedule, to its weight gradients (``W``): until then its activations are held. A
-    ``ValueError`` carries torch's refusal."""
+def schedule_actions(schedule: Schedule, pp: int, stages: int, microbatches: int) -> list[list[Any]]:
+    """torch's own order of each pipeline rank's actions (``get_schedule_ops``, which builds the
+    schedule over stand-in stages, so torch's own checks of the schedule run too), idle slots
+    dropped. A ``ValueError`` carries torch's refusal."""
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  # builds a schedule
 
     try:
@@ -98,9 +96,17 @@ def in_flight(schedule: Schedule, pp: int, stages: int, microbatches: int) -> tu
         raise ValueError(
             f"torch refuses {schedule.name} with {microbatches} microbatches over {stages} stages: {error}"
         ) from None
+    return [[action for action in rank if action is not None] for rank in actions]
+
+
+def in_flight(schedule: Schedule, pp: int, stages: int, microbatches: int) -> tuple[int, ...]:
+    """For each stage, the most microbatches it has run forward and not yet backward at any point
+    of torch's order of each rank's actions (``schedule_actions``). A microbatch is in flight from
+    its forward (``F``) to its full backward (``B``) or, split in two under a zero-bubble schedule,
+    to its weight gradients (``W``): until then its activations are held."""
     held: Counter[int] = Counter()
     most: Counter[int] = Counter()
-    for action in (action for rank in actions for action in rank if action is not None):
+    for action in (action for rank in schedule_actions(schedule, pp, stages, microbatches) for action in rank):
         kind = action.computation_type  # torch's str enum: "F", "B", "I", "W"
         if kind == "F":
             held[action.stage_index] += 1

@@ -85,7 +85,7 @@ class PipelineStages:
             "schedule": self.schedule.name,
             "microbatches": self.microbatches,
             "stages": [
-                {"modules": list(modules), "pp_rank": self._rank_of(index), "in_flight": self.in_flight[index]}
+                {"modules": list(modules), "pp_rank": self.rank_of(index), "in_flight": self.in_flight[index]}
                 for index, modules in enumerate(self.stages)
             ],
             "everywhere": list(self.everywhere),
@@ -95,10 +95,11 @@ class PipelineStages:
         lines = [f"pipeline: {len(self.stages)} stages over pp={self.pp}, {self.schedule.name}, {self.microbatches} microbatches"]
         for index, modules in enumerate(self.stages):
             held = f", up to {self.in_flight[index]} microbatch{'es' if self.in_flight[index] != 1 else ''} in flight"
-            lines.append(f"  stage {index} (pp rank {self._rank_of(index)}{held}): {_ranges(modules)}")
+            lines.append(f"  stage {index} (pp rank {self.rank_of(index)}{held}): {_ranges(modules)}")
         return "\n".join(lines)
 
-    def _rank_of(self, stage: int) -> int:
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that runs stage ``stage``."""
         return next(rank for rank in range(self.pp) if stage in self.stages_of_rank(rank))
 
 
