@@ -1,7 +1,8 @@
 """A model's FLOPs per token as torchtitan counts them for its MFU (``torchtitan/models/utils.py``,
 ``get_dense_model_nparams_and_flops`` and ``get_moe_model_nparams_and_flops``):
-``6 · N + 12 · L · H · Q · T``, with ``N`` the parameters without the embeddings (an MoE's experts
-counted at ``top_k / experts``: the active ones), ``L`` layers, ``H`` attention heads of width
+``6 · N + 12 · L · H · Q · T``, with ``N`` the parameters without the embeddings (unless tied to the
+head), an MoE's experts
+counted at ``top_k / experts`` (the active ones), ``L`` layers, ``H`` attention heads of width
 ``Q``, ``T`` the sequence length. Recomputation is not counted, and the attention is counted whole
 though causal (torchtitan's convention)."""
 
@@ -28,7 +29,9 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> int | None:
     shape = _shape(getattr(model, "config", None))
     if shape is None:
         return None
-    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    # A tied embedding is still the head's matmul: torchtitan counts it then.
+    matmuls = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()} - matmuls
     active = 0.0
     for name, parameter in model.named_parameters():
         if id(parameter) in embeddings:
