@@ -58,6 +58,9 @@ if TYPE_CHECKING:
     from meshbind.resolution import resolve_plan
     from meshbind.routing import Routing
     from meshbind.specs import LayoutContext, ModuleShardingSpec, NativeParallelBindingRequest, ParallelModuleSpec
+    from meshbind.steptime.cluster import GPUS, Cluster
+    from meshbind.steptime.estimate import step_time
+    from meshbind.steptime.result import StepTime as StepTime
     from meshbind.validation import validate_parallel_module
     from meshbind.world import World
 
@@ -108,6 +111,10 @@ _HOMES = {
     "Routing": "meshbind.routing",
     "step_comms": "meshbind.comms.trace",
     "StepComms": "meshbind.comms.result",
+    "step_time": "meshbind.steptime.estimate",
+    "StepTime": "meshbind.steptime.result",
+    "Cluster": "meshbind.steptime.cluster",
+    "GPUS": "meshbind.steptime.cluster",
     "step_memory": "meshbind.memory.trace",
     "StepMemory": "meshbind.memory.result",
     "StepMemoryError": "meshbind.errors",
@@ -136,10 +143,12 @@ try:
 except metadata.PackageNotFoundError:  # imported from a checkout that was never installed
     __version__ = "unknown"
 __all__ = [
+    "GPUS",
     "BindingError",
     "BindingRefusedError",
     "CPContext",
     "CheckpointError",
+    "Cluster",
     "EPContext",
     "FullyShard",
     "LayoutContext",
@@ -174,6 +183,7 @@ __all__ = [
     "resolve_plan",
     "step_comms",
     "step_memory",
+    "step_time",
     "validate_materialized_modules",
     "validate_parallel_module",
 ]
