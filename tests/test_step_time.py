@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -217,3 +218,25 @@ def test_the_command_line_refuses_a_step_time_it_cannot_price(
     code, _, err = _check(capsys, *flags, "--batch", "2", "--seq-len", "16")
     assert code == 2
     assert said in err
+
+
+def test_the_page_draws_each_rank_class_step_by_kind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from browser_pages import opened_page
+    from selenium.webdriver.common.by import By
+
+    page = tmp_path / "report.html"
+    step = ("--comms", "--step-time", "--gpu", "H100-SXM", "--batch", "4", "--seq-len", "16", "--pp-microbatches", "4")
+    axes = ("--axis", "pp=2", "--axis", "cp=1", "--axis", "tp=2", "--axis", "ep=1")
+    code, out, _ = _check(capsys, *axes, *step, "--json", "--html", str(page))
+    assert code == 0
+    timed = json.loads(out)["step_time"]
+    with opened_page(page) as driver:
+        bars = driver.find_elements(By.CSS_SELECTOR, "#time .bar")
+        drawn = [(int(bar.get_attribute("data-first")), int(bar.get_attribute("data-count"))) for bar in bars]
+        assert drawn == [(c["first_rank"], c["ranks"]) for c in timed["rank_classes"]]
+        for bar, rank_class in zip(bars, timed["rank_classes"], strict=True):
+            assert float(bar.get_attribute("data-step")) == rank_class["step_s"]
+            axes = {piece.get_attribute("data-axis") for piece in bar.find_elements(By.CSS_SELECTOR, ".exposed")}
+            assert axes == {axis for axis, seconds in rank_class["exposed_s"].items() if seconds > 0}
+            assert bar.find_elements(By.CSS_SELECTOR, ".bubble")  # two pipeline stages: each waits on the other
+        assert "tokens/s per GPU" in driver.find_element(By.ID, "time-step").text

@@ -72,7 +72,7 @@ function firstProtocol(node) {
 draw(root, document.getElementById("tree"));
 
 // A bar: its data attributes, a label, and one piece per [class, bytes, title] on a scale of `widest` bytes.
-function drawBar(into, data, labelText, pieces, widest, tail) {
+function drawBar(into, data, labelText, pieces, widest, tail, amount = size) {
   const bar = document.createElement("div");
   bar.className = "bar";
   Object.assign(bar.dataset, data);
@@ -84,7 +84,7 @@ function drawBar(into, data, labelText, pieces, widest, tail) {
     const piece = document.createElement("div");
     piece.className = className;
     piece.style.width = (60 * bytes / widest) + "%";
-    piece.title = `${title}: ${size(bytes)}`;
+    piece.title = `${title}: ${amount(bytes)}`;
     bar.append(piece);
   }
   bar.append(" " + tail);
@@ -145,6 +145,34 @@ if (memory === null) {
     bar.querySelectorAll(".kind").forEach((piece, index) => {
       piece.dataset.kind = live[index][0];
       piece.style.background = `hsl(${(kinds.indexOf(live[index][0]) * 47) % 360}, 55%, 55%)`;
+    });
+  }
+}
+
+// With --step-time: one bar per class of ranks, its step as compute, the waits on each axis's
+// collectives and the pipeline's bubble, on the scale of the slowest class's step.
+const timed = JSON.parse(document.getElementById("time-data").textContent);
+if (timed === null) {
+  document.getElementById("time-section").remove();
+} else {
+  const seconds = s => s >= 1 ? `${s.toFixed(2)} s` : s >= 1e-3 ? `${(s * 1e3).toFixed(1)} ms` : `${Math.round(s * 1e6)} µs`;
+  document.getElementById("time-step").textContent = `on ${timed.cluster.gpu.name}, ${timed.cluster.gpus_per_node} per node: step ${seconds(timed.step_s)}, ` +
+    `${Math.round(timed.tokens_per_second_per_gpu).toLocaleString("en")} tokens/s per GPU` + (timed.mfu === null ? "" : `, MFU ${(100 * timed.mfu).toFixed(1)}%`);
+  const into = document.getElementById("time");
+  const axes = [...new Set(timed.rank_classes.flatMap(c => Object.keys(c.exposed_s)))];
+  for (const rankClass of timed.rank_classes) {
+    const exposed = Object.entries(rankClass.exposed_s).filter(([, s]) => s > 0);
+    const pieces = [["compute", rankClass.compute_s, "compute"], ...exposed.map(([axis, s]) => ["exposed", s, `waiting on ${axis}`]),
+      ["bubble", rankClass.bubble_s, "bubble"]].filter(([, s]) => s > 0);
+    const label = rankClass.ranks === 1 ? `rank ${rankClass.first_rank}` : `ranks ${rankClass.first_rank}–${rankClass.first_rank + rankClass.ranks - 1}`;
+    const bar = drawBar(into, {first: String(rankClass.first_rank), count: String(rankClass.ranks), step: String(rankClass.step_s)},
+      label, pieces, timed.step_s, seconds(rankClass.step_s), seconds);
+    bar.classList.add("step");
+    // Each axis keeps its colour across rank classes.
+    bar.querySelectorAll(".exposed").forEach((piece, index) => {
+      const axis = exposed[index][0];
+      piece.dataset.axis = axis;
+      piece.style.background = `hsl(${(axes.indexOf(axis) * 67 + 20) % 360}, 60%, 55%)`;
     });
   }
 }

@@ -3,8 +3,9 @@
 No network, no external script, style or font: the report's JSON sits in the page and a short
 inline script draws the model tree (collapsed by layer index, each node coloured by the protocol
 of its planned module, a parameter's placements and local shape shown on hover or click),
-each rank's bytes as bars, each group of FSDP units with its dtypes and buffers, and with
-``--memory`` each class of ranks' step peak as a bar by kind.
+each rank's bytes as bars, each group of FSDP units with its dtypes and buffers, with
+``--memory`` each class of ranks' step peak as a bar by kind, and with ``--step-time`` each
+class's step as a bar of compute, the waits on each axis's collectives and the bubble.
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ from importlib import resources
 
 from meshbind.memory.result import StepMemory
 from meshbind.report import PlanReport
+from meshbind.steptime.result import StepTime
 
 
 def _asset(name: str) -> str:
     return resources.files("meshbind").joinpath(name).read_text(encoding="utf-8")
 
 
-def report_page(report: PlanReport, title: str, memory: StepMemory | None = None) -> str:
-    """The page: the report's JSON (and the step memory's, when traced), inline style and script,
-    nothing fetched."""
+def report_page(report: PlanReport, title: str, memory: StepMemory | None = None, timed: StepTime | None = None) -> str:
+    """The page: the report's JSON (and the step memory's and step time's, when traced), inline
+    style and script, nothing fetched."""
     data = _embedded(report.to_dict())
     memory_data = _embedded(memory.to_dict() if memory is not None else None)
+    time_data = _embedded(timed.to_dict() if timed is not None else None)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>{_asset("report_page.css")}</style></head>
@@ -35,9 +38,11 @@ def report_page(report: PlanReport, title: str, memory: StepMemory | None = None
 <h2>Bytes per rank</h2><div id="bars"></div>
 <div id="units-section"><h2>FSDP units per rank</h2><table id="units"></table></div>
 <div id="memory-section"><h2>One training step's peak per rank</h2><p id="memory-step"></p><div id="memory"></div></div>
+<div id="time-section"><h2>One training step's time per rank</h2><p id="time-step"></p><div id="time"></div></div>
 <h2>Model tree</h2><div id="legend"></div><div id="tree"></div>
 <script type="application/json" id="report-data">{data}</script>
 <script type="application/json" id="memory-data">{memory_data}</script>
+<script type="application/json" id="time-data">{time_data}</script>
 <script>{_asset("report_page.js")}</script>
 </body></html>
 """

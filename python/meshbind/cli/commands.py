@@ -108,7 +108,7 @@ def check(args: argparse.Namespace) -> int:
         try:
             with open(args.html, "w", encoding="utf-8") as page:
                 title = f"meshbind plan report: {type(model).__name__}"
-                page.write(report_page(report, title, memory))  # type: ignore[arg-type]
+                page.write(report_page(report, title, memory, timed))  # type: ignore[arg-type]
         except OSError as error:
             raise UsageError(f"--html {args.html}: cannot be written ({error.strerror})") from None
     if args.json:
