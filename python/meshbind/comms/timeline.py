@@ -6,13 +6,15 @@ for one (``steptime/``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
+
+from meshbind.world import PIPELINE_AXIS
 
 _HALF = (torch.bfloat16, torch.float16)
 # Operators that make a tensor without touching memory (the allocator's work, not a kernel's).
@@ -109,6 +111,18 @@ class Timeline:
 
     def mark(self, what: str, stage: int = -1, microbatch: int = -1) -> None:
         self.events.append(Mark(what, stage, microbatch))
+
+    def moved(self, stages: dict[int, int], ranks: int) -> Timeline:
+        """This timeline as a pipeline rank running alike stages runs it: its actions' stages
+        renumbered by ``stages``, its groups ``ranks`` further on (a group along ``pp`` is the same one)."""
+        events: list[Event] = []
+        for event in self.events:
+            if isinstance(event, Mark) and event.stage >= 0:
+                event = replace(event, stage=stages[event.stage])
+            elif isinstance(event, Transfer) and PIPELINE_AXIS not in event.axes:
+                event = replace(event, lowest_rank=event.lowest_rank + ranks, highest_rank=event.highest_rank + ranks)
+            events.append(event)
+        return Timeline(events)
 
 
 @dataclass(frozen=True)

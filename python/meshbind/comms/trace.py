@@ -30,6 +30,7 @@ from meshbind.model_flops import model_flops_per_token
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline
+from meshbind.pipeline.alike import alike_pipeline_ranks
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
@@ -62,7 +63,9 @@ def step_comms(
     where they grow by equal steps (exact), as step memory extrapolates; else traced whole.
     Under a pipeline (``pp`` above 1, ``pipeline`` as ``step_memory`` takes it) each class runs its
     stages' step under torch's schedule, and the stages' sends and receives are counted too; each
-    stage is traced whole. The step needs no process group of its own and refuses to run inside one."""
+    stage is traced whole, and with ``alike_layers`` a pipeline rank whose stages are alike an
+    earlier one's (``pipeline/alike.py``) takes that rank's trace. The step needs no process group
+    of its own and refuses to run inside one."""
     settings = StepSettings(
         batch=batch,
         seq_len=seq_len,
@@ -112,13 +115,31 @@ def step_comms(
             classes.append(_class_comms(group, recorded.collectives(), "the whole model", work, class_started))
         return StepComms(settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
     step = pipelined_step(model, replace(plan, index=index), settings, pipeline, inputs)
+    alike = alike_pipeline_ranks(index, step.stages) if alike_layers else {}
+    world = plan.context.world
+    traced: dict[tuple[int, int, int], RankClassComms] = {}  # by pipeline rank, first rank within it, ranks
     for group in step.groups:  # each rank's stages are cut from the model: it is never planned itself
         class_started = time.perf_counter()
+        pp_rank = world.coordinates(group.first)[PIPELINE_AXIS]
+        mine = step.stages.stages_of_rank(pp_rank)
+        within = group.first - pp_rank * world.stage_size
+        source = traced.get((alike.get(pp_rank, -1), within, group.count))
+        if source is not None:
+            theirs = step.stages.stages_of_rank(alike[pp_rank])
+            further = (pp_rank - alike[pp_rank]) * world.stage_size
+            moved = source.work.timelines[0].moved(dict(zip(theirs, mine, strict=True)), further)
+            how = f"{_stages_text(mine)}: alike {_stages_text(theirs)}'s trace, renumbered"
+            classes.append(_class_comms(group, source.collectives, how, TracedWork((moved,)), class_started))
+            continue
         recorded = _record_pipelined_rank(model, step, group.first)
-        mine = step.stages.stages_of_rank(plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
-        how = f"stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} whole, under {step.stages.schedule.name}"
+        how = f"{_stages_text(mine)} whole, under {step.stages.schedule.name}"
         classes.append(_class_comms(group, recorded.collectives(), how, TracedWork((_timeline(recorded),)), class_started))
+        traced[(pp_rank, within, group.count)] = classes[-1]
     return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
+
+
+def _stages_text(stages: Sequence[int]) -> str:
+    return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
 
 
 def _class_comms(
