@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from meshbind.world import PIPELINE_AXIS
@@ -89,10 +89,8 @@ class Timeline:
         operator that only allocates costs nothing."""
         if func._opname in _NO_KERNEL:
             return
-        # An operator on DTensors reaches the trace whole (as the optimizer's do), its kernel runs on the shards.
-        args, kwargs, out = tree_map_only(DTensor, _local, (args, kwargs, out))
-        inputs = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
-        outputs = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        inputs = _tensors((args, kwargs), [])
+        outputs = _tensors(out, [])
         gathered = [self._unread[id(t)] for t in inputs if id(t) in self._unread]
         if func.is_view:
             if gathered:
@@ -103,7 +101,10 @@ class Timeline:
         if not inputs and not outputs:
             return
         counted = flop_registry.get(func._overloadpacket)
-        flops = int(counted(*args, **kwargs, out_val=out)) if counted is not None else 0
+        flops = 0
+        if counted is not None:
+            args, kwargs, out = tree_map_only(DTensor, _local, (args, kwargs, out))
+            flops = int(counted(*args, **kwargs, out_val=out))
         read = {id(t): t for t in inputs}
         moved = sum(map(_bytes, read.values())) + sum(_bytes(t) for t in outputs if id(t) not in read)
         dtype = (outputs or inputs)[0].dtype
@@ -140,6 +141,23 @@ def _bytes(tensor: torch.Tensor) -> int:
     smaller (an expanded tensor repeats its elements without holding them)."""
     whole = tensor.numel() * tensor.element_size()
     return min(whole, tensor.untyped_storage().nbytes()) if whole else 0
+
+
+def _tensors(value: Any, into: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in ``value`` (an operator's arguments or result: tensors, nested in lists, tuples
+    and dicts) added to ``into``; a DTensor as its shard, as its kernel runs on the shard (an
+    operator on DTensors reaches the trace whole, as the optimizer's do)."""
+    if isinstance(value, DTensor):
+        into.append(value._local_tensor)
+    elif isinstance(value, torch.Tensor):
+        into.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensors(item, into)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, into)
+    return into
 
 
 def _local(tensor: DTensor) -> torch.Tensor:
