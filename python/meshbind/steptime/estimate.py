@@ -14,7 +14,7 @@ from meshbind.memory.depth import TRACED_DEPTHS
 from meshbind.steptime.cluster import Cluster
 from meshbind.steptime.price import Spent, extrapolated, priced, transfer_seconds
 from meshbind.steptime.result import RankClassTime, StepTime
-from meshbind.steptime.schedule import ActionKey, scheduled_ends
+from meshbind.steptime.schedule import ActionKey, rank_orders, scheduled_ends
 from meshbind.world import PIPELINE_AXIS
 
 
@@ -73,6 +73,9 @@ def _pipelined(comms: StepComms, cluster: Cluster) -> list[RankClassTime]:
         for action in own.actions.values():
             spent.add(action)
         busy = spent.total
+        # What the rank's last action left running beside it (FSDP's last reduce-scatter) holds the optimizer.
+        last = own.actions[rank_orders(stages, world.pp)[pp_rank][-1][-1]]
+        spent.waited(last.still_running_axes, last.still_running, beside=True)
         spent.add(own.after)
         classes.append(RankClassTime.of(c, spent, bubble=max(ends) - busy))
     return classes
@@ -96,7 +99,7 @@ class _Actions:
             if isinstance(event, Transfer) and event.kind == "send":
                 sends.append(transfer_seconds(event, cluster))
             current.append(event)
-        self.actions = {key: priced(part, cluster) for key, part in cut.items()}
+        self.actions = {key: priced(part, cluster, settled=False) for key, part in cut.items()}
         self.after = priced(after, cluster)
         self.hop = sum(sends) / len(sends) if sends else 0.0
 

@@ -55,6 +55,9 @@ class Spent:
     exposed: dict[str, float] = field(default_factory=dict)
     beside: float = 0.0
     beside_waited: float = 0.0
+    still_running: float = 0.0
+    """Seconds collectives beside the computation ran on after it (nothing waited for them here)."""
+    still_running_axes: tuple[str, ...] = ()
 
     @property
     def total(self) -> float:
@@ -79,9 +82,11 @@ class Spent:
             self.beside_waited += seconds if beside else 0.0
 
 
-def priced(events: Sequence[Event], cluster: Cluster) -> Spent:
+def priced(events: Sequence[Event], cluster: Cluster, settled: bool = True) -> Spent:
     """``events`` (a stretch without pipeline sends and receives, which the schedule prices) on
-    ``cluster``: see the module's note."""
+    ``cluster``: see the module's note. Unless ``settled``, the stretch ends with its computation
+    and what still runs beside it is left ``still_running`` (a pipeline action: the next action
+    goes on while FSDP reduces the gradients)."""
     spent = Spent()
     now = 0.0  # the compute stream's clock
     beside_free = 0.0  # when the collective running beside the computation ends
@@ -113,7 +118,10 @@ def priced(events: Sequence[Event], cluster: Cluster) -> Spent:
         elif event.what in (OPTIMIZER, SCHEDULE_END):  # every gradient must be reduced
             spent.waited(beside_axes, beside_free - now, beside=True)
             now = max(now, beside_free)
-    spent.waited(beside_axes, beside_free - now, beside=True)
+    if settled:
+        spent.waited(beside_axes, beside_free - now, beside=True)
+    else:
+        spent.still_running, spent.still_running_axes = max(0.0, beside_free - now), beside_axes
     return spent
 
 

@@ -23,7 +23,7 @@ def scheduled_ends(
     """When each pipeline rank's last action ends, starting together: ``seconds(action)`` is an
     action's own time, ``hop(stage)`` what a send from ``stage`` takes."""
     count = len(stages.stages)
-    order = _orders(stages, pp)
+    order = rank_orders(stages, pp)
     done: dict[ActionKey, float] = {}
     free = [0.0] * pp
     position = [0] * pp
@@ -48,7 +48,7 @@ def scheduled_ends(
     return free
 
 
-def _orders(stages: PipelineStages, pp: int) -> list[list[list[ActionKey]]]:
+def rank_orders(stages: PipelineStages, pp: int) -> list[list[list[ActionKey]]]:
     """Each pipeline rank's actions in the order torch runs them, each as the stage actions it runs
     (DualPipeV's overlapped forward and backward as both). A multi-stage schedule runs its
     ``pipeline_order``; torch's single-stage 1F1B runs its own loop (``Schedule1F1B._step_microbatches``:
