@@ -1,13 +1,19 @@
-"""Step time beside torchtitan's published throughput, on this CPU: Llama 3.1 8B under FSDP on 8
-and 128 H100s, local batch 2, seq 8192, bf16/fp32 mixed precision and selective (per-operator)
-activation checkpointing, without Float8 or torch.compile (torchtitan's
-``benchmarks/llama3_h100_202412_torchtitan.md``, Tables 1 and 3: 5,762 and 5,605 tokens/s per GPU).
+"""Step time beside published runs, on this CPU.
 
-    python benches/step_time.py [--repeat 3]
+- Llama 3.1 8B under FSDP on 8 and 128 H100s, local batch 2, seq 8192, bf16/fp32 mixed precision
+  and selective (per-operator) activation checkpointing, without Float8 or torch.compile
+  (torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md``, Tables 1 and 3: 5,762 and 5,605
+  tokens/s per GPU). torchtitan's H100s ran at 500 W with HBM2e (2.4 TB/s).
+- Llama 3.1 405B at TP 8 · PP 16 · DP 128 on 16,384 H100s, seq 8192, 16 sequences per
+  data-parallel rank (the Llama 3 paper, Table 4: 41% MFU, 400 TFLOPs per GPU), under torchtitan's
+  interleaved 1F1B (two stages per rank, a microbatch per sequence), bf16/fp32, no checkpointing:
+  the paper's own schedule and its tuning are not published in full.
+
+    python benches/step_time.py [--repeat 3] [--runs 8b 405b]
 
 Each line gives meshbind's estimate of tokens/s per GPU and MFU on ``H100-SXM`` data-sheet peaks,
 the published figure, the error, and the median seconds (of ``--repeat`` runs) the trace and the
-estimate took. torchtitan's H100s ran at 500 W with HBM2e (2.4 TB/s): slower than the SXM sheet.
+estimate took.
 """
 
 from __future__ import annotations
@@ -15,50 +21,84 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from meshbind import FullyShard, LayoutContext, resolve_plan, step_comms
-from meshbind.steptime.cluster import GPUS, Cluster
-from meshbind.steptime.estimate import step_time
+from meshbind import GPUS, Cluster, FullyShard, LayoutContext, StepTime, resolve_plan, step_comms, step_time
+from meshbind.interop.hf_plans import from_hf_plan
+from meshbind.pipeline import Pipeline
 
 LLAMA_3_1_8B = dict(
     num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
     vocab_size=128256, rope_theta=500000.0,
 )  # fmt: skip
-"""Llama 3.1 8B's published config."""
-PUBLISHED = {8: 5762, 128: 5605}
-"""torchtitan's tokens/s per GPU for FSDP on 8 and 128 H100s (Tables 1 and 3)."""
+LLAMA_3_1_405B = LLAMA_3_1_8B | dict(num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128)
+"""Llama 3.1 8B's and 405B's published configs."""
 
 
-def build() -> Any:
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA_3_1_8B), dtype=torch.float32)
+@dataclass(frozen=True)
+class Run:
+    name: str
+    config: dict[str, Any]
+    axes: dict[str, int]
+    batch: int
+    checkpointing: str
+    pipeline: Pipeline | None
+    published: str
+    """The published figure, as published."""
+    error: Callable[[StepTime], float]
+    """The estimate's error against it."""
+    hf_plan: bool = False
+
+
+RUNS = {
+    "8b": [
+        Run(f"Llama 3.1 8B, FSDP {gpus}, local batch 2, seq 8192", LLAMA_3_1_8B, {"dp_shard": gpus}, 2, "selective-op", None,
+            f"{tokens:,} tokens/s/GPU", lambda answer, tokens=tokens: answer.tokens_per_second_per_gpu / tokens - 1)
+        for gpus, tokens in ((8, 5762), (128, 5605))
+    ],
+    "405b": [
+        Run("Llama 3.1 405B, TP 8 · PP 16 · DP 128, 16 sequences of 8192 per DP rank", LLAMA_3_1_405B,
+            {"pp": 16, "dp_shard": 128, "tp": 8}, 16, "none", Pipeline("Interleaved1F1B", microbatches=16), "41% MFU",
+            lambda answer: (answer.mfu or 0) / 0.41 - 1, hf_plan=True),
+    ],
+}  # fmt: skip
+
+
+def builder(config: dict[str, Any]) -> Callable[[], Any]:
+    return lambda: AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config), dtype=torch.float32)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each figure; the median is shown")
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     args = parser.parse_args()
     units = FullyShard(("model.layers.*",), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     cluster = Cluster(GPUS["H100-SXM"])
-    print("| run | published tokens/s/GPU | estimate | error | estimated MFU | traced and priced in |")
+    print("| run | published | tokens/s/GPU | MFU | error | traced and priced in |")
     print("|---|---|---|---|---|---|")
-    for gpus, published in PUBLISHED.items():
-        runs = []
+    for run in (run for name in args.runs for run in RUNS[name]):
+        build = builder(run.config)
+        seconds = []
         for _ in range(args.repeat):
             started = time.perf_counter()
             with torch.device("meta"):
                 model = build()
-            plan = resolve_plan(model, [], LayoutContext({"dp_shard": gpus}), fully_shard=units, index=True)
-            comms = step_comms(build, plan, batch=2, seq_len=8192, activation_checkpointing="selective-op")
+            requests = from_hf_plan(model) if run.hf_plan else []
+            plan = resolve_plan(model, requests, LayoutContext(run.axes), fully_shard=units, index=True)
+            comms = step_comms(
+                build, plan, batch=run.batch, seq_len=8192, activation_checkpointing=run.checkpointing, pipeline=run.pipeline
+            )
             answer = step_time(comms, cluster)
-            runs.append(time.perf_counter() - started)
-        estimate = answer.tokens_per_second_per_gpu
+            seconds.append(time.perf_counter() - started)
         print(
-            f"| Llama 3.1 8B, FSDP {gpus}, local batch 2, seq 8192 | {published:,} | {estimate:,.0f} "
-            f"| {estimate / published - 1:+.0%} | {answer.mfu:.1%} | {statistics.median(runs):.1f} s |",
+            f"| {run.name} | {run.published} | {answer.tokens_per_second_per_gpu:,.0f} | {answer.mfu:.1%} "
+            f"| {run.error(answer):+.0%} | {statistics.median(seconds):.1f} s |",
             flush=True,
         )
 

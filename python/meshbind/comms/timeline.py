@@ -64,9 +64,6 @@ Event = Compute | Transfer | Mark
 
 OPTIMIZER = "optimizer"
 SCHEDULE_END = "end of schedule"
-ACTIONS = ("F", "B", "I", "W")
-"""torch's names of a pipeline stage's actions: forward, full backward, the backward for inputs
-only, the weights' gradients."""
 
 
 @dataclass

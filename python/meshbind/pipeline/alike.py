@@ -1,17 +1,21 @@
 """Pipeline ranks that run alike stages: what each holds is the same classes and parameters (names
-within each stage's modules, shapes, dtypes) in the same places, and none holds the first or the
-last stage (which take the tokens or make the loss). One step of such ranks runs the same actions
-on the same shapes: a trace of one stands for the others, its stages renumbered."""
+within each stage's modules, shapes, dtypes) in the same places, none holds the first or the last
+stage (which take the tokens or make the loss), and torch's schedule runs the same actions on each
+of its stages, beginning and ending with the same (a "v" schedule splits some backwards on one
+rank and not on another). One step of such ranks runs the same actions on the same shapes: a trace of one stands
+for the others, its stages renumbered."""
 
 from __future__ import annotations
 
 from meshbind.model_index import ModelIndex
+from meshbind.pipeline.schedules import run_order
 from meshbind.pipeline.stages import PipelineStages
 
 
 def alike_pipeline_ranks(index: ModelIndex, stages: PipelineStages) -> dict[int, int]:
     """Each pipeline rank that runs stages alike an earlier rank's, mapped to the first such rank."""
     signatures = _stage_signatures(index, stages)
+    order = run_order(stages.schedule, stages.pp, len(stages.stages), stages.microbatches)
     last = len(stages.stages) - 1
     first_with: dict[tuple[object, ...], int] = {}
     alike = {}
@@ -19,7 +23,10 @@ def alike_pipeline_ranks(index: ModelIndex, stages: PipelineStages) -> dict[int,
         mine = stages.stages_of_rank(rank)
         if 0 in mine or last in mine:
             continue
-        signature = tuple(signatures[stage] for stage in mine)
+        actions = [[(kind, microbatch) for step in order[rank] for kind, at, microbatch in step if at == stage] for stage in mine]
+        # The same actions on each stage, the same first and last (FSDP gathers in the first, reduces in the last).
+        ran = tuple((frozenset(done), done[0], done[-1]) for done in actions)
+        signature = (tuple(signatures[stage] for stage in mine), ran)
         if signature in first_with:
             alike[rank] = first_with[signature]
         else:

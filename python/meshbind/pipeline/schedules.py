@@ -84,6 +84,13 @@ def schedule_named(name: str, what: str = "schedule") -> Schedule:
     return by_lower[name.lower()]
 
 
+ActionKey = tuple[str, int, int]
+"""A stage's action as torch names it: kind, stage, microbatch."""
+STAGE_ACTIONS = ("F", "B", "I", "W")
+"""torch's kinds of a stage's actions: forward, full backward, the backward for inputs only, the
+weights' gradients."""
+
+
 def schedule_actions(schedule: Schedule, pp: int, stages: int, microbatches: int) -> list[list[Any]]:
     """torch's own order of each pipeline rank's actions (``get_schedule_ops``, which builds the
     schedule over stand-in stages, so torch's own checks of the schedule run too), idle slots
@@ -114,3 +121,33 @@ def in_flight(schedule: Schedule, pp: int, stages: int, microbatches: int) -> tu
         elif kind in ("B", "W"):
             held[action.stage_index] -= 1
     return tuple(most[stage] for stage in range(stages))
+
+
+def run_order(schedule: Schedule, pp: int, stages: int, microbatches: int) -> list[list[list[ActionKey]]]:
+    """Each pipeline rank's actions in the order torch runs them, each as the stage actions it runs
+    (DualPipeV's overlapped forward and backward as both). A multi-stage schedule runs its
+    ``pipeline_order``; torch's single-stage 1F1B runs its own loop (``Schedule1F1B._step_microbatches``:
+    ``min(m, p - r)`` forwards, then a backward and a forward in turn, then the backwards left),
+    which its ``pipeline_order`` (drawn for pictures) gives otherwise on the last rank."""
+    m = microbatches
+    if schedule.name == "1F1B":
+        orders = []
+        for rank in range(pp):
+            warmup = min(m, pp - rank)
+            order = [("F", rank, mb) for mb in range(warmup)]
+            for mb in range(m):
+                order.append(("B", rank, mb))
+                if warmup + mb < m:
+                    order.append(("F", rank, warmup + mb))
+            orders.append([[action] for action in order])
+        return orders
+    ranks = schedule_actions(schedule, pp, stages, m)
+    return [[parts for action in rank if (parts := _parts(action))] for rank in ranks]
+
+
+def _parts(action: Any) -> list[ActionKey]:
+    """The stage actions an action runs; none for FSDP's and the sends' own, which the traced
+    actions already hold."""
+    actions = action.sub_actions if action.sub_actions is not None else (action,)
+    found = [(str(part.computation_type.value), part.stage_index, part.microbatch_index) for part in actions]
+    return [part for part in found if part[0] in STAGE_ACTIONS]

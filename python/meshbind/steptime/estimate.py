@@ -9,12 +9,13 @@ from collections import defaultdict
 from functools import partial
 
 from meshbind.comms.result import RankClassComms, StepComms
-from meshbind.comms.timeline import ACTIONS, SCHEDULE_END, Event, Mark, Transfer
+from meshbind.comms.timeline import SCHEDULE_END, Event, Mark, Transfer
 from meshbind.memory.depth import TRACED_DEPTHS
+from meshbind.pipeline.schedules import STAGE_ACTIONS, ActionKey, run_order
 from meshbind.steptime.cluster import Cluster
 from meshbind.steptime.price import Spent, extrapolated, priced, transfer_seconds
 from meshbind.steptime.result import RankClassTime, StepTime
-from meshbind.steptime.schedule import ActionKey, rank_orders, scheduled_ends
+from meshbind.steptime.schedule import scheduled_ends
 from meshbind.world import PIPELINE_AXIS
 
 
@@ -74,7 +75,7 @@ def _pipelined(comms: StepComms, cluster: Cluster) -> list[RankClassTime]:
             spent.add(action)
         busy = spent.total
         # What the rank's last action left running beside it (FSDP's last reduce-scatter) holds the optimizer.
-        last = own.actions[rank_orders(stages, world.pp)[pp_rank][-1][-1]]
+        last = own.actions[run_order(stages.schedule, world.pp, len(stages.stages), stages.microbatches)[pp_rank][-1][-1]]
         spent.waited(last.still_running_axes, last.still_running, beside=True)
         spent.add(own.after)
         classes.append(RankClassTime.of(c, spent, bubble=max(ends) - busy))
@@ -91,7 +92,7 @@ class _Actions:
         sends: list[float] = []
         current = after  # what comes before the first action (the batch cut into microbatches) is the step's
         for event in events:
-            if isinstance(event, Mark) and event.what in ACTIONS:
+            if isinstance(event, Mark) and event.what in STAGE_ACTIONS:
                 current = cut[(event.what, event.stage, event.microbatch)]
                 continue
             if isinstance(event, Mark) and event.what == SCHEDULE_END:

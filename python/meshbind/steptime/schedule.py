@@ -7,14 +7,9 @@ beyond its own work is its bubble."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from meshbind.comms.timeline import ACTIONS
-from meshbind.pipeline.schedules import schedule_actions
+from meshbind.pipeline.schedules import ActionKey, run_order
 from meshbind.pipeline.stages import PipelineStages
-
-ActionKey = tuple[str, int, int]
-"""An action as torch names it: kind (``F``, ``B``, ``I``, ``W``), stage, microbatch."""
 
 
 def scheduled_ends(
@@ -23,7 +18,7 @@ def scheduled_ends(
     """When each pipeline rank's last action ends, starting together: ``seconds(action)`` is an
     action's own time, ``hop(stage)`` what a send from ``stage`` takes."""
     count = len(stages.stages)
-    order = rank_orders(stages, pp)
+    order = run_order(stages.schedule, pp, len(stages.stages), stages.microbatches)
     done: dict[ActionKey, float] = {}
     free = [0.0] * pp
     position = [0] * pp
@@ -46,36 +41,6 @@ def scheduled_ends(
             stuck = {rank: order[rank][position[rank]] for rank in range(pp) if position[rank] < len(order[rank])}
             raise AssertionError(f"{stages.schedule.name}'s actions wait on each other: {stuck}")
     return free
-
-
-def rank_orders(stages: PipelineStages, pp: int) -> list[list[list[ActionKey]]]:
-    """Each pipeline rank's actions in the order torch runs them, each as the stage actions it runs
-    (DualPipeV's overlapped forward and backward as both). A multi-stage schedule runs its
-    ``pipeline_order``; torch's single-stage 1F1B runs its own loop (``Schedule1F1B._step_microbatches``:
-    ``min(m, p - r)`` forwards, then a backward and a forward in turn, then the backwards left),
-    which its ``pipeline_order`` (drawn for pictures) gives otherwise on the last rank."""
-    m = stages.microbatches
-    if stages.schedule.name == "1F1B":
-        orders = []
-        for rank in range(pp):
-            warmup = min(m, pp - rank)
-            order = [("F", rank, mb) for mb in range(warmup)]
-            for mb in range(m):
-                order.append(("B", rank, mb))
-                if warmup + mb < m:
-                    order.append(("F", rank, warmup + mb))
-            orders.append([[action] for action in order])
-        return orders
-    ranks = schedule_actions(stages.schedule, pp, len(stages.stages), m)
-    return [[parts for action in rank if (parts := _parts(action))] for rank in ranks]
-
-
-def _parts(action: Any) -> list[ActionKey]:
-    """The stage actions an action runs; none for FSDP's and the sends' own, which the traced
-    actions already hold."""
-    actions = action.sub_actions if action.sub_actions is not None else (action,)
-    found = [(str(part.computation_type.value), part.stage_index, part.microbatch_index) for part in actions]
-    return [part for part in found if part[0] in ACTIONS]
 
 
 def _input_ready(part: ActionKey, stages: int, done: dict[ActionKey, float], hop: Callable[[int], float]) -> float | None:
