@@ -18,13 +18,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from meshbind import FullyShard, LayoutContext, resolve_plan, step_comms
 from meshbind.cli import main
-from meshbind.comms.timeline import OPTIMIZER, Compute, Mark, Transfer
+from meshbind.comms.timeline import OPTIMIZER, Compute, Mark, Timeline, Transfer
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.memory.step import default_inputs, training_step
 from meshbind.model_flops import model_flops_per_token
 from meshbind.pipeline import Pipeline, PipelineStages, schedule_named
 from meshbind.steptime.cluster import GPUS, Cluster, link_bytes_per_second
-from meshbind.steptime.estimate import step_time
+from meshbind.steptime.estimate import _Actions, step_time
 from meshbind.steptime.price import bus_factor, priced
 from meshbind.steptime.schedule import scheduled_ends
 
@@ -95,7 +95,7 @@ def _all_gather(seconds: float) -> Transfer:
 def test_fsdps_all_gather_hides_behind_the_unit_before_it_and_its_reduce_scatter_behind_what_follows() -> None:
     gather = _all_gather(1e-3)
     # unit 1: gathered (nothing to hide behind), computed 2 ms; unit 2: gathered while unit 1 computes.
-    events = [gather, Compute(0, 0, True, waits_for=0), _unit(2e-3), gather, Compute(0, 0, True, waits_for=3), _unit(2e-3)]
+    events = [gather, Compute(0, 0, True, waits_for=1), _unit(2e-3), gather, Compute(0, 0, True, waits_for=1), _unit(2e-3)]
     spent = priced(events, H100)
     assert spent.compute == pytest.approx(4e-3)
     assert spent.exposed == {"dp_shard": pytest.approx(1e-3)}  # the first all-gather only
@@ -104,6 +104,18 @@ def test_fsdps_all_gather_hides_behind_the_unit_before_it_and_its_reduce_scatter
     waited = priced([_unit(2e-3), scatter, _unit(0.5e-3), Mark(OPTIMIZER), _unit(1e-3)], H100)
     assert waited.exposed == {"dp_shard": pytest.approx(0.5e-3)}  # the optimizer waits for the rest
     assert waited.total == pytest.approx(4e-3)
+
+
+def test_a_pipeline_action_cut_from_the_timeline_still_waits_for_its_all_gather() -> None:
+    timeline = Timeline()
+    weight = torch.ones(4, 4)
+    timeline.compute(torch.ops.aten.mm.default, (weight, weight), {}, weight @ weight)  # before the schedule
+    timeline.mark("F", 0, 0)
+    gathered = torch.ones(4096, 4096, dtype=torch.bfloat16)
+    timeline.transfer(_all_gather(1e-3), [gathered])
+    timeline.compute(torch.ops.aten.mm.default, (gathered, gathered), {}, gathered)  # the first to read it
+    forward = _Actions(timeline.events, H100).actions[("F", 0, 0)]
+    assert forward.exposed == {"dp_shard": pytest.approx(1e-3)}
 
 
 def test_a_collective_the_next_operator_reads_holds_the_computation() -> None:

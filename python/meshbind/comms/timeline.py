@@ -30,9 +30,10 @@ class Compute:
     flops: int
     bytes: int
     half: bool
-    waits_for: int = -1
-    """The index in the timeline of the all-gather beside the computation whose output it is the
-    first to read (FSDP's copy-out of a unit's gathered parameters), or -1."""
+    waits_for: int = 0
+    """How many events before this one lies the all-gather beside the computation whose output it
+    is the first to read (FSDP's copy-out of a unit's gathered parameters), or 0. Counted back, so
+    a stretch cut from the timeline keeps it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,7 @@ class Timeline:
         read = {id(t): t for t in inputs}
         moved = sum(map(_bytes, read.values())) + sum(_bytes(t) for t in outputs if id(t) not in read)
         dtype = (outputs or inputs)[0].dtype
-        self.events.append(Compute(flops, moved, dtype in _HALF, max(gathered, default=-1)))
+        self.events.append(Compute(flops, moved, dtype in _HALF, len(self.events) - max(gathered) if gathered else 0))
 
     def mark(self, what: str, stage: int = -1, microbatch: int = -1) -> None:
         self.events.append(Mark(what, stage, microbatch))

@@ -69,17 +69,18 @@ def stage_model(whole: nn.Module, keep: Callable[[str], bool]) -> nn.Module:
     list keeps its members' names (``layers.4`` stays ``layers.4`` in a stage holding blocks 4 to
     7), a layer list none of whose blocks it holds is empty, and any other module left out becomes
     ``None``, which the model's forward skips."""
-    model = copy.deepcopy(whole)
-    removed: list[tuple[nn.Module, str]] = []
-    for fqn, module in model.named_modules():
-        for name in module._modules:
-            child = f"{fqn}.{name}" if fqn else name
-            if keep(fqn) and not keep(child):
-                removed.append((module, name))
-    for parent, name in removed:
+    removed: list[tuple[str, str, nn.Module]] = []
+    for fqn, module in whole.named_modules():
+        for name, child in module._modules.items():
+            if child is not None and keep(fqn) and not keep(f"{fqn}.{name}" if fqn else name):
+                removed.append((fqn, name, child))
+    # The modules left out are never copied: deepcopy takes None for each (a stage copies its own blocks alone).
+    model = copy.deepcopy(whole, {id(child): None for _, _, child in removed})
+    for fqn, name, child in removed:
+        parent = model.get_submodule(fqn)
         if isinstance(parent, nn.ModuleList):
             del parent._modules[name]  # the others keep their keys, and so their FQNs
-        elif isinstance(parent._modules[name], nn.ModuleList):
+        elif isinstance(child, nn.ModuleList):
             parent._modules[name] = nn.ModuleList()  # a stage without blocks still loops over its (no) blocks
         else:
             parent._modules[name] = None

@@ -95,8 +95,8 @@ def priced(events: Sequence[Event], cluster: Cluster, settled: bool = True) -> S
     ends: dict[int, tuple[float, tuple[str, ...]]] = {}
     for index, event in enumerate(events):
         if isinstance(event, Compute):
-            if event.waits_for in ends:
-                end, axes = ends.pop(event.waits_for)
+            if event.waits_for and index - event.waits_for in ends:
+                end, axes = ends.pop(index - event.waits_for)
                 spent.waited(axes, end - now, beside=True)
                 now = consumed = max(now, end)
             seconds = compute_seconds(event, cluster.gpu)
