@@ -14,12 +14,8 @@ parameter, gradient and Adam bytes and its stages.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from meshbind import LayoutContext, resolve_plan
 from meshbind.interop.hf_plans import from_hf_plan
@@ -29,22 +25,13 @@ from meshbind.units import size_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hf_models import hf_model
+from timing import timed
 
 LAYOUTS = {
     "llama_405b": ({"pp": 16, "dp_shard": 128, "tp": 8}, Pipeline("Interleaved1F1B", microbatches=32)),
     "deepseek_v3": ({"pp": 16, "dp_shard": 128, "ep": 64}, Pipeline("DualPipeV", microbatches=32)),
 }
 """Each model's published axes and a schedule of torch's close to the one its run used."""
-
-
-def timed(step: Callable[[], Any], repeat: int) -> tuple[Any, float]:
-    """The last result of ``repeat`` runs of ``step`` and their median seconds."""
-    seconds, result = [], None
-    for _ in range(repeat):
-        started = time.perf_counter()
-        result = step()
-        seconds.append(time.perf_counter() - started)
-    return result, statistics.median(seconds)
 
 
 def measured(name: str, axes: dict[str, int], pipeline: Pipeline, repeat: int) -> str:

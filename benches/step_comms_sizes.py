@@ -13,17 +13,17 @@ median seconds ``step_comms`` takes (its own builds included), what one rank sen
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
-import torch
-from step_memory_sizes import UNITS, build, mixed
+from step_memory_sizes import UNITS, build, mixed, on_meta
 
-from meshbind import FullyShard, LayoutContext, resolve_plan, step_comms
+from meshbind import FullyShard, LayoutContext, StepComms, resolve_plan, step_comms
 from meshbind.interop.hf_plans import from_hf_plan
 from meshbind.units import size_text
+
+from timing import timed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_report import DENSE_UNITS, FSDP_UNITS, FSDP_WORLDS
@@ -40,24 +40,19 @@ def main() -> None:
     for name in args.models:
         axes = FSDP_WORLDS[name]
         units: FullyShard = UNITS.get(name, FSDP_UNITS if "ep" in axes else DENSE_UNITS)
-        builds, runs = [], []
-        for _ in range(args.repeat):
-            started = time.perf_counter()
-            with torch.device("meta"):
-                model = build(name)
-            builds.append(time.perf_counter() - started)
-        for _ in range(args.repeat):
-            started = time.perf_counter()
+        model, built = timed(lambda name=name: on_meta(name), args.repeat)
+
+        def traced(name: str = name, model: Any = model, axes: dict[str, int] = axes, units: FullyShard = units) -> StepComms:
             plan = resolve_plan(model, from_hf_plan(model), LayoutContext(axes), fully_shard=mixed(units), index=True)
-            answer = step_comms(lambda name=name: build(name), plan, batch=1, seq_len=args.seq_len)
-            runs.append(time.perf_counter() - started)
+            return step_comms(lambda: build(name), plan, batch=1, seq_len=args.seq_len)
+
+        answer, seconds = timed(traced, args.repeat)
         (only,) = answer.classes
         calls = sum(collective.count for collective in only.collectives)
         sent = sum(collective.bytes for collective in only.collectives)
         world = ", ".join(f"{axis}={size}" for axis, size in axes.items())
         print(
-            f"| {name} | {world} | {statistics.median(builds):.1f} s | {statistics.median(runs):.1f} s | {calls} "
-            f"| {size_text(sent)} | {only.traced} |",
+            f"| {name} | {world} | {built:.1f} s | {seconds:.1f} s | {calls} | {size_text(sent)} | {only.traced} |",
             flush=True,
         )
 

@@ -15,9 +15,7 @@ transformers' ``grouped_mm``.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,9 +23,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from meshbind import FullyShard, LayoutContext, UnitPrecision, resolve_plan, step_memory
+from meshbind import FullyShard, LayoutContext, StepMemory, UnitPrecision, resolve_plan, step_memory
 from meshbind.interop.hf_plans import from_hf_plan
 from meshbind.units import size_text
+
+from timing import timed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_report import DENSE_UNITS, FSDP_UNITS, FSDP_WORLDS
@@ -49,6 +49,11 @@ def build(name: str) -> Any:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+def on_meta(name: str) -> Any:
+    with torch.device("meta"):
+        return build(name)
+
+
 def mixed(units: FullyShard) -> FullyShard:
     """``units`` in bf16/fp32 mixed precision, a router unit kept in float32."""
     in_float32 = UnitPrecision(ROUTER, param_dtype=torch.float32, output_dtype=torch.bfloat16)
@@ -67,28 +72,20 @@ def main() -> None:
     for name in args.models:
         axes = FSDP_WORLDS[name]
         units: FullyShard = UNITS.get(name, FSDP_UNITS if "ep" in axes else DENSE_UNITS)
-        builds = []
-        for _ in range(args.repeat):
-            started = time.perf_counter()
-            with torch.device("meta"):
-                model = build(name)
-            builds.append(time.perf_counter() - started)
-        built = statistics.median(builds)
+        model, built = timed(lambda name=name: on_meta(name), args.repeat)
         for precision, checkpointing in ((p, c) for p in PRECISIONS for c in ("none", "full")):
             fully_shard = units if precision == "float32" else mixed(units)
-            runs = []
-            for _ in range(args.repeat):
-                started = time.perf_counter()
+
+            def traced(
+                name: str = name, model: Any = model, axes: dict[str, int] = axes, fully_shard: FullyShard = fully_shard,
+                checkpointing: str = checkpointing,
+            ) -> StepMemory:  # fmt: skip
                 plan = resolve_plan(model, from_hf_plan(model), LayoutContext(axes), fully_shard=fully_shard, index=True)
-                answer = step_memory(
-                    lambda name=name: build(name),
-                    plan,
-                    batch=1,
-                    seq_len=args.seq_len,
-                    activation_checkpointing=checkpointing,
+                return step_memory(
+                    lambda: build(name), plan, batch=1, seq_len=args.seq_len, activation_checkpointing=checkpointing
                 )
-                runs.append(time.perf_counter() - started)
-            seconds = statistics.median(runs)
+
+            answer, seconds = timed(traced, args.repeat)
             (only,) = answer.classes
             world = ", ".join(f"{axis}={size}" for axis, size in axes.items())
             print(

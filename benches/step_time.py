@@ -19,8 +19,6 @@ estimate took.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +29,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from meshbind import GPUS, Cluster, FullyShard, LayoutContext, StepTime, resolve_plan, step_comms, step_time
 from meshbind.interop.hf_plans import from_hf_plan
 from meshbind.pipeline import Pipeline
+
+from timing import timed
 
 LLAMA_3_1_8B = dict(
     num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -84,9 +84,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for run in (run for name in args.runs for run in RUNS[name]):
         build = builder(run.config)
-        seconds = []
-        for _ in range(args.repeat):
-            started = time.perf_counter()
+
+        def estimated(run: Run = run, build: Callable[[], Any] = build) -> StepTime:
             with torch.device("meta"):
                 model = build()
             requests = from_hf_plan(model) if run.hf_plan else []
@@ -94,11 +93,12 @@ def main() -> None:
             comms = step_comms(
                 build, plan, batch=run.batch, seq_len=8192, activation_checkpointing=run.checkpointing, pipeline=run.pipeline
             )
-            answer = step_time(comms, cluster)
-            seconds.append(time.perf_counter() - started)
+            return step_time(comms, cluster)
+
+        answer, seconds = timed(estimated, args.repeat)
         print(
             f"| {run.name} | {run.published} | {answer.tokens_per_second_per_gpu:,.0f} | {answer.mfu:.1%} "
-            f"| {run.error(answer):+.0%} | {statistics.median(seconds):.1f} s |",
+            f"| {run.error(answer):+.0%} | {seconds:.1f} s |",
             flush=True,
         )
 

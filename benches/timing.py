@@ -1,4 +1,5 @@
-"""Timing a method on fresh models, as the binding and layout benchmarks do."""
+"""Timing a benchmark's steps: a method on fresh models, as the binding and layout benchmarks do, or
+a step run as it is."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 Model = TypeVar("Model")
+Result = TypeVar("Result")
 Seen = TypeVar("Seen")
 
 
@@ -42,3 +44,13 @@ def timed_on_fresh(
             gc.enable()
         seen.append(observe(model))
     return statistics.median(times), seen
+
+
+def timed(step: Callable[[], Result], repeat: int) -> tuple[Result, float]:
+    """The last result of ``repeat`` runs of ``step`` and their median seconds."""
+    seconds = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        result = step()
+        seconds.append(time.perf_counter() - started)
+    return result, statistics.median(seconds)

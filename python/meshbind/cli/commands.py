@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verified_or_refused
 from meshbind.cli.arguments import UsageError
@@ -26,6 +26,8 @@ from meshbind.routing import Routing
 from meshbind.specs import LayoutContext
 from meshbind.steptime.cluster import GPUS, Cluster
 from meshbind.steptime.estimate import step_time
+
+T = TypeVar("T")
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -211,36 +213,30 @@ def _layout_context(axes: list[tuple[str, int]]) -> LayoutContext:
 def _step_memory(args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipeline | None) -> StepMemory:
     """--memory: one training step traced on each class of ranks under the plan resolved (the
     model built again for it), under the pipeline's schedule with ``pp`` above 1."""
-    from meshbind.errors import StepMemoryError
     from meshbind.memory.trace import step_memory
 
     print(f"tracing one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
-    try:
-        return step_memory(
-            args.build,
-            plan,
-            batch=args.batch,
-            seq_len=args.seq_len,
-            optimizer=args.optimizer,
-            activation_checkpointing=args.activation_checkpointing,
-            device=args.device,
-            device_memory=args.device_memory,
-            routing=Routing(args.capacity_factor),
-            pipeline=pipeline,
-        )
-    except (StepMemoryError, ValueError) as error:
-        raise UsageError(f"--memory: {error}") from None
+    return _traced("--memory", step_memory, args, plan, pipeline, device_memory=args.device_memory)
 
 
 def _step_comms(args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipeline | None) -> StepComms:
     """--comms: every collective of one training step, traced on each class of ranks under the
     plan resolved (the model built again for it), under the pipeline's schedule with ``pp`` above 1."""
     from meshbind.comms.trace import step_comms
-    from meshbind.errors import StepMemoryError
 
     print(f"tracing the collectives of one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
+    return _traced("--comms", step_comms, args, plan, pipeline)
+
+
+def _traced(
+    flag: str, trace: Callable[..., T], args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipeline | None, **more: Any
+) -> T:
+    """``trace`` (``step_memory`` or ``step_comms``) of the step the command line asks for; a
+    refused setting is a usage error of ``flag``."""
+    from meshbind.errors import StepMemoryError
+
     try:
-        return step_comms(
+        return trace(
             args.build,
             plan,
             batch=args.batch,
@@ -250,9 +246,10 @@ def _step_comms(args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipeline
             device=args.device,
             routing=Routing(args.capacity_factor),
             pipeline=pipeline,
+            **more,
         )
     except (StepMemoryError, ValueError) as error:
-        raise UsageError(f"--comms: {error}") from None
+        raise UsageError(f"{flag}: {error}") from None
 
 
 def _check_step_sizes(args: argparse.Namespace) -> None:

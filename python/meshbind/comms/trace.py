@@ -12,19 +12,17 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from meshbind.comms.record import Collective, CollectiveRecord, GroupAxes
 from meshbind.comms.result import RankClassComms, StepComms
 from meshbind.comms.timeline import OPTIMIZER, SCHEDULE_END, Timeline, TracedWork
-from meshbind.errors import StepMemoryError
 from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun, alike_run, depth_copies, truncated
 from meshbind.memory.fake_step import run_fake_step, step_errors
 from meshbind.memory.pipelined import PipelinedStep, on_each_action, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.result import StepSettings
 from meshbind.memory.step import StepInputs
-from meshbind.memory.trace import check_settings
+from meshbind.memory.trace import traced_step_settings
 from meshbind.mesh import MeshContext
 from meshbind.model_flops import model_flops_per_token
 from meshbind.model_index import ModelIndex
@@ -66,23 +64,17 @@ def step_comms(
     stage is traced whole, and with ``alike_layers`` a pipeline rank whose stages are alike an
     earlier one's (``pipeline/alike.py``) takes that rank's trace. The step needs no process group
     of its own and refuses to run inside one."""
-    settings = StepSettings(
+    settings = traced_step_settings(
+        "step_comms",
+        plan,
         batch=batch,
         seq_len=seq_len,
-        optimizer=Optimizer.parse(optimizer, "optimizer"),
-        activation_checkpointing=Checkpointing.parse(activation_checkpointing, "activation_checkpointing"),
-        device=Device.parse(device, "device"),
+        optimizer=optimizer,
+        activation_checkpointing=activation_checkpointing,
+        device=device,
         device_memory=None,
-        routing=routing if routing is not None else Routing(),
+        routing=routing,
     )
-    check_settings(settings)
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
-    if dist.is_available() and dist.is_initialized():
-        raise StepMemoryError(
-            "step_comms traces over torch's fake process group and cannot while a process group is "
-            "initialised: call it before init_process_group, or in a process of its own"
-        )
     started = time.perf_counter()
     with torch.device("meta"):
         model = build()

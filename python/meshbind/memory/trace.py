@@ -78,23 +78,17 @@ def step_memory(
     (``memory/pipelined.py``): ``batch`` splits into the microbatches, the first stage takes the
     token ids and the last stage's output gives the loss (``pipeline.stage_loss``).
     """
-    settings = StepSettings(
+    settings = traced_step_settings(
+        "step_memory",
+        plan,
         batch=batch,
         seq_len=seq_len,
-        optimizer=Optimizer.parse(optimizer, "optimizer"),
-        activation_checkpointing=Checkpointing.parse(activation_checkpointing, "activation_checkpointing"),
-        device=Device.parse(device, "device"),
+        optimizer=optimizer,
+        activation_checkpointing=activation_checkpointing,
+        device=device,
         device_memory=device_memory,
-        routing=routing if routing is not None else Routing(),
+        routing=routing,
     )
-    check_settings(settings)
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
-    if dist.is_available() and dist.is_initialized():
-        raise StepMemoryError(
-            "step_memory traces over torch's fake process group and cannot while a process group is "
-            "initialised: call it before init_process_group, or in a process of its own"
-        )
     started = time.perf_counter()
     # Under a pipeline each stage is traced whole: no shallower copies are cut.
     models = _Models(build, plan, alike_layers and plan.context.world.pp == 1)
@@ -203,7 +197,30 @@ def step_size_problem(batch: int, seq_len: int, names: tuple[str, str] = ("batch
     return None
 
 
-def check_settings(settings: StepSettings) -> None:
+def traced_step_settings(
+    traced_by: str,
+    plan: ParallelPlan,
+    *,
+    batch: int,
+    seq_len: int,
+    optimizer: str,
+    activation_checkpointing: str | Checkpointing,
+    device: str,
+    device_memory: int | None,
+    routing: Routing | None,
+) -> StepSettings:
+    """The settings of the step ``traced_by`` (``step_memory``, ``step_comms``) traces for ``plan``,
+    each checked (a ``ValueError`` or ``TypeError`` naming the argument); a ``StepMemoryError``
+    while a process group is initialised, as the trace runs over torch's fake one."""
+    settings = StepSettings(
+        batch=batch,
+        seq_len=seq_len,
+        optimizer=Optimizer.parse(optimizer, "optimizer"),
+        activation_checkpointing=Checkpointing.parse(activation_checkpointing, "activation_checkpointing"),
+        device=Device.parse(device, "device"),
+        device_memory=device_memory,
+        routing=routing if routing is not None else Routing(),
+    )
     for name in ("batch", "seq_len"):
         value = getattr(settings, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -216,6 +233,14 @@ def check_settings(settings: StepSettings) -> None:
         raise ValueError(f"device_memory must be a positive number of bytes, got {settings.device_memory!r}")
     if not isinstance(settings.routing, Routing):
         raise TypeError(f"routing must be a Routing, got {type(settings.routing).__name__}")
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan must be a ParallelPlan (resolve_plan's result), got {type(plan).__name__}")
+    if dist.is_available() and dist.is_initialized():
+        raise StepMemoryError(
+            f"{traced_by} traces over torch's fake process group and cannot while a process group is "
+            "initialised: call it before init_process_group, or in a process of its own"
+        )
+    return settings
 
 
 def _trace_rank(
