@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ def test_a_collective_the_next_operator_reads_holds_the_computation() -> None:
 def _stages(schedule: str, pp: int, microbatches: int) -> PipelineStages:
     per_rank = schedule_named(schedule).default_stages_per_rank()
     count = pp * per_rank
-    return PipelineStages(pp, schedule_named(schedule), microbatches, tuple((f"s{i}",) for i in range(count)), (), (1,) * count)
+    return PipelineStages(pp, schedule_named(schedule), microbatches, tuple((f"s{i}",) for i in range(count)), ())
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
@@ -175,6 +176,19 @@ def test_an_extrapolated_step_time_is_the_whole_models() -> None:
         assert got.step == pytest.approx(expected.step, rel=1e-9)
         assert got.exposed.keys() == expected.exposed.keys()
     assert deep.tokens_per_second_per_gpu == pytest.approx(2 * 64 / deep.step)
+
+
+def test_a_step_whose_time_does_not_grow_by_equal_steps_with_depth_is_refused() -> None:
+    with torch.device("meta"):
+        model = _llama(8)
+    plan = resolve_plan(model, [], LayoutContext({"dp_shard": 4}), fully_shard=FullyShard(("model.layers.*",)), index=True)
+    comms = step_comms(lambda: _llama(8), plan, batch=2, seq_len=64)
+    (traced,) = comms.classes
+    shallow, deeper, deepest = traced.work.timelines
+    slower = Timeline([*deepest.events, _unit(1.0)])  # the deepest trace one second more: no longer equal steps
+    uneven = replace(traced, work=replace(traced.work, timelines=(shallow, deeper, slower)))
+    with pytest.raises(ValueError, match=r"ranks 0\+: the step's time does not grow by equal steps"):
+        step_time(replace(comms, classes=(uneven,)), H100)
 
 
 def test_a_pipelined_step_adds_the_schedules_bubble() -> None:

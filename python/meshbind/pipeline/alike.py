@@ -8,14 +8,13 @@ for the others, its stages renumbered."""
 from __future__ import annotations
 
 from meshbind.model_index import ModelIndex
-from meshbind.pipeline.schedules import run_order
 from meshbind.pipeline.stages import PipelineStages
 
 
 def alike_pipeline_ranks(index: ModelIndex, stages: PipelineStages) -> dict[int, int]:
     """Each pipeline rank that runs stages alike an earlier rank's, mapped to the first such rank."""
     signatures = _stage_signatures(index, stages)
-    order = run_order(stages.schedule, stages.pp, len(stages.stages), stages.microbatches)
+    order = stages.order
     last = len(stages.stages) - 1
     first_with: dict[tuple[object, ...], int] = {}
     alike = {}

@@ -89,6 +89,8 @@ ActionKey = tuple[str, int, int]
 STAGE_ACTIONS = ("F", "B", "I", "W")
 """torch's kinds of a stage's actions: forward, full backward, the backward for inputs only, the
 weights' gradients."""
+RunOrder = tuple[tuple[tuple[ActionKey, ...], ...], ...]
+"""Each pipeline rank's steps in the order torch runs them, each step the stage actions it runs."""
 
 
 def schedule_actions(schedule: Schedule, pp: int, stages: int, microbatches: int) -> list[list[Any]]:
@@ -106,24 +108,23 @@ def schedule_actions(schedule: Schedule, pp: int, stages: int, microbatches: int
     return [[action for action in rank if action is not None] for rank in actions]
 
 
-def in_flight(schedule: Schedule, pp: int, stages: int, microbatches: int) -> tuple[int, ...]:
-    """For each stage, the most microbatches it has run forward and not yet backward at any point
-    of torch's order of each rank's actions (``schedule_actions``). A microbatch is in flight from
-    its forward (``F``) to its full backward (``B``) or, split in two under a zero-bubble schedule,
-    to its weight gradients (``W``): until then its activations are held."""
+def in_flight(order: RunOrder, stages: int) -> tuple[int, ...]:
+    """For each of ``stages`` stages, the most microbatches it has run forward and not yet backward
+    at any point of each rank's ``order`` (``run_order``). A microbatch is in flight from its
+    forward (``F``) to its full backward (``B``) or, split in two under a zero-bubble schedule, to
+    its weight gradients (``W``): until then its activations are held."""
     held: Counter[int] = Counter()
     most: Counter[int] = Counter()
-    for action in (action for rank in schedule_actions(schedule, pp, stages, microbatches) for action in rank):
-        kind = action.computation_type  # torch's str enum: "F", "B", "I", "W"
+    for kind, stage, _ in (part for rank in order for step in rank for part in step):
         if kind == "F":
-            held[action.stage_index] += 1
-            most[action.stage_index] = max(most[action.stage_index], held[action.stage_index])
+            held[stage] += 1
+            most[stage] = max(most[stage], held[stage])
         elif kind in ("B", "W"):
-            held[action.stage_index] -= 1
+            held[stage] -= 1
     return tuple(most[stage] for stage in range(stages))
 
 
-def run_order(schedule: Schedule, pp: int, stages: int, microbatches: int) -> list[list[list[ActionKey]]]:
+def run_order(schedule: Schedule, pp: int, stages: int, microbatches: int) -> RunOrder:
     """Each pipeline rank's actions in the order torch runs them, each as the stage actions it runs
     (DualPipeV's overlapped forward and backward as both). A multi-stage schedule runs its
     ``pipeline_order``; torch's single-stage 1F1B runs its own loop (``Schedule1F1B._step_microbatches``:
@@ -139,15 +140,15 @@ def run_order(schedule: Schedule, pp: int, stages: int, microbatches: int) -> li
                 order.append(("B", rank, mb))
                 if warmup + mb < m:
                     order.append(("F", rank, warmup + mb))
-            orders.append([[action] for action in order])
-        return orders
+            orders.append(tuple((action,) for action in order))
+        return tuple(orders)
     ranks = schedule_actions(schedule, pp, stages, m)
-    return [[parts for action in rank if (parts := _parts(action))] for rank in ranks]
+    return tuple(tuple(parts for action in rank if (parts := _parts(action))) for rank in ranks)
 
 
-def _parts(action: Any) -> list[ActionKey]:
+def _parts(action: Any) -> tuple[ActionKey, ...]:
     """The stage actions an action runs; none for FSDP's and the sends' own, which the traced
     actions already hold."""
     actions = action.sub_actions if action.sub_actions is not None else (action,)
     found = [(str(part.computation_type.value), part.stage_index, part.microbatch_index) for part in actions]
-    return [part for part in found if part[0] in STAGE_ACTIONS]
+    return tuple(part for part in found if part[0] in STAGE_ACTIONS)

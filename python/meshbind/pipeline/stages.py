@@ -17,10 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from meshbind.errors import PipelineError
 from meshbind.model_index import ModelIndex
-from meshbind.pipeline.schedules import Schedule, in_flight, schedule_named
+from meshbind.pipeline.schedules import RunOrder, Schedule, in_flight, run_order, schedule_named
 from meshbind.units import is_int_from
 
 
@@ -47,8 +48,16 @@ class PipelineStages:
     microbatches: int
     stages: tuple[tuple[str, ...], ...]
     everywhere: tuple[str, ...]
-    in_flight: tuple[int, ...]
-    """Each stage's most microbatches in flight (forward run, backward not yet), in torch's order."""
+
+    @cached_property
+    def order(self) -> RunOrder:
+        """Each pipeline rank's actions in the order torch runs them (``run_order``)."""
+        return run_order(self.schedule, self.pp, len(self.stages), self.microbatches)
+
+    @cached_property
+    def in_flight(self) -> tuple[int, ...]:
+        """Each stage's most microbatches in flight (forward run, backward not yet), in torch's order."""
+        return in_flight(self.order, len(self.stages))
 
     def stages_of_rank(self, pp_rank: int) -> tuple[int, ...]:
         """The stages pipeline rank ``pp_rank`` runs (torch's placement for the schedule)."""
@@ -129,11 +138,12 @@ def split_stages(index: ModelIndex, pp: int, pipeline: Pipeline) -> PipelineStag
         problems += schedule.problems(pp, len(stages), microbatches)
     if problems:
         raise PipelineError(problems)
+    split = PipelineStages(pp, schedule, microbatches, stages, parts.everywhere)
     try:
-        held = in_flight(schedule, pp, len(stages), microbatches)
+        _ = split.order  # torch's own checks of the schedule, before anything is built
     except ValueError as error:
         raise PipelineError([str(error)]) from None
-    return PipelineStages(pp, schedule, microbatches, stages, parts.everywhere, held)
+    return split
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from functools import partial
 from meshbind.comms.result import RankClassComms, StepComms
 from meshbind.comms.timeline import SCHEDULE_END, Event, Mark, Transfer
 from meshbind.memory.depth import TRACED_DEPTHS
-from meshbind.pipeline.schedules import STAGE_ACTIONS, ActionKey, run_order
+from meshbind.pipeline.schedules import STAGE_ACTIONS, ActionKey
 from meshbind.steptime.cluster import Cluster
 from meshbind.steptime.price import Spent, extrapolated, priced, transfer_seconds
 from meshbind.steptime.result import RankClassTime, StepTime
@@ -75,7 +75,7 @@ def _pipelined(comms: StepComms, cluster: Cluster) -> list[RankClassTime]:
             spent.add(action)
         busy = spent.total
         # What the rank's last action left running beside it (FSDP's last reduce-scatter) holds the optimizer.
-        last = own.actions[run_order(stages.schedule, world.pp, len(stages.stages), stages.microbatches)[pp_rank][-1][-1]]
+        last = own.actions[stages.order[pp_rank][-1][-1]]
         spent.waited(last.still_running_axes, last.still_running, beside=True)
         spent.add(own.after)
         classes.append(RankClassTime.of(c, spent, bubble=max(ends) - busy))

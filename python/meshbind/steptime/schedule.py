@@ -1,5 +1,5 @@
 """A pipeline's schedule in time: every pipeline rank runs torch's own order of its actions
-(``schedule_actions``), each action as soon as its rank is free and its input has arrived: a
+(``run_order``), each action as soon as its rank is free and its input has arrived: a
 forward once the stage before has run that microbatch forward and sent its output, a backward
 once the stage after has run that microbatch backward and sent the gradient. What a rank waits
 beyond its own work is its bubble."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from meshbind.pipeline.schedules import ActionKey, run_order
+from meshbind.pipeline.schedules import ActionKey
 from meshbind.pipeline.stages import PipelineStages
 
 
@@ -18,7 +18,7 @@ def scheduled_ends(
     """When each pipeline rank's last action ends, starting together: ``seconds(action)`` is an
     action's own time, ``hop(stage)`` what a send from ``stage`` takes."""
     count = len(stages.stages)
-    order = run_order(stages.schedule, pp, len(stages.stages), stages.microbatches)
+    order = stages.order
     done: dict[ActionKey, float] = {}
     free = [0.0] * pp
     position = [0] * pp
