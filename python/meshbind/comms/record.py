@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.distributed_c10d import _resolve_process_group  # type: ignore[attr-defined]
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshbind.comms.timeline import Timeline, Transfer
+from meshbind.comms.timeline import Event, Timeline, Transfer
 from meshbind.mesh import MeshContext
 from meshbind.world import DENSE_AXES, PIPELINE_AXIS, World
 
@@ -135,20 +135,32 @@ class CollectiveRecord(TorchDispatchMode):  # type: ignore[no-untyped-call]
         dtype, size = moved(args)
         assert self._group_axes is not None
         group = self._group_axes.of(args[group_at])
-        key = (kind, group.axes, group.size, str(dtype).removeprefix("torch."))
+        dtype_name = str(dtype).removeprefix("torch.")
+        key = (kind, group.axes, group.size, dtype_name)
         calls = self._calls.setdefault(key, [0, 0])
         calls[0] += 1
         calls[1] += size
         if self.timeline is not None:
             # FSDP2 calls the process group itself, from streams of its own; the rest waits on the result.
             beside = namespace == "c10d" and kind in ("all-gather", "reduce-scatter", "all-reduce")
-            transfer = Transfer(kind, group.axes, group.size, size, group.lowest, group.highest, beside)
+            transfer = Transfer(kind, group.axes, group.size, size, group.lowest, group.highest, beside, dtype_name)
             self.timeline.transfer(transfer, _flatten(args[:1]))
         return func(*args, **kwargs)
 
     def collectives(self) -> list[Collective]:
         """What was counted, in the order each kind of call was first made."""
         return [Collective(*key, count, size) for key, (count, size) in self._calls.items()]
+
+
+def collectives_in(events: Sequence[Event]) -> list[Collective]:
+    """The collectives of a timeline's ``events``, counted as ``CollectiveRecord`` counts them."""
+    calls: dict[tuple[str, tuple[str, ...], int, str], list[int]] = {}
+    for event in events:
+        if isinstance(event, Transfer):
+            counted = calls.setdefault((event.kind, event.axes, event.group_size, event.dtype), [0, 0])
+            counted[0] += 1
+            counted[1] += event.bytes
+    return [Collective(*key, count, size) for key, (count, size) in calls.items()]
 
 
 # Waiting on a collective, and c10d's bookkeeping: no kernel of the step's own.

@@ -30,10 +30,10 @@ class Compute:
     flops: int
     bytes: int
     half: bool
-    waits_for: int = 0
-    """How many events before this one lies the all-gather beside the computation whose output it
-    is the first to read (FSDP's copy-out of a unit's gathered parameters), or 0. Counted back, so
-    a stretch cut from the timeline keeps it."""
+    waits_for: int = -1
+    """The ``gather`` number of the all-gather beside the computation whose output it is the first
+    to read (FSDP's copy-out of a unit's gathered parameters), or -1. A number, not a place, so a
+    stretch cut from the timeline, or put together from others' stretches, keeps it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,10 @@ class Transfer:
     lowest_rank: int
     highest_rank: int
     beside_compute: bool
+    dtype: str = ""
+    gather: int = -1
+    """An all-gather beside the computation: its number in the timeline, which the operator that
+    first reads its output names (``Compute.waits_for``); -1 for any other collective."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,18 +78,21 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
     _unread: dict[int, int] = field(default_factory=dict)
     """Tensors (by id) an all-gather beside the computation wrote and nothing has read yet, or
-    views of them: the index of the all-gather."""
+    views of them: the all-gather's number."""
+    _gathers: int = 0
 
     def transfer(self, transfer: Transfer, outputs: Sequence[torch.Tensor]) -> None:
         """Adds a collective; an all-gather beside the computation writes ``outputs``."""
         if transfer.beside_compute and transfer.kind == "all-gather":
-            self._unread.update(dict.fromkeys(map(id, outputs), len(self.events)))
+            self._gathers += 1
+            transfer = replace(transfer, gather=self._gathers)
+            self._unread.update(dict.fromkeys(map(id, outputs), self._gathers))
         self.events.append(transfer)
 
     def compute(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """Adds ``func``'s cost, called on ``args``/``kwargs`` and returning ``out``; a view or an
         operator that only allocates costs nothing."""
-        if func._opname in _NO_KERNEL:
+        if func._opname in _NO_KERNEL or func.namespace == "prim":  # prim: a tensor's metadata (its device), no kernel
             return
         inputs = _tensors((args, kwargs), [])
         outputs = _tensors(out, [])
@@ -106,7 +113,7 @@ class Timeline:
         read = {id(t): t for t in inputs}
         moved = sum(map(_bytes, read.values())) + sum(_bytes(t) for t in outputs if id(t) not in read)
         dtype = (outputs or inputs)[0].dtype
-        self.events.append(Compute(flops, moved, dtype in _HALF, len(self.events) - max(gathered) if gathered else 0))
+        self.events.append(Compute(flops, moved, dtype in _HALF, max(gathered, default=-1)))
 
     def mark(self, what: str, stage: int = -1, microbatch: int = -1) -> None:
         self.events.append(Mark(what, stage, microbatch))

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshbind.comms.record import Collective, CollectiveRecord, GroupAxes
+from meshbind.comms.composed import Orders, RankActions, TracedRank, composed, marked_runtime_steps
+from meshbind.comms.record import Collective, CollectiveRecord, GroupAxes, collectives_in
 from meshbind.comms.result import RankClassComms, StepComms
 from meshbind.comms.timeline import OPTIMIZER, SCHEDULE_END, Timeline, TracedWork
 from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun, alike_run, depth_copies, truncated
@@ -28,7 +29,7 @@ from meshbind.model_flops import model_flops_per_token
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline
-from meshbind.pipeline.alike import alike_pipeline_ranks
+from meshbind.pipeline.alike import alike_pipeline_ranks, stage_signatures
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
@@ -107,7 +108,11 @@ def step_comms(
             classes.append(_class_comms(group, recorded.collectives(), "the whole model", work, class_started))
         return StepComms(settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
     step = pipelined_step(model, replace(plan, index=index), settings, pipeline, inputs)
-    alike = alike_pipeline_ranks(index, step.stages) if alike_layers else {}
+    single_stage = step.stages.schedule.single_stage
+    alike = alike_pipeline_ranks(index, step.stages) if alike_layers and single_stage else {}
+    signatures = stage_signatures(index, step.stages) if alike_layers and not single_stage else None
+    actions: RankActions | None = None
+    sources: dict[tuple[int, int], list[TracedRank]] = {}  # by first rank within the pipeline rank, ranks
     world = plan.context.world
     traced: dict[tuple[int, int, int], RankClassComms] = {}  # by pipeline rank, first rank within it, ranks
     for group in step.groups:  # each rank's stages are cut from the model: it is never planned itself
@@ -123,10 +128,21 @@ def step_comms(
             how = f"{_stages_text(mine)}: alike {_stages_text(theirs)}'s trace, renumbered"
             classes.append(_class_comms(group, source.collectives, how, TracedWork((moved,)), class_started))
             continue
-        recorded = _record_pipelined_rank(model, step, group.first)
+        alike_sources = sources.get((within, group.count), [])
+        put_together = None if actions is None else composed(pp_rank, alike_sources, actions, world.stage_size)
+        if put_together is not None:
+            timeline, source_rank = put_together
+            how = f"{_stages_text(mine)}: {_stages_text(step.stages.stages_of_rank(source_rank))}' actions, put together"
+            classes.append(_class_comms(group, collectives_in(timeline.events), how, TracedWork((timeline,)), class_started))
+            continue
+        recorded, orders = _record_pipelined_rank(model, step, group.first)
+        timeline = _timeline(recorded)
         how = f"{_stages_text(mine)} whole, under {step.stages.schedule.name}"
-        classes.append(_class_comms(group, recorded.collectives(), how, TracedWork((_timeline(recorded),)), class_started))
+        classes.append(_class_comms(group, recorded.collectives(), how, TracedWork((timeline,)), class_started))
         traced[(pp_rank, within, group.count)] = classes[-1]
+        if signatures is not None and orders is not None:
+            actions = actions or RankActions(step.stages, signatures, orders)
+            sources.setdefault((within, group.count), []).append(TracedRank.cut(pp_rank, timeline))
     return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
 
 
@@ -180,8 +196,11 @@ def _record_rank(
     return record
 
 
-def _record_pipelined_rank(whole: nn.Module, step: PipelinedStep, rank: int) -> CollectiveRecord:
+def _record_pipelined_rank(whole: nn.Module, step: PipelinedStep, rank: int) -> tuple[CollectiveRecord, Orders | None]:
+    """The rank's step recorded, and every rank's list of actions under torch's runtime (``None``
+    for a single-stage schedule)."""
     record = CollectiveRecord(Timeline())
+    orders: list[Orders | None] = []
 
     @contextmanager
     def recorded(_models: Any, optimizer: Any, _inputs: Any, mesh_context: MeshContext, schedule: Any) -> Iterator[None]:
@@ -189,12 +208,12 @@ def _record_pipelined_rank(whole: nn.Module, step: PipelinedStep, rank: int) -> 
             step_errors(lambda: "the pipeline's step"),
             record.naming(GroupAxes(mesh_context, step.plan.context.world)),
             _marked(optimizer, record),
-            _marked_actions(schedule, record),
+            _marked_actions(schedule, record, orders),
         ):
             yield
 
     run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, rank, step.settings, recorded)
-    return record
+    return record, orders[0]
 
 
 @contextmanager
@@ -213,11 +232,13 @@ def _marked(optimizer: torch.optim.Optimizer | None, record: CollectiveRecord) -
 
 
 @contextmanager
-def _marked_actions(schedule: Any, record: CollectiveRecord) -> Iterator[None]:
-    """Marks each pipeline action as it starts, and the schedule's end, on the record's timeline."""
+def _marked_actions(schedule: Any, record: CollectiveRecord, orders: list[Orders | None]) -> Iterator[None]:
+    """Marks each pipeline action as it starts, each step of torch's runtime, and the schedule's
+    end, on the record's timeline; every rank's runtime list of actions goes to ``orders``."""
     assert record.timeline is not None
     timeline = record.timeline
     on_each_action(
         schedule, lambda stage, kind, microbatch: timeline.mark(kind, stage, microbatch), lambda: timeline.mark(SCHEDULE_END)
     )
+    orders.append(marked_runtime_steps(schedule, timeline))
     yield

@@ -13,7 +13,7 @@ from meshbind.pipeline.stages import PipelineStages
 
 def alike_pipeline_ranks(index: ModelIndex, stages: PipelineStages) -> dict[int, int]:
     """Each pipeline rank that runs stages alike an earlier rank's, mapped to the first such rank."""
-    signatures = _stage_signatures(index, stages)
+    signatures = stage_signatures(index, stages)
     order = stages.order
     last = len(stages.stages) - 1
     first_with: dict[tuple[object, ...], int] = {}
@@ -33,7 +33,7 @@ def alike_pipeline_ranks(index: ModelIndex, stages: PipelineStages) -> dict[int,
     return alike
 
 
-def _stage_signatures(index: ModelIndex, stages: PipelineStages) -> list[tuple[object, ...]]:
+def stage_signatures(index: ModelIndex, stages: PipelineStages) -> list[tuple[object, ...]]:
     """Each stage told apart by what makes stages alike: for each of its modules in order, the
     classes and parameters within it. One pass over the index's modules and one over its parameters."""
     root_of = {root: (stage, place) for stage, roots in enumerate(stages.stages) for place, root in enumerate(roots)}

@@ -93,10 +93,10 @@ def priced(events: Sequence[Event], cluster: Cluster, settled: bool = True) -> S
     beside_axes: tuple[str, ...] = ()
     consumed = 0.0  # when the computation last took a gathered unit: the next all-gather's buffer is free
     ends: dict[int, tuple[float, tuple[str, ...]]] = {}
-    for index, event in enumerate(events):
+    for event in events:
         if isinstance(event, Compute):
-            if event.waits_for and index - event.waits_for in ends:
-                end, axes = ends.pop(index - event.waits_for)
+            if event.waits_for in ends:
+                end, axes = ends.pop(event.waits_for)
                 spent.waited(axes, end - now, beside=True)
                 now = consumed = max(now, end)
             seconds = compute_seconds(event, cluster.gpu)
@@ -114,7 +114,7 @@ def priced(events: Sequence[Event], cluster: Cluster, settled: bool = True) -> S
             start = max(beside_free, consumed if event.kind == "all-gather" else now)
             beside_free, beside_axes = start + seconds, event.axes
             if event.kind == "all-gather":
-                ends[index] = (beside_free, event.axes)
+                ends[event.gather] = (beside_free, event.axes)
         elif event.what in (OPTIMIZER, SCHEDULE_END):  # every gradient must be reduced
             spent.waited(beside_axes, beside_free - now, beside=True)
             now = max(now, beside_free)
