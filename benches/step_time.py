@@ -8,8 +8,11 @@
   data-parallel rank (the Llama 3 paper, Table 4: 41% MFU, 400 TFLOPs per GPU), under torchtitan's
   interleaved 1F1B (two stages per rank, a microbatch per sequence), bf16/fp32, no checkpointing:
   the paper's own schedule and its tuning are not published in full.
+- DeepSeek-V3 671B at PP 16 · EP 64 on 2,048 ranks under DualPipeV (its report's section 3.2; FSDP
+  over ``dp_shard`` standing in for its ZeRO-1), 32 sequences of 4096 per data-parallel rank,
+  bf16/fp32: for the time the answer takes. Nothing published compares (it trained in FP8 on H800s).
 
-    python benches/step_time.py [--repeat 3] [--runs 8b 405b]
+    python benches/step_time.py [--repeat 3] [--runs 8b 405b dsv3]
 
 Each line gives meshbind's estimate of tokens/s per GPU and MFU on ``H100-SXM`` data-sheet peaks,
 the published figure, the error, and the median seconds (of ``--repeat`` runs) the trace and the
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from step_memory_sizes import UNITS, mixed
+from step_memory_sizes import build as published_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from meshbind import GPUS, Cluster, FullyShard, LayoutContext, StepTime, resolve_plan, step_comms, step_time
@@ -40,37 +45,49 @@ LLAMA_3_1_405B = LLAMA_3_1_8B | dict(num_hidden_layers=126, hidden_size=16384, i
 """Llama 3.1 8B's and 405B's published configs."""
 
 
+LLAMA_UNITS = FullyShard(("model.layers.*",), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class Run:
     name: str
-    config: dict[str, Any]
+    build: Callable[[], Any]
     axes: dict[str, int]
     batch: int
     checkpointing: str
     pipeline: Pipeline | None
     published: str
     """The published figure, as published."""
-    error: Callable[[StepTime], float]
-    """The estimate's error against it."""
+    error: Callable[[StepTime], float] | None
+    """The estimate's error against it; ``None`` where nothing published compares."""
     hf_plan: bool = False
-
-
-RUNS = {
-    "8b": [
-        Run(f"Llama 3.1 8B, FSDP {gpus}, local batch 2, seq 8192", LLAMA_3_1_8B, {"dp_shard": gpus}, 2, "selective-op", None,
-            f"{tokens:,} tokens/s/GPU", lambda answer, tokens=tokens: answer.tokens_per_second_per_gpu / tokens - 1)
-        for gpus, tokens in ((8, 5762), (128, 5605))
-    ],
-    "405b": [
-        Run("Llama 3.1 405B, TP 8 · PP 16 · DP 128, 16 sequences of 8192 per DP rank", LLAMA_3_1_405B,
-            {"pp": 16, "dp_shard": 128, "tp": 8}, 16, "none", Pipeline("Interleaved1F1B", microbatches=16), "41% MFU",
-            lambda answer: (answer.mfu or 0) / 0.41 - 1, hf_plan=True),
-    ],
-}  # fmt: skip
+    seq_len: int = 8192
+    units: FullyShard = LLAMA_UNITS
 
 
 def builder(config: dict[str, Any]) -> Callable[[], Any]:
     return lambda: AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config), dtype=torch.float32)
+
+
+RUNS = {
+    "8b": [
+        Run(f"Llama 3.1 8B, FSDP {gpus}, local batch 2, seq 8192", builder(LLAMA_3_1_8B), {"dp_shard": gpus}, 2,
+            "selective-op", None, f"{tokens:,} tokens/s/GPU",
+            lambda answer, tokens=tokens: answer.tokens_per_second_per_gpu / tokens - 1)
+        for gpus, tokens in ((8, 5762), (128, 5605))
+    ],
+    "405b": [
+        Run("Llama 3.1 405B, TP 8 · PP 16 · DP 128, 16 sequences of 8192 per DP rank", builder(LLAMA_3_1_405B),
+            {"pp": 16, "dp_shard": 128, "tp": 8}, 16, "none", Pipeline("Interleaved1F1B", microbatches=16), "41% MFU",
+            lambda answer: (answer.mfu or 0) / 0.41 - 1, hf_plan=True),
+    ],
+    "dsv3": [
+        Run("DeepSeek-V3 671B, PP 16 · EP 64 · FSDP 128, DualPipeV, 32 sequences of 4096 per DP rank",
+            lambda: published_model("deepseek_v3"), {"pp": 16, "dp_shard": 128, "ep": 64}, 32, "none",
+            Pipeline("DualPipeV", microbatches=32), "none alike (FP8 on H800s)", None, hf_plan=True, seq_len=4096,
+            units=mixed(UNITS["deepseek_v3"])),
+    ],
+}  # fmt: skip
 
 
 def main() -> None:
@@ -78,27 +95,30 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each figure; the median is shown")
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     args = parser.parse_args()
-    units = FullyShard(("model.layers.*",), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     cluster = Cluster(GPUS["H100-SXM"])
     print("| run | published | tokens/s/GPU | MFU | error | traced and priced in |")
     print("|---|---|---|---|---|---|")
     for run in (run for name in args.runs for run in RUNS[name]):
-        build = builder(run.config)
 
-        def estimated(run: Run = run, build: Callable[[], Any] = build) -> StepTime:
+        def estimated(run: Run = run) -> StepTime:
             with torch.device("meta"):
-                model = build()
+                model = run.build()
             requests = from_hf_plan(model) if run.hf_plan else []
-            plan = resolve_plan(model, requests, LayoutContext(run.axes), fully_shard=units, index=True)
+            plan = resolve_plan(model, requests, LayoutContext(run.axes), fully_shard=run.units, index=True)
             comms = step_comms(
-                build, plan, batch=run.batch, seq_len=8192, activation_checkpointing=run.checkpointing, pipeline=run.pipeline
+                run.build,
+                plan,
+                batch=run.batch,
+                seq_len=run.seq_len,
+                activation_checkpointing=run.checkpointing,
+                pipeline=run.pipeline,
             )
             return step_time(comms, cluster)
 
         answer, seconds = timed(estimated, args.repeat)
         print(
             f"| {run.name} | {run.published} | {answer.tokens_per_second_per_gpu:,.0f} | {answer.mfu:.1%} "
-            f"| {run.error(answer):+.0%} | {seconds:.1f} s |",
+            f"| {'—' if run.error is None else f'{run.error(answer):+.0%}'} | {seconds:.1f} s |",
             flush=True,
         )
 
