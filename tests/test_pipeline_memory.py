@@ -21,6 +21,9 @@ from meshbind.pipeline import Pipeline
 LAYERS, BATCH, SEQ_LEN, MICROBATCHES = 4, 4, 32, 4
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 RUNS = [(schedule, MICROBATCHES, checkpointing) for schedule in SCHEDULES for checkpointing in ("none", "full")]
+# A schedule that splits its backward (input gradients, then weight gradients) runs the stages'
+# backward through autograd.grad, which torch's module tracker needs a hook of meshbind's to follow.
+RUNS.append(("DualPipeV", MICROBATCHES, "none"))
 
 
 def pipelined_demo(axes: dict[str, int], schedule: str, checkpointing: str = "none", **settings: Any) -> StepMemory:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshbind.comms.composed import Orders, RankActions, TracedRank, composed, marked_runtime_steps
+from meshbind.comms.composed import TracedRank, composed, marked_runtime_steps
 from meshbind.comms.record import Collective, CollectiveRecord, GroupAxes, collectives_in
 from meshbind.comms.result import RankClassComms, StepComms
 from meshbind.comms.timeline import OPTIMIZER, SCHEDULE_END, Timeline, TracedWork
@@ -28,8 +28,9 @@ from meshbind.mesh import MeshContext
 from meshbind.model_flops import model_flops_per_token
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
-from meshbind.pipeline import Pipeline
+from meshbind.pipeline import Pipeline, stages_text
 from meshbind.pipeline.alike import alike_pipeline_ranks, stage_signatures
+from meshbind.pipeline.runtime import Orders, RankActions
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
@@ -125,29 +126,25 @@ def step_comms(
             theirs = step.stages.stages_of_rank(alike[pp_rank])
             further = (pp_rank - alike[pp_rank]) * world.stage_size
             moved = source.work.timelines[0].moved(dict(zip(theirs, mine, strict=True)), further)
-            how = f"{_stages_text(mine)}: alike {_stages_text(theirs)}'s trace, renumbered"
+            how = f"{stages_text(mine)}: alike {stages_text(theirs)}'s trace, renumbered"
             classes.append(_class_comms(group, source.collectives, how, TracedWork((moved,)), class_started))
             continue
         alike_sources = sources.get((within, group.count), [])
         put_together = None if actions is None else composed(pp_rank, alike_sources, actions, world.stage_size)
         if put_together is not None:
             timeline, source_rank = put_together
-            how = f"{_stages_text(mine)}: {_stages_text(step.stages.stages_of_rank(source_rank))}' actions, put together"
+            how = f"{stages_text(mine)}: {stages_text(step.stages.stages_of_rank(source_rank))}' actions, put together"
             classes.append(_class_comms(group, collectives_in(timeline.events), how, TracedWork((timeline,)), class_started))
             continue
         recorded, orders = _record_pipelined_rank(model, step, group.first)
         timeline = _timeline(recorded)
-        how = f"{_stages_text(mine)} whole, under {step.stages.schedule.name}"
+        how = f"{stages_text(mine)} whole, under {step.stages.schedule.name}"
         classes.append(_class_comms(group, recorded.collectives(), how, TracedWork((timeline,)), class_started))
         traced[(pp_rank, within, group.count)] = classes[-1]
         if signatures is not None and orders is not None:
             actions = actions or RankActions(step.stages, signatures, orders)
             sources.setdefault((within, group.count), []).append(TracedRank.cut(pp_rank, timeline))
     return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
-
-
-def _stages_text(stages: Sequence[int]) -> str:
-    return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
 
 
 def _class_comms(

@@ -29,7 +29,7 @@ from meshbind.memory.step import StepInputs
 from meshbind.memory.trackers import Peak, step_tracker, traced_step
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
-from meshbind.pipeline import Pipeline
+from meshbind.pipeline import Pipeline, stages_text
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
@@ -159,7 +159,7 @@ def _trace_pipelined_class(whole: nn.Module, step: PipelinedStep, group: RankGro
     stages = step.stages
     peak = trace_pipelined_rank(whole, step.plan, stages, step.examples, group.first, step.settings)
     mine = stages.stages_of_rank(step.plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
-    traced = f"stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} whole, under {stages.schedule.name}"
+    traced = f"{stages_text(mine)} whole, under {stages.schedule.name}"
     return _class_memory(group, peak, traced, started, mine)
 
 

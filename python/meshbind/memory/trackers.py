@@ -13,7 +13,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from meshbind.memory.fake_step import step_errors
 from meshbind.memory.result import KINDS
@@ -75,6 +75,7 @@ class _PeakPlace:
         self._roots = roots
         self._block_prefix = None if blocks is None else f"{blocks}." if blocks else ""
         self._last_block: dict[str, str] = {}
+        self._mod_tracker._fw_pre_hook = _leaves_unwatched(self._mod_tracker._fw_pre_hook)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.untracked:
@@ -141,6 +142,22 @@ class _PeakPlace:
         module, phase, _ = self._peak_place
         places = {place: _figures(snapshot) for place, snapshot in self._places.items()}
         return Peak(total, figures, module, phase, places, self._peak_action)
+
+
+def _leaves_unwatched(pre_forward: Any) -> Any:
+    """torch's module tracker waits for the gradients of a module's inputs with a hook that
+    ``autograd.grad`` refuses on a leaf: a pipeline stage's received input, under a schedule that
+    splits its backward (``DualPipeV``, the zero-bubble ones). It sees such an input as the same
+    storage without a gradient, and marks the module's backward done at the backward's end."""
+
+    def watched(module: nn.Module, inputs: Any) -> Any:
+        return pre_forward(module, tree_map_only(torch.Tensor, _no_leaf_with_gradient, inputs))
+
+    return watched
+
+
+def _no_leaf_with_gradient(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach() if tensor.is_leaf and tensor.requires_grad else tensor
 
 
 def _figures(snapshot: dict[Any, int]) -> dict[str, int]:

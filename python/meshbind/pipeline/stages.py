@@ -112,6 +112,11 @@ class PipelineStages:
         return next(rank for rank in range(self.pp) if stage in self.stages_of_rank(rank))
 
 
+def stages_text(stages: Sequence[int]) -> str:
+    """``stage 3`` or ``stages 3, 28``: how an answer names a rank's stages."""
+    return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+
+
 def split_stages(index: ModelIndex, pp: int, pipeline: Pipeline) -> PipelineStages:
     """The stages of the indexed model over ``pp`` ranks, or a ``PipelineError`` listing every
     problem (the schedule's needs, too few blocks, a module no stage or two stages hold)."""
