@@ -105,12 +105,11 @@ class CollectiveRecord(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts every collective dispatched while it is entered, each under the axes of its group
     (``GroupAxes``)."""
 
-    def __init__(self, timeline: Timeline | None = None) -> None:
+    def __init__(self, timeline: Timeline) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._group_axes: GroupAxes | None = None
-        self._calls: dict[tuple[str, tuple[str, ...], int, str], list[int]] = {}
         self.timeline = timeline
-        """Where every operator and collective is added in order as well, when given."""
+        """Where every operator and collective is added, in order."""
 
     @contextmanager
     def naming(self, group_axes: GroupAxes) -> Iterator[None]:
@@ -128,7 +127,7 @@ class CollectiveRecord(TorchDispatchMode):  # type: ignore[no-untyped-call]
         known = _OPS.get(f"{namespace}.{getattr(func, '_opname', '')}")
         if known is None:
             out = func(*args, **kwargs)
-            if self.timeline is not None and namespace not in _NO_COMPUTE:
+            if namespace not in _NO_COMPUTE:
                 self.timeline.compute(func, args, kwargs, out)
             return out
         kind, group_at, moved = known
@@ -136,20 +135,15 @@ class CollectiveRecord(TorchDispatchMode):  # type: ignore[no-untyped-call]
         assert self._group_axes is not None
         group = self._group_axes.of(args[group_at])
         dtype_name = str(dtype).removeprefix("torch.")
-        key = (kind, group.axes, group.size, dtype_name)
-        calls = self._calls.setdefault(key, [0, 0])
-        calls[0] += 1
-        calls[1] += size
-        if self.timeline is not None:
-            # FSDP2 calls the process group itself, from streams of its own; the rest waits on the result.
-            beside = namespace == "c10d" and kind in ("all-gather", "reduce-scatter", "all-reduce")
-            transfer = Transfer(kind, group.axes, group.size, size, group.lowest, group.highest, beside, dtype_name)
-            self.timeline.transfer(transfer, _flatten(args[:1]))
+        # FSDP2 calls the process group itself, from streams of its own; the rest waits on the result.
+        beside = namespace == "c10d" and kind in ("all-gather", "reduce-scatter", "all-reduce")
+        transfer = Transfer(kind, group.axes, group.size, size, group.lowest, group.highest, beside, dtype_name)
+        self.timeline.transfer(transfer, _flatten(args[:1]))
         return func(*args, **kwargs)
 
     def collectives(self) -> list[Collective]:
         """What was counted, in the order each kind of call was first made."""
-        return [Collective(*key, count, size) for key, (count, size) in self._calls.items()]
+        return collectives_in(self.timeline.events)
 
 
 def collectives_in(events: Sequence[Event]) -> list[Collective]:

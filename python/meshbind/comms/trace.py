@@ -64,8 +64,10 @@ def step_comms(
     Under a pipeline (``pp`` above 1, ``pipeline`` as ``step_memory`` takes it) each class runs its
     stages' step under torch's schedule, and the stages' sends and receives are counted too; each
     stage is traced whole, and with ``alike_layers`` a pipeline rank whose stages are alike an
-    earlier one's (``pipeline/alike.py``) takes that rank's trace. The step needs no process group
-    of its own and refuses to run inside one."""
+    earlier one's takes that rank's trace: under a single-stage schedule the whole rank's
+    (``pipeline/alike.py``), under torch's runtime (every multi-stage schedule) each action's twin
+    on a traced rank, put together in the rank's own order (``comms/composed.py``). The step needs
+    no process group of its own and refuses to run inside one."""
     settings = traced_step_settings(
         "step_comms",
         plan,
@@ -97,7 +99,7 @@ def step_comms(
                     for copy, shallower in depth_copies(deepest, plan, index, run)
                 ]
                 if (full := _extrapolated([record.collectives() for record in records], run)) is not None:
-                    work = TracedWork(tuple(_timeline(record) for record in records), run.count)
+                    work = TracedWork(tuple(record.timeline for record in records), run.count)
                     classes.append(_class_comms(group, full, run.extrapolated_text(), work, class_started))
                     continue
             if unplanned is None:  # the plan was applied to the last one: each class builds its own
@@ -105,7 +107,7 @@ def step_comms(
                     unplanned = build()
             recorded = _record_rank(unplanned, replace(plan, index=index.restricted(unplanned)), group.first, settings, inputs)
             unplanned = None
-            work = TracedWork((_timeline(recorded),))
+            work = TracedWork((recorded.timeline,))
             classes.append(_class_comms(group, recorded.collectives(), "the whole model", work, class_started))
         return StepComms(settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
     step = pipelined_step(model, replace(plan, index=index), settings, pipeline, inputs)
@@ -137,7 +139,7 @@ def step_comms(
             classes.append(_class_comms(group, collectives_in(timeline.events), how, TracedWork((timeline,)), class_started))
             continue
         recorded, orders = _record_pipelined_rank(model, step, group.first)
-        timeline = _timeline(recorded)
+        timeline = recorded.timeline
         how = f"{stages_text(mine)} whole, under {step.stages.schedule.name}"
         classes.append(_class_comms(group, recorded.collectives(), how, TracedWork((timeline,)), class_started))
         traced[(pp_rank, within, group.count)] = classes[-1]
@@ -151,11 +153,6 @@ def _class_comms(
     group: RankGroup, collectives: Sequence[Collective], traced: str, work: TracedWork, started: float
 ) -> RankClassComms:
     return RankClassComms(group.first, group.count, tuple(collectives), traced, time.perf_counter() - started, work)
-
-
-def _timeline(record: CollectiveRecord) -> Timeline:
-    assert record.timeline is not None
-    return record.timeline
 
 
 def _extrapolated(shallow: list[list[Collective]], run: AlikeRun) -> tuple[Collective, ...] | None:
@@ -219,7 +216,6 @@ def _marked(optimizer: torch.optim.Optimizer | None, record: CollectiveRecord) -
     if optimizer is None:
         yield
         return
-    assert record.timeline is not None
     timeline = record.timeline
     handle = optimizer.register_step_pre_hook(lambda *_: timeline.mark(OPTIMIZER))
     try:
@@ -232,7 +228,6 @@ def _marked(optimizer: torch.optim.Optimizer | None, record: CollectiveRecord) -
 def _marked_actions(schedule: Any, record: CollectiveRecord, orders: list[Orders | None]) -> Iterator[None]:
     """Marks each pipeline action as it starts, each step of torch's runtime, and the schedule's
     end, on the record's timeline; every rank's runtime list of actions goes to ``orders``."""
-    assert record.timeline is not None
     timeline = record.timeline
     on_each_action(
         schedule, lambda stage, kind, microbatch: timeline.mark(kind, stage, microbatch), lambda: timeline.mark(SCHEDULE_END)
