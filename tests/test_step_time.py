@@ -273,9 +273,10 @@ def test_the_page_draws_each_rank_class_step_by_kind(tmp_path: Path, capsys: pyt
     ("schedule", "pp", "layers", "taken"),
     [
         ("1F1B", 4, 6, {2: 1}),  # stages 1 and 2 hold two blocks each: the third rank takes the second's trace
-        # A middle rank of a "v" whose every action has a twin on a rank traced before it is put
-        # together from that rank's actions (here the fifth from the fourth).
-        ("DualPipeV", 6, 22, {4: 3}),
+        # A middle rank of a "v" whose every action has a twin on a traced rank is put together from
+        # that rank's actions; the rank traced is the one that puts together the most (here the
+        # fourth, traced when the second is reached: the second, third and fifth are put together from it).
+        ("DualPipeV", 6, 22, {1: 3, 2: 3, 4: 3}),
     ],
 )
 def test_pipeline_ranks_of_alike_stages_take_another_ranks_trace(

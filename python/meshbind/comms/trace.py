@@ -111,19 +111,50 @@ def step_comms(
             classes.append(_class_comms(group, recorded.collectives(), "the whole model", work, class_started))
         return StepComms(settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
     step = pipelined_step(model, replace(plan, index=index), settings, pipeline, inputs)
+    classes = _pipelined_classes(model, step, index, alike_layers)
+    return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
+
+
+def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex, alike_layers: bool) -> list[RankClassComms]:
+    """Each rank class's collectives under the pipeline, in the groups' order; each rank's stages
+    are cut from ``model``, which is never planned itself. Where a rank must be traced and an
+    alike later one would put it together, that one is traced instead: the one that would put
+    together the most ranks."""
     single_stage = step.stages.schedule.single_stage
     alike = alike_pipeline_ranks(index, step.stages) if alike_layers and single_stage else {}
     signatures = stage_signatures(index, step.stages) if alike_layers and not single_stage else None
+    world = step.plan.context.world
     actions: RankActions | None = None
     sources: dict[tuple[int, int], list[TracedRank]] = {}  # by first rank within the pipeline rank, ranks
-    world = plan.context.world
     traced: dict[tuple[int, int, int], RankClassComms] = {}  # by pipeline rank, first rank within it, ranks
-    for group in step.groups:  # each rank's stages are cut from the model: it is never planned itself
-        class_started = time.perf_counter()
+
+    def place(group: RankGroup) -> tuple[int, int, int]:
         pp_rank = world.coordinates(group.first)[PIPELINE_AXIS]
+        return pp_rank, group.first - pp_rank * world.stage_size, group.count
+
+    def trace(group: RankGroup) -> RankClassComms:
+        nonlocal actions
+        class_started = time.perf_counter()
+        pp_rank, within, count = place(group)
+        recorded, orders = _record_pipelined_rank(model, step, group.first)
+        how = f"{stages_text(step.stages.stages_of_rank(pp_rank))} whole, under {step.stages.schedule.name}"
+        traced[(pp_rank, within, count)] = _class_comms(
+            group, recorded.collectives(), how, TracedWork((recorded.timeline,)), class_started
+        )
+        if signatures is not None and orders is not None:
+            actions = actions or RankActions(step.stages, signatures, orders)
+            sources.setdefault((within, count), []).append(TracedRank.cut(pp_rank, recorded.timeline))
+        return traced[(pp_rank, within, count)]
+
+    classes = []
+    for position, group in enumerate(step.groups):
+        class_started = time.perf_counter()
+        pp_rank, within, count = place(group)
         mine = step.stages.stages_of_rank(pp_rank)
-        within = group.first - pp_rank * world.stage_size
-        source = traced.get((alike.get(pp_rank, -1), within, group.count))
+        if (pp_rank, within, count) in traced:  # traced ahead, to put an earlier rank together
+            classes.append(traced[(pp_rank, within, count)])
+            continue
+        source = traced.get((alike.get(pp_rank, -1), within, count))
         if source is not None:
             theirs = step.stages.stages_of_rank(alike[pp_rank])
             further = (pp_rank - alike[pp_rank]) * world.stage_size
@@ -131,22 +162,29 @@ def step_comms(
             how = f"{stages_text(mine)}: alike {stages_text(theirs)}'s trace, renumbered"
             classes.append(_class_comms(group, source.collectives, how, TracedWork((moved,)), class_started))
             continue
-        alike_sources = sources.get((within, group.count), [])
-        put_together = None if actions is None else composed(pp_rank, alike_sources, actions, world.stage_size)
-        if put_together is not None:
-            timeline, source_rank = put_together
-            how = f"{stages_text(mine)}: {stages_text(step.stages.stages_of_rank(source_rank))}' actions, put together"
-            classes.append(_class_comms(group, collectives_in(timeline.events), how, TracedWork((timeline,)), class_started))
-            continue
-        recorded, orders = _record_pipelined_rank(model, step, group.first)
-        timeline = recorded.timeline
-        how = f"{stages_text(mine)} whole, under {step.stages.schedule.name}"
-        classes.append(_class_comms(group, recorded.collectives(), how, TracedWork((timeline,)), class_started))
-        traced[(pp_rank, within, group.count)] = classes[-1]
-        if signatures is not None and orders is not None:
-            actions = actions or RankActions(step.stages, signatures, orders)
-            sources.setdefault((within, group.count), []).append(TracedRank.cut(pp_rank, timeline))
-    return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
+        if actions is not None:
+            put_together = composed(pp_rank, sources.get((within, count), []), actions, world.stage_size)
+            if put_together is None:
+                later = {place(other)[0]: other for other in step.groups[position + 1 :] if place(other)[1:] == (within, count)}
+                if (stand_in := _widest_source(pp_rank, list(later), actions)) is not None:
+                    trace(later[stand_in])
+                    put_together = composed(pp_rank, sources[(within, count)][-1:], actions, world.stage_size)
+            if put_together is not None:
+                timeline, source_rank = put_together
+                how = f"{stages_text(mine)}: {stages_text(step.stages.stages_of_rank(source_rank))}' actions, put together"
+                events = collectives_in(timeline.events)
+                classes.append(_class_comms(group, events, how, TracedWork((timeline,)), class_started))
+                continue
+        classes.append(trace(group))
+    return classes
+
+
+def _widest_source(rank: int, later: list[int], actions: RankActions) -> int | None:
+    """Of the ``later`` pipeline ranks, the one with a twin of each of ``rank``'s actions that has
+    twins of the most of the others' too; ``None`` where none has ``rank``'s."""
+    covering = [source for source in later if actions.twin_positions(rank, source) is not None]
+    widths = [sum(actions.twin_positions(other, source) is not None for other in later) for source in covering]
+    return covering[widths.index(max(widths))] if covering else None
 
 
 def _class_comms(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from meshbind.pipeline.stages import PipelineStages
@@ -54,12 +54,18 @@ class RankActions:
     signatures: Sequence[object]
     """Each stage's modules, told apart (``pipeline.alike.stage_signatures``)."""
     orders: Orders
+    _action_twins: dict[int, list[ActionTwin]] = field(default_factory=dict, compare=False, repr=False)
 
     def stage_twins(self, rank: int) -> tuple[object, ...]:
         mine = self.stages.stages_of_rank(rank)
         return tuple((self.signatures[stage], stage - 1 in mine, stage + 1 in mine) for stage in mine)
 
     def action_twins(self, rank: int) -> list[ActionTwin]:
+        if rank not in self._action_twins:  # read for every pair of ranks when choosing which to trace
+            self._action_twins[rank] = self._twins_of_actions(rank)
+        return self._action_twins[rank]
+
+    def _twins_of_actions(self, rank: int) -> list[ActionTwin]:
         mine = self.stages.stages_of_rank(rank)
         runs = [action_parts(action) for action in self.orders[rank]]
         total = Counter((kind, stage) for parts in runs for kind, stage, _ in parts)
