@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "meshbind.model_index": 0,
     "meshbind.launch": 0,
     "meshbind.model_flops": 0,
+    "meshbind.forks": 0,
     # the meshes and contexts a module binds to, and the per-module rules
     "meshbind.mesh": 1,
     "meshbind.cp": 1,

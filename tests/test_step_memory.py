@@ -531,11 +531,14 @@ class AttentionCalls(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe", "gemma3_text"])
-def test_the_trace_calls_sdpa_as_a_real_step_does(name: str) -> None:
+def test_the_trace_calls_sdpa_as_a_real_step_does(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers takes a fake tensor for tracing and would build a [B, 1, S, S] mask (and repeat
     the key/value heads) where a real step passes none; the trace takes the real step's path.
     Gemma 3's sliding layers keep their mask in both."""
+    from meshbind import forks
     from meshbind.memory.step import default_inputs, training_step
+
+    monkeypatch.setattr(forks, "usable_cores", lambda: 1)  # the calls are watched in this process
 
     def sdpa_model() -> nn.Module:
         model = hf_transformer(name)

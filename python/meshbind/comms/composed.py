@@ -8,7 +8,6 @@ rank's actions in its own order, renumbered: its stages, microbatches and groups
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from meshbind.comms.timeline import SCHEDULE_END, Compute, Event, Mark, Timeline, Transfer
@@ -53,18 +52,9 @@ class TracedRank:
         return TracedRank(pp_rank, tuple(before), tuple(map(tuple, steps)), tuple(after))
 
 
-def composed(rank: int, traced: Sequence[TracedRank], actions: RankActions, stage_size: int) -> tuple[Timeline, int] | None:
-    """Pipeline rank ``rank``'s timeline from one of the ``traced`` ranks, and which, where one has
-    a twin of each of its actions and holds the same stages' modules; else ``None``."""
-    for source in traced:
-        if (taken := actions.twin_positions(rank, source.pp_rank)) is not None:
-            return _renumbered(rank, source, taken, actions, stage_size), source.pp_rank
-    return None
-
-
-def _renumbered(rank: int, source: TracedRank, taken: list[int], actions: RankActions, stage_size: int) -> Timeline:
-    """``source``'s steps at ``taken`` as ``rank``'s actions: stages, microbatches, groups' ranks
-    and all-gathers' numbers its own."""
+def put_together(rank: int, source: TracedRank, taken: list[int], actions: RankActions, stage_size: int) -> Timeline:
+    """Pipeline rank ``rank``'s timeline from ``source``'s steps at ``taken`` (``RankActions.twin_positions``):
+    its actions in its own order, their stages, microbatches, groups' ranks and all-gathers' numbers its own."""
     stage_of = dict(zip(actions.stages.stages_of_rank(source.pp_rank), actions.stages.stages_of_rank(rank), strict=True))
     further = (rank - source.pp_rank) * stage_size
     gathers: dict[int, int] = {}

@@ -8,16 +8,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from meshbind.comms.composed import TracedRank, composed, marked_runtime_steps
+from meshbind.comms.composed import TracedRank, marked_runtime_steps, put_together
 from meshbind.comms.record import Collective, CollectiveRecord, GroupAxes, collectives_in
 from meshbind.comms.result import RankClassComms, StepComms
 from meshbind.comms.timeline import OPTIMIZER, SCHEDULE_END, Timeline, TracedWork
+from meshbind.forks import in_forks
 from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun, alike_run, depth_copies, truncated
 from meshbind.memory.fake_step import run_fake_step, step_errors
 from meshbind.memory.pipelined import PipelinedStep, on_each_action, pipelined_step, run_pipelined_fake_step
@@ -84,14 +85,14 @@ def step_comms(
         model = build()
     index = plan.index if plan.index is not None else ModelIndex.of(model)
     flops_per_token = model_flops_per_token(model, seq_len)
-    classes = []
     if plan.context.world.pp == 1:
         if pipeline is not None:
             raise ValueError("pipeline is for a plan with pp above 1; this plan has pp=1")
         run = alike_run(index) if alike_layers else None
         deepest = truncated(model, run, TRACED_DEPTHS[-1]) if run is not None else None
-        unplanned: nn.Module | None = model
-        for group in plan_report(index, plan, optimizer="none").rank_groups:
+        unplanned = [model]  # a trace applies the plan to it: taken once here, once by each fork
+
+        def class_comms(group: RankGroup) -> RankClassComms:
             class_started = time.perf_counter()
             if run is not None and deepest is not None:
                 records = [
@@ -100,83 +101,119 @@ def step_comms(
                 ]
                 if (full := _extrapolated([record.collectives() for record in records], run)) is not None:
                     work = TracedWork(tuple(record.timeline for record in records), run.count)
-                    classes.append(_class_comms(group, full, run.extrapolated_text(), work, class_started))
-                    continue
-            if unplanned is None:  # the plan was applied to the last one: each class builds its own
+                    return _class_comms(group, full, run.extrapolated_text(), work, class_started)
+            if unplanned:
+                whole = unplanned.pop()
+            else:
                 with torch.device("meta"):
-                    unplanned = build()
-            recorded = _record_rank(unplanned, replace(plan, index=index.restricted(unplanned)), group.first, settings, inputs)
-            unplanned = None
+                    whole = build()
+            recorded = _record_rank(whole, replace(plan, index=index.restricted(whole)), group.first, settings, inputs)
             work = TracedWork((recorded.timeline,))
-            classes.append(_class_comms(group, recorded.collectives(), "the whole model", work, class_started))
+            return _class_comms(group, recorded.collectives(), "the whole model", work, class_started)
+
+        groups = plan_report(index, plan, optimizer="none").rank_groups
+        classes = in_forks(class_comms, groups, lambda group: f"tracing rank {group.first}'s step")
         return StepComms(settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
     step = pipelined_step(model, replace(plan, index=index), settings, pipeline, inputs)
     classes = _pipelined_classes(model, step, index, alike_layers)
     return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
 
 
+@dataclass(frozen=True)
+class _TracedClass:
+    """One pipeline rank class's step, traced."""
+
+    collectives: tuple[Collective, ...]
+    timeline: Timeline
+    seconds: float
+
+
 def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex, alike_layers: bool) -> list[RankClassComms]:
-    """Each rank class's collectives under the pipeline, in the groups' order; each rank's stages
-    are cut from ``model``, which is never planned itself. Where a rank must be traced and an
-    alike later one would put it together, that one is traced instead: the one that would put
-    together the most ranks."""
+    """Each rank class's collectives under the pipeline, in the groups' order: the first class
+    traced (its schedule lists every rank's actions), then side by side the others ``_sources``
+    picks (``forks.py``), the rest read from their traces. Each rank's stages are cut from
+    ``model``, which is never planned itself."""
     single_stage = step.stages.schedule.single_stage
     alike = alike_pipeline_ranks(index, step.stages) if alike_layers and single_stage else {}
     signatures = stage_signatures(index, step.stages) if alike_layers and not single_stage else None
     world = step.plan.context.world
-    actions: RankActions | None = None
-    sources: dict[tuple[int, int], list[TracedRank]] = {}  # by first rank within the pipeline rank, ranks
-    traced: dict[tuple[int, int, int], RankClassComms] = {}  # by pipeline rank, first rank within it, ranks
+    places = [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in step.groups]
 
-    def place(group: RankGroup) -> tuple[int, int, int]:
-        pp_rank = world.coordinates(group.first)[PIPELINE_AXIS]
-        return pp_rank, group.first - pp_rank * world.stage_size, group.count
+    def trace(position: int) -> tuple[_TracedClass, Orders | None]:
+        started = time.perf_counter()
+        recorded, orders = _record_pipelined_rank(model, step, step.groups[position].first)
+        return _TracedClass(tuple(recorded.collectives()), recorded.timeline, time.perf_counter() - started), orders
 
-    def trace(group: RankGroup) -> RankClassComms:
-        nonlocal actions
-        class_started = time.perf_counter()
-        pp_rank, within, count = place(group)
-        recorded, orders = _record_pipelined_rank(model, step, group.first)
-        how = f"{stages_text(step.stages.stages_of_rank(pp_rank))} whole, under {step.stages.schedule.name}"
-        traced[(pp_rank, within, count)] = _class_comms(
-            group, recorded.collectives(), how, TracedWork((recorded.timeline,)), class_started
-        )
-        if signatures is not None and orders is not None:
-            actions = actions or RankActions(step.stages, signatures, orders)
-            sources.setdefault((within, count), []).append(TracedRank.cut(pp_rank, recorded.timeline))
-        return traced[(pp_rank, within, count)]
+    def tracing(position: int) -> str:
+        return f"tracing rank {step.groups[position].first}'s step"
 
+    ((first, orders),) = in_forks(trace, [0], tracing)
+    actions = RankActions(step.stages, signatures, orders) if signatures is not None and orders is not None else None
+    sources = _sources(places, alike, actions)
+    rest = [position for position, (source, _) in enumerate(sources) if source == position and position > 0]
+    traced = {0: first} | dict(zip(rest, in_forks(lambda position: trace(position)[0], rest, tracing), strict=True))
+    cut: dict[int, TracedRank] = {}
     classes = []
-    for position, group in enumerate(step.groups):
-        class_started = time.perf_counter()
-        pp_rank, within, count = place(group)
-        mine = step.stages.stages_of_rank(pp_rank)
-        if (pp_rank, within, count) in traced:  # traced ahead, to put an earlier rank together
-            classes.append(traced[(pp_rank, within, count)])
-            continue
-        source = traced.get((alike.get(pp_rank, -1), within, count))
-        if source is not None:
-            theirs = step.stages.stages_of_rank(alike[pp_rank])
-            further = (pp_rank - alike[pp_rank]) * world.stage_size
-            moved = source.work.timelines[0].moved(dict(zip(theirs, mine, strict=True)), further)
+    for position, (group, (source, taken)) in enumerate(zip(step.groups, sources, strict=True)):
+        started = time.perf_counter()
+        pp_rank, source_rank = places[position][0], places[source][0]
+        mine, theirs = step.stages.stages_of_rank(pp_rank), step.stages.stages_of_rank(source_rank)
+        whole = traced[source]
+        if source == position:
+            how = f"{stages_text(mine)} whole, under {step.stages.schedule.name}"
+            work = TracedWork((whole.timeline,))
+            classes.append(RankClassComms(group.first, group.count, whole.collectives, how, whole.seconds, work))
+        elif taken is None:
+            further = (pp_rank - source_rank) * world.stage_size
+            moved = whole.timeline.moved(dict(zip(theirs, mine, strict=True)), further)
             how = f"{stages_text(mine)}: alike {stages_text(theirs)}'s trace, renumbered"
-            classes.append(_class_comms(group, source.collectives, how, TracedWork((moved,)), class_started))
-            continue
-        if actions is not None:
-            put_together = composed(pp_rank, sources.get((within, count), []), actions, world.stage_size)
-            if put_together is None:
-                later = {place(other)[0]: other for other in step.groups[position + 1 :] if place(other)[1:] == (within, count)}
-                if (stand_in := _widest_source(pp_rank, list(later), actions)) is not None:
-                    trace(later[stand_in])
-                    put_together = composed(pp_rank, sources[(within, count)][-1:], actions, world.stage_size)
-            if put_together is not None:
-                timeline, source_rank = put_together
-                how = f"{stages_text(mine)}: {stages_text(step.stages.stages_of_rank(source_rank))}' actions, put together"
-                events = collectives_in(timeline.events)
-                classes.append(_class_comms(group, events, how, TracedWork((timeline,)), class_started))
-                continue
-        classes.append(trace(group))
+            classes.append(_class_comms(group, whole.collectives, how, TracedWork((moved,)), started))
+        else:
+            assert actions is not None
+            source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.timeline))
+            timeline = put_together(pp_rank, source_cut, taken, actions, world.stage_size)
+            how = f"{stages_text(mine)}: {stages_text(theirs)}' actions, put together"
+            classes.append(_class_comms(group, collectives_in(timeline.events), how, TracedWork((timeline,)), started))
     return classes
+
+
+def _sources(
+    places: list[tuple[int, int, int]], alike: dict[int, int], actions: RankActions | None
+) -> list[tuple[int, list[int] | None]]:
+    """For each pipeline rank class (by its pipeline rank, its first rank within it and its ranks),
+    the class whose trace it reads, by position: itself where it is traced; an alike rank's under a
+    single-stage schedule; else, with the positions of the twins of its actions, a traced rank's
+    that has a twin of each (``RankActions.twin_positions``). Where a rank must be traced and an
+    alike later one would put it together, that one is traced instead: the one that would put
+    together the most."""
+    position_of = {place: position for position, place in enumerate(places)}
+    traced: dict[tuple[int, int], list[int]] = {}  # positions, by first rank within the pipeline rank and ranks
+    sources: list[tuple[int, list[int] | None] | None] = [None] * len(places)
+    for position, (pp_rank, within, count) in enumerate(places):
+        if sources[position] is not None:  # traced ahead
+            continue
+        if (alike_place := (alike.get(pp_rank, -1), within, count)) in position_of:
+            sources[position] = (position_of[alike_place], None)
+            continue
+        if actions is not None and position > 0:
+            found: tuple[int, list[int] | None] | None = next(
+                ((source, taken) for source in traced.get((within, count), [])
+                 if (taken := actions.twin_positions(pp_rank, places[source][0])) is not None),
+                None,
+            )  # fmt: skip
+            if found is None:
+                later = {places[other][0]: other for other in range(position + 1, len(places))
+                         if places[other][1:] == (within, count) and sources[other] is None}  # fmt: skip
+                if (stand_in := _widest_source(pp_rank, list(later), actions)) is not None:
+                    sources[later[stand_in]] = (later[stand_in], None)
+                    traced.setdefault((within, count), []).append(later[stand_in])
+                    found = (later[stand_in], actions.twin_positions(pp_rank, stand_in))
+            if found is not None:
+                sources[position] = found
+                continue
+        sources[position] = (position, None)
+        traced.setdefault((within, count), []).append(position)
+    return [source for source in sources if source is not None]
 
 
 def _widest_source(rank: int, later: list[int], actions: RankActions) -> int | None:

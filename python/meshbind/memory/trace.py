@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshbind.errors import StepMemoryError
+from meshbind.forks import in_forks
 from meshbind.memory.depth import TRACED_DEPTHS, alike_run, depth_copies, extrapolated, truncated
 from meshbind.memory.fake_step import run_fake_step
 from meshbind.memory.pipelined import PipelinedStep, pipelined_step, trace_pipelined_rank
@@ -96,17 +97,18 @@ def step_memory(
         if pipeline is not None:
             raise ValueError("pipeline is for a plan with pp above 1; this plan has pp=1")
         groups = plan_report(models.index, plan, optimizer="none").rank_groups
-        classes = [_trace_class(models, plan, group, settings, inputs) for group in groups]
+        classes = in_forks(lambda group: _trace_class(models, plan, group, settings, inputs), groups, _tracing)
         return StepMemory(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
     whole = models.first()
     step = pipelined_step(whole, replace(plan, index=models.index), settings, pipeline, inputs)
-    classes = [_trace_pipelined_class(whole, step, group) for group in step.groups]
+    classes = in_forks(lambda group: _trace_pipelined_class(whole, step, group), step.groups, _tracing)
     return StepMemory(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started)
 
 
 class _Models:
-    """The models the traces apply the plan to, each its own: the model first built (once), a
-    copy of it at each traced depth, and a new build where a whole model is traced again."""
+    """The models the traces apply the plan to, each its own: the model first built (once here,
+    once in each fork), a copy of it at each traced depth, and a new build where a whole model is
+    traced again."""
 
     def __init__(self, build: Callable[[], nn.Module], plan: ParallelPlan, alike_layers: bool) -> None:
         self.build = build
@@ -161,6 +163,10 @@ def _trace_pipelined_class(whole: nn.Module, step: PipelinedStep, group: RankGro
     mine = stages.stages_of_rank(step.plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
     traced = f"{stages_text(mine)} whole, under {stages.schedule.name}"
     return _class_memory(group, peak, traced, started, mine)
+
+
+def _tracing(group: RankGroup) -> str:
+    return f"tracing rank {group.first}'s step"
 
 
 def _class_memory(group: RankGroup, peak: Peak, traced: str, started: float, stages: tuple[int, ...] = ()) -> RankClassMemory:

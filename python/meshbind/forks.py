@@ -1,0 +1,114 @@
+"""Traces that share nothing, run side by side in forked children: as many at once as this process
+may use cores, each answer sent back pickled. A child starts from this process's memory as it
+stands (a model built on ``meta``, a plan), so only answers cross.
+
+torch's autograd engine refuses a backward in a child forked after this process ran one (its
+threads do not survive a fork). A child that meets the refusal says so, and from then on every
+piece runs here, in order, as it does where this platform cannot fork or one core is all there is.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any, TypeVar
+
+import torch
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+_AUTOGRAD_REFUSES = "Unable to handle autograd's threading in combination with fork-based multiprocessing"
+_REFUSED = "refused"
+_refused_here = False
+"""Whether a child of this process met autograd's refusal: no later piece forks."""
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def in_forks(work: Callable[[Item], Result], items: Sequence[Item], what: Callable[[Item], str]) -> list[Result]:
+    """``work`` of each of ``items``, in order, each in a forked child where one may fork. A
+    child's exception is raised here (the first to arrive); a child that ends without an answer
+    (killed, out of memory) is a ``RuntimeError`` naming ``what`` it was doing. The other children
+    are stopped either way."""
+    global _refused_here
+    if _refused_here or usable_cores() <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [work(item) for item in items]
+    results: dict[int, Result] = {}
+    if _forked(work, items, what, results):
+        _refused_here = True
+    return [results[position] if position in results else work(item) for position, item in enumerate(items)]
+
+
+def _forked(
+    work: Callable[[Item], Result], items: Sequence[Item], what: Callable[[Item], str], results: dict[int, Result]
+) -> bool:
+    """Runs ``items`` in children, their answers into ``results``; whether autograd refused one."""
+    context = multiprocessing.get_context("fork")
+    waiting = list(enumerate(items))
+    running: dict[Connection, tuple[int, Any]] = {}  # by the pipe each child answers on
+    try:
+        while waiting or running:
+            while waiting and len(running) < usable_cores():
+                position, item = waiting.pop(0)
+                reader, writer = context.Pipe(duplex=False)
+                child = context.Process(target=_answer, args=(work, item, writer), daemon=True)
+                child.start()
+                writer.close()
+                running[reader] = (position, child)
+            for ready in wait(list(running)):
+                assert isinstance(ready, Connection)
+                position, child = running.pop(ready)
+                try:
+                    kind, value = ready.recv()
+                except EOFError:
+                    child.join()
+                    raise RuntimeError(f"{what(items[position])} ended without an answer (exit code {child.exitcode})") from None
+                finally:
+                    ready.close()
+                child.join()
+                if kind == _REFUSED:
+                    return True
+                if kind == "raised":
+                    raise value
+                results[position] = value
+    finally:
+        for reader, (_, child) in running.items():
+            child.kill()
+            child.join()
+            reader.close()
+    return False
+
+
+def _answer(work: Callable[[Any], Any], item: Any, writer: Connection) -> None:
+    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
+    try:
+        answer: tuple[str, Any] = ("answered", work(item))
+    except Exception as error:  # sent to the parent, which raises it or runs the piece itself
+        answer = (_REFUSED, None) if _autograd_refused(error) else ("raised", _sendable(error))
+    writer.send(answer)
+    writer.close()
+
+
+def _autograd_refused(error: BaseException | None) -> bool:
+    while error is not None:
+        if _AUTOGRAD_REFUSES in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _sendable(error: Exception) -> Exception:
+    """``error``, or where it does not cross a pipe whole (an exception whose arguments do not
+    rebuild it), a ``RuntimeError`` with its message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
