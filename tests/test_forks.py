@@ -14,8 +14,20 @@ import pytest
 
 def run_fresh(script: str) -> subprocess.CompletedProcess[str]:
     """``script`` in a fresh interpreter on two cores, bounded in time."""
-    body = "import os\nos.sched_setaffinity(0, set(list(os.sched_getaffinity(0))[:2]))\n" + textwrap.dedent(script)
-    return subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-c", FRESH + textwrap.dedent(script)], capture_output=True, text=True, timeout=600)
+
+
+FRESH = """
+import os
+os.sched_setaffinity(0, set(list(os.sched_getaffinity(0))[:2]))
+
+def raised(call):
+    try:
+        call()
+    except Exception as error:
+        return error
+    raise AssertionError("no error")
+"""
 
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="forks run side by side on two cores or more")
@@ -45,12 +57,8 @@ def test_a_childs_error_is_raised_here_and_no_child_is_left() -> None:
                 raise ValueError(f"piece {item} is bad")
             time.sleep(30 if item == 1 else 0)  # still running when the error arrives: stopped
             return item
-        try:
-            in_forks(work, [1, 2, 3], lambda item: f"piece {item}")
-        except ValueError as error:
-            assert str(error) == "piece 2 is bad", error
-        else:
-            raise AssertionError("no error")
+        error = raised(lambda: in_forks(work, [1, 2, 3], lambda item: f"piece {item}"))
+        assert isinstance(error, ValueError) and str(error) == "piece 2 is bad", error
         assert not multiprocessing.active_children()
         """
     )
@@ -67,12 +75,9 @@ def test_a_child_that_dies_is_named() -> None:
             if item == 2:
                 os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer would
             return item
-        try:
-            in_forks(work, [1, 2], lambda item: f"tracing piece {item}")
-        except RuntimeError as error:
-            assert str(error) == "tracing piece 2 ended without an answer (exit code -9)", error
-        else:
-            raise AssertionError("no error")
+        error = raised(lambda: in_forks(work, [1, 2], lambda item: f"tracing piece {item}"))
+        assert isinstance(error, RuntimeError), error
+        assert str(error) == "tracing piece 2 ended without an answer (exit code -9)", error
         """
     )
     assert done.returncode == 0, done.stderr

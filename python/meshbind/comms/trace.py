@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -119,15 +119,6 @@ def step_comms(
     return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
 
 
-@dataclass(frozen=True)
-class _TracedClass:
-    """One pipeline rank class's step, traced."""
-
-    collectives: tuple[Collective, ...]
-    timeline: Timeline
-    seconds: float
-
-
 def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex, alike_layers: bool) -> list[RankClassComms]:
     """Each rank class's collectives under the pipeline, in the groups' order: the first class
     traced (its schedule lists every rank's actions), then side by side the others ``_sources``
@@ -139,10 +130,11 @@ def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex,
     world = step.plan.context.world
     places = [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in step.groups]
 
-    def trace(position: int) -> tuple[_TracedClass, Orders | None]:
-        started = time.perf_counter()
-        recorded, orders = _record_pipelined_rank(model, step, step.groups[position].first)
-        return _TracedClass(tuple(recorded.collectives()), recorded.timeline, time.perf_counter() - started), orders
+    def trace(position: int) -> tuple[RankClassComms, Orders | None]:
+        started, group = time.perf_counter(), step.groups[position]
+        recorded, orders = _record_pipelined_rank(model, step, group.first)
+        how = f"{stages_text(step.stages.stages_of_rank(places[position][0]))} whole, under {step.stages.schedule.name}"
+        return _class_comms(group, recorded.collectives(), how, TracedWork((recorded.timeline,)), started), orders
 
     def tracing(position: int) -> str:
         return f"tracing rank {step.groups[position].first}'s step"
@@ -160,17 +152,15 @@ def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex,
         mine, theirs = step.stages.stages_of_rank(pp_rank), step.stages.stages_of_rank(source_rank)
         whole = traced[source]
         if source == position:
-            how = f"{stages_text(mine)} whole, under {step.stages.schedule.name}"
-            work = TracedWork((whole.timeline,))
-            classes.append(RankClassComms(group.first, group.count, whole.collectives, how, whole.seconds, work))
+            classes.append(whole)
         elif taken is None:
             further = (pp_rank - source_rank) * world.stage_size
-            moved = whole.timeline.moved(dict(zip(theirs, mine, strict=True)), further)
+            moved = whole.work.timelines[0].moved(dict(zip(theirs, mine, strict=True)), further)
             how = f"{stages_text(mine)}: alike {stages_text(theirs)}'s trace, renumbered"
             classes.append(_class_comms(group, whole.collectives, how, TracedWork((moved,)), started))
         else:
             assert actions is not None
-            source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.timeline))
+            source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.work.timelines[0]))
             timeline = put_together(pp_rank, source_cut, taken, actions, world.stage_size)
             how = f"{stages_text(mine)}: {stages_text(theirs)}' actions, put together"
             classes.append(_class_comms(group, collectives_in(timeline.events), how, TracedWork((timeline,)), started))
