@@ -238,7 +238,14 @@ def test_ctrl_c_stops_the_world_in_one_line_and_leaves_no_process() -> None:
     import time
 
     command = [sys.executable, "-m", "meshbind", "demo"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal, not a background job
+    )
     assert process.stderr is not None
     seen = []
     for line in process.stderr:

@@ -116,7 +116,7 @@ def test_a_pipeline_action_cut_from_the_timeline_still_waits_for_its_all_gather(
     gathered = torch.ones(4096, 4096, dtype=torch.bfloat16)
     timeline.transfer(_all_gather(1e-3), [gathered])
     timeline.compute(torch.ops.aten.mm.default, (gathered, gathered), {}, gathered)  # the first to read it
-    forward = _Actions(timeline.events, H100).actions[("F", 0, 0)]
+    forward = _Actions(timeline, H100).actions[("F", 0, 0)]
     assert forward.exposed == {"dp_shard": pytest.approx(1e-3)}
 
 

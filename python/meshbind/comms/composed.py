@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from meshbind.comms.timeline import SCHEDULE_END, Compute, Event, Mark, Timeline, Transfer
+from meshbind.comms.timeline import Compute, CutTimeline, Event, Mark, Timeline, Transfer
 from meshbind.pipeline.runtime import Orders, RankActions, action_parts, on_each_runtime_step
 from meshbind.world import PIPELINE_AXIS
 
@@ -30,26 +30,12 @@ class TracedRank:
     """A pipeline rank's traced timeline cut at its runtime actions."""
 
     pp_rank: int
-    before: tuple[Event, ...]
-    steps: tuple[tuple[Event, ...], ...]
+    steps: CutTimeline
     """Each action's events, its mark first."""
-    after: tuple[Event, ...]
-    """From the schedule's end: the optimizer step."""
 
     @staticmethod
     def cut(pp_rank: int, timeline: Timeline) -> TracedRank:
-        before: list[Event] = []
-        steps: list[list[Event]] = []
-        after: list[Event] = []
-        current = before
-        for event in timeline.events:
-            if isinstance(event, Mark) and event.what == RUNTIME_STEP:
-                steps.append([])
-                current = steps[-1]
-            elif isinstance(event, Mark) and event.what == SCHEDULE_END:
-                current = after
-            current.append(event)
-        return TracedRank(pp_rank, tuple(before), tuple(map(tuple, steps)), tuple(after))
+        return TracedRank(pp_rank, timeline.cut(RUNTIME_STEP))
 
 
 def put_together(rank: int, source: TracedRank, taken: list[int], actions: RankActions, stage_size: int) -> Timeline:
@@ -73,14 +59,14 @@ def put_together(rank: int, source: TracedRank, taken: list[int], actions: RankA
             event = replace(event, waits_for=gathers.get(event.waits_for, -1))
         events.append(event)
 
-    for event in source.before:
+    for event in source.steps.before:
         add(event)
     for position, (step, action) in enumerate(zip(taken, actions.orders[rank], strict=True)):
         microbatches = [microbatch for _, _, microbatch in action_parts(action)]
-        mark, *rest = source.steps[step]
+        mark, *rest = source.steps.parts[step]
         add(replace(mark, microbatch=position) if isinstance(mark, Mark) else mark)
         for event in rest:
             add(event, microbatches)
-    for event in source.after:
+    for event in source.steps.after:
         add(event)
     return Timeline(events)

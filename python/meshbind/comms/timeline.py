@@ -71,6 +71,18 @@ OPTIMIZER = "optimizer"
 SCHEDULE_END = "end of schedule"
 
 
+@dataclass(frozen=True)
+class CutTimeline:
+    """A timeline cut at its marks of some kinds (``Timeline.cut``)."""
+
+    before: tuple[Event, ...]
+    """Before the first such mark."""
+    parts: tuple[tuple[Event, ...], ...]
+    """Each such mark and what follows it, to the next one or the schedule's end."""
+    after: tuple[Event, ...]
+    """From the schedule's end: the optimizer step."""
+
+
 @dataclass
 class Timeline:
     """The events of one traced step, in order."""
@@ -117,6 +129,22 @@ class Timeline:
 
     def mark(self, what: str, stage: int = -1, microbatch: int = -1) -> None:
         self.events.append(Mark(what, stage, microbatch))
+
+    def cut(self, at: str | tuple[str, ...]) -> CutTimeline:
+        """The events cut at each mark of ``at``'s kinds, up to the schedule's end."""
+        kinds = (at,) if isinstance(at, str) else at
+        before: list[Event] = []
+        parts: list[list[Event]] = []
+        after: list[Event] = []
+        current = before
+        for event in self.events:
+            if isinstance(event, Mark) and event.what in kinds:
+                parts.append([])
+                current = parts[-1]
+            elif isinstance(event, Mark) and event.what == SCHEDULE_END:
+                current = after
+            current.append(event)
+        return CutTimeline(tuple(before), tuple(map(tuple, parts)), tuple(after))
 
     def moved(self, stages: dict[int, int], ranks: int) -> Timeline:
         """This timeline as a pipeline rank running alike stages runs it: its actions' stages

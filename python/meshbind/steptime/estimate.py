@@ -9,7 +9,7 @@ from collections import defaultdict
 from functools import partial
 
 from meshbind.comms.result import RankClassComms, StepComms
-from meshbind.comms.timeline import SCHEDULE_END, Event, Mark, Transfer
+from meshbind.comms.timeline import Event, Mark, Timeline, Transfer
 from meshbind.memory.depth import TRACED_DEPTHS
 from meshbind.pipeline.schedules import STAGE_ACTIONS, ActionKey
 from meshbind.steptime.cluster import Cluster
@@ -56,7 +56,7 @@ def _pipelined(comms: StepComms, cluster: Cluster) -> list[RankClassTime]:
     stages = comms.settings.pipeline
     assert stages is not None
     world = comms.world
-    cut = [_Actions(c.work.timelines[0].events, cluster) for c in comms.classes]
+    cut = [_Actions(c.work.timelines[0], cluster) for c in comms.classes]
     first_of_rank: dict[int, int] = {}
     for number, c in enumerate(comms.classes):
         first_of_rank.setdefault(world.coordinates(c.first_rank)[PIPELINE_AXIS], number)
@@ -86,21 +86,16 @@ class _Actions:
     """A pipelined rank's timeline cut at its action marks: each action priced, what follows the
     schedule priced, and what one of its sends takes."""
 
-    def __init__(self, events: list[Event], cluster: Cluster) -> None:
-        cut: dict[ActionKey, list[Event]] = defaultdict(list)
-        after: list[Event] = []
-        sends: list[float] = []
-        current = after  # what comes before the first action (the batch cut into microbatches) is the step's
-        for event in events:
-            if isinstance(event, Mark) and event.what in STAGE_ACTIONS:
-                current = cut[(event.what, event.stage, event.microbatch)]
-                continue
-            if isinstance(event, Mark) and event.what == SCHEDULE_END:
-                current = after
-            if isinstance(event, Transfer) and event.kind == "send":
-                sends.append(transfer_seconds(event, cluster))
-            current.append(event)
-        self.actions = {key: priced(part, cluster, settled=False) for key, part in cut.items()}
+    def __init__(self, timeline: Timeline, cluster: Cluster) -> None:
+        cut = timeline.cut(STAGE_ACTIONS)
+        actions: dict[ActionKey, list[Event]] = defaultdict(list)
+        for mark, *rest in cut.parts:
+            assert isinstance(mark, Mark)
+            actions[(mark.what, mark.stage, mark.microbatch)] += rest
+        self.actions = {key: priced(part, cluster, settled=False) for key, part in actions.items()}
+        # What comes before the first action (the batch cut into microbatches) is the step's.
+        after = [*cut.before, *cut.after]
+        sends = [transfer_seconds(e, cluster) for e in timeline.events if isinstance(e, Transfer) and e.kind == "send"]
         self.after = priced(after, cluster)
         self.hop = sum(sends) / len(sends) if sends else 0.0
 
