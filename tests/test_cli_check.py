@@ -171,17 +171,17 @@ def test_help_and_argument_errors_answer_at_once_without_torch(argv: list[str]) 
     assert elapsed < 1.0, f"{argv}: {elapsed:.2f} s"
 
 
-def _sigint_handled() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_ctrl_c_while_torch_is_imported_ends_in_one_line() -> None:
     """SIGINT once torch's own modules are being imported (``-X importtime`` tells when): exit 130,
     no traceback."""
     command = [sys.executable, "-X", "importtime", "-m", "meshbind", "check", MODEL, PLAN]
-    # A terminal's Ctrl-C reaches a command that handles SIGINT, even where these tests run as a
-    # shell's background job (which ignores SIGINT, and passes that on).
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, preexec_fn=_sigint_handled)
+    process = subprocess.Popen(
+        command,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal, not a background job
+    )
     assert process.stderr is not None
     seen = []
     for line in process.stderr:

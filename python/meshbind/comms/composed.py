@@ -31,11 +31,11 @@ class TracedRank:
 
     pp_rank: int
     steps: CutTimeline
-    """Each action's events, its mark first."""
+    """Cut at each runtime step: its ``parts`` are each action's events, its mark first."""
 
     @staticmethod
     def cut(pp_rank: int, timeline: Timeline) -> TracedRank:
-        return TracedRank(pp_rank, timeline.cut(RUNTIME_STEP))
+        return TracedRank(pp_rank, timeline.cut((RUNTIME_STEP,)))
 
 
 def put_together(rank: int, source: TracedRank, taken: list[int], actions: RankActions, stage_size: int) -> Timeline:

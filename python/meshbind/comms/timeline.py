@@ -130,9 +130,8 @@ class Timeline:
     def mark(self, what: str, stage: int = -1, microbatch: int = -1) -> None:
         self.events.append(Mark(what, stage, microbatch))
 
-    def cut(self, at: str | tuple[str, ...]) -> CutTimeline:
-        """The events cut at each mark of ``at``'s kinds, up to the schedule's end."""
-        kinds = (at,) if isinstance(at, str) else at
+    def cut(self, kinds: tuple[str, ...]) -> CutTimeline:
+        """The events cut at each mark of ``kinds``, up to the schedule's end."""
         before: list[Event] = []
         parts: list[list[Event]] = []
         after: list[Event] = []
