@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     "meshbind.memory": 4,
     "meshbind.comms": 4,
     "meshbind.steptime": 4,
+    "meshbind.search": 4,
     "meshbind.bench": 4,
     "meshbind.examples": 4,
     "meshbind.demo": 4,

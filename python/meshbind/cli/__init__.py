@@ -1,4 +1,4 @@
-"""The meshbind command line: demo, bench, check.
+"""The meshbind command line: demo, bench, check, plan.
 
 Help and argument errors answer before torch is imported; a command imports what it runs."""
 
@@ -31,8 +31,9 @@ def _command(arguments: list[str]) -> int:
         return demo(demo_args)
     args = command_parser().parse_args(arguments)
     from meshbind.cli import commands
+    from meshbind.cli.plan import plan
 
-    run = {"check": commands.check, "bench": commands.bench}[args.command]
+    run = {"check": commands.check, "bench": commands.bench, "plan": plan}[args.command]
     try:
         return run(args)
     except (UsageError, ValueError, TypeError) as error:

@@ -66,8 +66,9 @@ def _checkpointing(text: str) -> Checkpointing:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """What ``check`` and ``bench`` build the model and read the plan from, and the axes."""
+def _add_model_arguments(parser: argparse.ArgumentParser, *, axes: bool = True) -> None:
+    """What ``check``, ``bench`` and ``plan`` build the model and read the plan from, and the axes
+    (``plan`` chooses its own)."""
     parser.add_argument("model_factory", metavar="MODEL_FACTORY", nargs="?", help="module:function returning the nn.Module")
     parser.add_argument(
         "plan", metavar="PLAN", nargs="?", help="module:attribute, a sequence of requests or a function returning one"
@@ -88,11 +89,14 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --hf-config: a key that selects nothing is an error, and so is a --seq-len beyond the model's positions",
     )
-    parser.add_argument("--axis", type=_axis, action="append", default=[], metavar="NAME=SIZE", help="a mesh axis (repeatable)")
+    if axes:
+        parser.add_argument(
+            "--axis", type=_axis, action="append", default=[], metavar="NAME=SIZE", help="a mesh axis (repeatable)"
+        )
 
 
 def command_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshbind", description="The meshbind command line: demo, bench, check.")
+    parser = argparse.ArgumentParser(prog="meshbind", description="The meshbind command line: demo, bench, check, plan.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "demo",
@@ -171,11 +175,6 @@ def command_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --comms: the step's time on --gpu per rank class (compute, exposed collectives, bubble), tokens/s, MFU",
     )
-    memory.add_argument("--gpu", type=_gpu, metavar="{" + ",".join(GPUS) + "}", help="the GPU --step-time prices the step on")
-    memory.add_argument("--gpus-per-node", type=_positive, default=8, metavar="N", help="GPUs per node over NVLink (default 8)")
-    memory.add_argument(
-        "--inter-node", type=_link, default="400Gbps", metavar="BANDWIDTH", help="each GPU's link between nodes (default 400Gbps)"
-    )
     memory.add_argument("--batch", type=_positive, metavar="B", help="sequences per data-parallel rank")
     memory.add_argument("--seq-len", type=_positive, metavar="S", help="tokens per sequence")
     memory.add_argument(
@@ -186,15 +185,71 @@ def command_parser() -> argparse.ArgumentParser:
         help="full: torch's checkpoint_wrapper on each FSDP unit (or each block); selective-layer:K: on every K-th; "
         "selective-op: on each, saving torchtitan's list of operators; default none",
     )
-    memory.add_argument(
+    memory.add_argument("--device-memory", type=_bytes, metavar="SIZE", help="the device's memory (80GiB): does the step fit?")
+    _add_cluster_arguments(memory, required=False)
+    _add_step_arguments(memory)
+    _add_plan_command(commands)
+    return parser
+
+
+def _add_cluster_arguments(group: argparse._ArgumentGroup, *, required: bool) -> None:
+    """The GPUs a step is priced on and how they are joined."""
+    what = "the GPU each layout is priced on" if required else "the GPU --step-time prices the step on"
+    group.add_argument("--gpu", type=_gpu, required=required, metavar="{" + ",".join(GPUS) + "}", help=what)
+    group.add_argument("--gpus-per-node", type=_positive, default=8, metavar="N", help="GPUs per node over NVLink (default 8)")
+    group.add_argument(
+        "--inter-node", type=_link, default="400Gbps", metavar="BANDWIDTH", help="each GPU's link between nodes (default 400Gbps)"
+    )
+
+
+def _add_step_arguments(group: argparse._ArgumentGroup) -> None:
+    """The traced step's device and routing, alike for ``check`` and ``plan``."""
+    group.add_argument(
         "--device", choices=Device.choices(), default=Device.CUDA.value, help="the device the step runs on (default cuda)"
     )
-    memory.add_argument("--device-memory", type=_bytes, metavar="SIZE", help="the device's memory (80GiB): does the step fit?")
-    memory.add_argument(
+    group.add_argument(
         "--capacity-factor",
         type=float,
         default=1.0,
         metavar="F",
         help="MoE routing: each rank receives F times its balanced share of tokens (default 1.0, balanced)",
     )
-    return parser
+
+
+def _add_plan_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    plan = commands.add_parser(
+        "plan",
+        help="every layout of a cluster that is valid and fits, ranked by tokens/s per GPU",
+        description="Enumerate every layout of --gpus GPUs (pp, dp_replicate, dp_shard, cp, tp, ep, the pipeline schedule and "
+        "microbatches, activation checkpointing, mixed precision), refuse each invalid one with the rule check applies, trace "
+        "and price each valid one whose state fits, and rank those that fit by tokens/s per GPU.",
+    )
+    _add_model_arguments(plan, axes=False)
+    cluster = plan.add_argument_group("the cluster")
+    cluster.add_argument("--gpus", type=_positive, required=True, metavar="N", help="the GPUs of the job")
+    _add_cluster_arguments(cluster, required=True)
+    cluster.add_argument("--device-memory", type=_bytes, required=True, metavar="SIZE", help="each GPU's memory (80GiB)")
+    work = plan.add_argument_group("the work")
+    work.add_argument("--global-batch", type=_positive, required=True, metavar="B", help="sequences per step, over all ranks")
+    work.add_argument("--seq-len", type=_positive, required=True, metavar="S", help="tokens per sequence")
+    work.add_argument(
+        "--optimizer", choices=Optimizer.choices(), default=Optimizer.ADAM.value, help="whose state is counted (default: adam)"
+    )
+    _add_step_arguments(work)
+    tried = plan.add_argument_group("what is tried (each repeatable; default: every choice)")
+    tried.add_argument("--pp-schedule", action="append", metavar="NAME", help="a torch schedule (default: all seven)")
+    tried.add_argument(
+        "--pp-microbatches", type=_positive, action="append", metavar="M", help="default: one per stage and one per sequence"
+    )
+    tried.add_argument(
+        "--activation-checkpointing",
+        type=_checkpointing,
+        action="append",
+        metavar="MODE",
+        help="none, full, selective-layer:K, selective-op (default: none, selective-op, full)",
+    )
+    tried.add_argument(
+        "--param-dtype", choices=["bf16", "fp32"], action="append", help="FSDP2's compute dtype, reduced in fp32 (default: bf16)"
+    )
+    tried.add_argument("--top", type=_positive, default=10, metavar="K", help="the layouts listed (default 10)")
+    plan.add_argument("--json", action="store_true", help="one JSON object on stdout: every candidate")

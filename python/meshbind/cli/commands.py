@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verified_or_refused
 from meshbind.cli.arguments import UsageError
 from meshbind.cli.models import model_and_plan
+from meshbind.cli.progress import ProgressBar
 from meshbind.comms.result import StepComms
 from meshbind.errors import PipelineError, PlanError, index_groups
 from meshbind.fsdp_request import FullyShard
@@ -72,7 +73,7 @@ def check(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         # One walk of the model: the report and step memory read its index.
-        plan = resolve_plan(model, requests, context, progress=_ProgressBar(), fully_shard=fully_shard, index=True)
+        plan = resolve_plan(model, requests, context, progress=ProgressBar(), fully_shard=fully_shard, index=True)
     except PlanError as error:
         if args.json:
             problems = [p.to_dict() for p in error.problems]
@@ -291,28 +292,6 @@ def _misfit_text(misfits: Sequence[Misfit], directory: str) -> str:
         count = f"{len(members)} keys " if len(members) > 1 else ""
         lines.append(f"  {first.kind:<10} {count}{key!r}: {first.reason}")
     return "\n".join(lines)
-
-
-class _ProgressBar:
-    """A bar on stderr for a step that has run two seconds or more (as tqdm users expect), redrawn
-    at most twice a second; nothing for a quick one."""
-
-    WIDTH = 30
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.drawn = 0.0
-
-    def __call__(self, step: str, done: int, total: int) -> None:
-        now = time.monotonic()
-        finished = done >= total
-        if now - self.started < 2.0 or (not finished and now - self.drawn < 0.5) or (finished and not self.drawn):
-            return
-        self.drawn = now
-        filled = self.WIDTH * done // max(total, 1)
-        bar = "#" * filled + "." * (self.WIDTH - filled)
-        end = "\n" if finished else ""
-        print(f"\r{step}: [{bar}] {done:,}/{total:,} {now - self.started:.0f} s", end=end, file=sys.stderr, flush=True)
 
 
 def _check_writable(path: str, flag: str) -> None:

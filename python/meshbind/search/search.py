@@ -1,0 +1,282 @@
+"""``plan_layouts``: every layout of a cluster checked by the rules ``meshbind check`` applies,
+each valid one's state counted by the report's arithmetic, and those whose state fits traced and
+priced exactly as ``meshbind check --memory --comms --step-time`` traces and prices them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshbind.comms.trace import step_comms
+from meshbind.errors import PipelineError, PlanError, StepMemoryError
+from meshbind.fsdp_request import FullyShard
+from meshbind.memory.trace import step_memory, step_size_problem
+from meshbind.names import DTYPE_NAMES, Optimizer
+from meshbind.pipeline import Pipeline, PipelineStages, split_stages
+from meshbind.report import plan_report
+from meshbind.resolution import ParallelPlan, resolve_plan
+from meshbind.routing import Routing
+from meshbind.search.result import STATE_TOO_LARGE, Candidate, LayoutSearch
+from meshbind.search.space import REDUCE_DTYPE, Choices, Layout, microbatch_choices, worlds
+from meshbind.specs import LayoutContext
+from meshbind.steptime.cluster import Cluster
+from meshbind.steptime.estimate import step_time
+from meshbind.world import World
+
+Progress = Callable[[str, int, int], None]
+
+
+def plan_layouts(
+    model: nn.Module,
+    requests: Any,
+    *,
+    build: Callable[[], nn.Module],
+    gpus: int,
+    cluster: Cluster,
+    device_memory: int,
+    global_batch: int,
+    seq_len: int,
+    optimizer: str = Optimizer.ADAM,
+    choices: Choices | None = None,
+    device: str = "cuda",
+    routing: Routing | None = None,
+    progress: Progress | None = None,
+) -> LayoutSearch:
+    """Every layout of ``gpus`` GPUs for ``model`` (on meta) under ``requests`` (meshbind's
+    requests or a plan source such as ``from_hf_plan(model)``), ``global_batch`` sequences of
+    ``seq_len`` tokens a step: refused with the rule that refuses it, or traced and priced. Each
+    trace runs on a model ``build()`` makes (under ``torch.device("meta")``), as ``step_memory``'s do.
+
+    A layout whose state alone (the report's fullest rank) exceeds ``device_memory`` is not
+    traced: its step holds at least that much. Every other valid layout is traced (step memory and
+    step collectives) and priced on ``cluster``, with the same calls ``meshbind check`` makes, so
+    its figures are check's. Ctrl-C stops the tracing and returns what was found so far
+    (``interrupted``)."""
+    started = time.perf_counter()
+    for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq_len", seq_len), ("device_memory", device_memory)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
+    wanted = (choices or Choices()).checked()
+    if wanted.expert_parallel is None:
+        wanted = replace(wanted, expert_parallel=any(fqn.rpartition(".")[2] == "experts" for fqn, _ in model.named_modules()))
+    rules = _Rules(model, requests, wanted, cluster, global_batch, seq_len, optimizer)
+    checked = [candidate for world in worlds(gpus, bool(wanted.expert_parallel)) for candidate in rules.layouts(world)]
+    candidates = {id(c): c for c in checked}
+    valid = [c for c in checked if c.rule is None]
+    for c in valid:
+        assert c.layout is not None
+        state = rules.state_bytes(c.layout)
+        too_large = state > device_memory
+        candidates[id(c)] = Candidate(c.world, c.layout, STATE_TOO_LARGE if too_large else None, None, state)
+    to_trace = sorted((c for c in candidates.values() if c.rule is None), key=lambda c: c.state_bytes or 0)
+    traced = _Tracer(build, rules, device_memory, device, routing or Routing())
+    interrupted = False
+    try:
+        for done, candidate in enumerate(to_trace):
+            if progress is not None:
+                progress("tracing layouts", done, len(to_trace))
+            candidates[id(candidate)] = traced.full(candidate)
+        if progress is not None:
+            progress("tracing layouts", len(to_trace), len(to_trace))
+        if not any(c.fits for c in candidates.values()):
+            for found in traced.least_memory(list(candidates.values())):
+                candidates[id(found)] = found
+    except KeyboardInterrupt:
+        interrupted = True
+    return LayoutSearch(
+        gpus,
+        cluster,
+        device_memory,
+        global_batch,
+        seq_len,
+        tuple(candidates.values()),
+        time.perf_counter() - started,
+        interrupted,
+    )
+
+
+class _Rules:
+    """The rules ``meshbind check`` applies to a layout, each plan resolved once per world and
+    precision and each report counted once per split."""
+
+    def __init__(
+        self, model: nn.Module, requests: Any, choices: Choices, cluster: Cluster, global_batch: int, seq_len: int, optimizer: str
+    ) -> None:
+        self.model, self.requests, self.choices, self.cluster = model, requests, choices, cluster
+        self.global_batch, self.seq_len, self.optimizer = global_batch, seq_len, optimizer
+        self.plans: dict[tuple[World, str], ParallelPlan] = {}
+        self.splits: dict[tuple[World, str, int], PipelineStages] = {}
+        self.states: dict[tuple[World, str, int], int] = {}
+
+    def local_batch(self, world: World) -> int:
+        return self.global_batch // (world.dp_replicate * world.dp_shard)
+
+    def layouts(self, world: World) -> Iterator[Candidate]:
+        """The world refused as a whole, or each of its layouts, valid or refused."""
+        refusal = self._world_refusal(world)
+        if refusal is not None:
+            yield Candidate(world, None, *refusal)
+            return
+        for dtype in self.choices.param_dtypes or ():
+            plan = self._plan(world, dtype)
+            if isinstance(plan, tuple):
+                yield Candidate(world, None, *plan)
+                continue
+            for schedule, microbatches, problem in self._pipelines(world, plan):
+                for checkpointing in self.choices.checkpointing or ():
+                    layout = Layout(world, schedule, microbatches, checkpointing, dtype)  # type: ignore[arg-type]
+                    yield Candidate(world, layout, *(problem or (None, None)))
+
+    def _world_refusal(self, world: World) -> tuple[str, str] | None:
+        tp, node = world.tp, self.cluster.gpus_per_node
+        if tp > node or node % tp:
+            return "tp within a node", f"tp={tp} does not fit within a node of {node} GPUs: its collectives would leave NVLink"
+        data_parallel = world.dp_replicate * world.dp_shard
+        if self.global_batch % data_parallel:
+            return (
+                "global batch over data-parallel ranks",
+                f"global batch {self.global_batch} does not split over dp_replicate · dp_shard = {data_parallel} ranks",
+            )
+        problem = step_size_problem(self.local_batch(world), self.seq_len)
+        if problem is not None:
+            return "step size", problem
+        return None
+
+    def _plan(self, world: World, dtype: str) -> ParallelPlan | tuple[str, str]:
+        key = (world, dtype)
+        if key not in self.plans:
+            units = FullyShard(None, param_dtype=_dtype(dtype), reduce_dtype=_dtype(REDUCE_DTYPE))
+            try:
+                plan = resolve_plan(self.model, self.requests, LayoutContext(world.axis_sizes()), fully_shard=units, index=True)
+            except PlanError as error:
+                first = error.problems[0]
+                return f"plan: {first.code}", first.line()
+            idle = _idle_axis(plan, world)
+            if idle is not None:
+                return idle
+            self.plans[key] = plan
+        return self.plans[key]
+
+    def _pipelines(self, world: World, plan: ParallelPlan) -> Iterator[tuple[str | None, int | None, tuple[str, str] | None]]:
+        """Each schedule and microbatch count under ``pp`` above 1, with the problem that refuses it."""
+        if world.pp == 1:
+            yield None, None, None
+            return
+        local = self.local_batch(world)
+        for schedule in self.choices.schedules or ():
+            stages = world.pp * (1 if schedule in ("GPipe", "1F1B") else 2)
+            for microbatches in microbatch_choices(self.choices, stages, local):
+                yield schedule, microbatches, self._split_problem(world, plan, schedule, microbatches, local)
+
+    def _split_problem(
+        self, world: World, plan: ParallelPlan, schedule: str, microbatches: int, local: int
+    ) -> tuple[str, str] | None:
+        if local % microbatches:
+            return (
+                "microbatches over the local batch",
+                f"a local batch of {local} does not split into {microbatches} microbatches",
+            )
+        try:
+            assert plan.index is not None
+            self.splits[(world, schedule, microbatches)] = split_stages(
+                plan.index, world.pp, Pipeline(schedule, microbatches=microbatches)
+            )
+        except PipelineError as error:
+            return "pipeline", error.problems[0]
+        return None
+
+    def plan(self, layout: Layout) -> ParallelPlan:
+        return self.plans[(layout.world, layout.param_dtype)]
+
+    def stages(self, layout: Layout) -> PipelineStages | None:
+        if layout.schedule is None or layout.microbatches is None:
+            return None
+        return self.splits[(layout.world, layout.schedule, layout.microbatches)]
+
+    def pipeline(self, layout: Layout) -> Pipeline | None:
+        return None if layout.schedule is None else Pipeline(layout.schedule, microbatches=layout.microbatches)
+
+    def state_bytes(self, layout: Layout) -> int:
+        """The report's fullest rank: parameters, gradients and optimizer state (the stages' split
+        does not depend on the microbatches)."""
+        stages = self.stages(layout)
+        key = (layout.world, layout.param_dtype, 0 if stages is None else len(stages.stages))
+        if key not in self.states:
+            report = plan_report(self.model, self.plan(layout), optimizer=self.optimizer, pipeline=stages)
+            self.states[key] = report.totals()["total_bytes_per_rank"]
+        return self.states[key]
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype: torch.dtype = getattr(torch, DTYPE_NAMES[name])
+    return dtype
+
+
+def _idle_axis(plan: ParallelPlan, world: World) -> tuple[str, str] | None:
+    """An axis above 1 that the plan splits nothing over only repeats the work on its ranks:
+    ``check`` accepts such a world, a search leaves it out."""
+    placed = {axis for spec in plan.sharding.values() for placements in spec.params.values() for axis in placements}
+    bound = {spec.binding_kind for spec in plan.parallel_modules.values()}
+    for axis, used in (("tp", "tp" in placed), ("cp", "cp" in bound), ("ep", "ep" in placed)):
+        size = world.size_of(axis)
+        if size > 1 and not used:
+            return (
+                f"{axis} splits nothing",
+                f"{axis}={size}: the plan splits nothing over {axis}, so its ranks would repeat the work",
+            )
+    return None
+
+
+class _Tracer:
+    """Step memory, step collectives and step time of a layout, as ``meshbind check`` runs them."""
+
+    def __init__(self, build: Callable[[], nn.Module], rules: _Rules, device_memory: int, device: str, routing: Routing) -> None:
+        self.build, self.rules, self.device_memory, self.device, self.routing = build, rules, device_memory, device, routing
+
+    def _settings(self, layout: Layout) -> dict[str, Any]:
+        return dict(
+            batch=self.rules.local_batch(layout.world),
+            seq_len=self.rules.seq_len,
+            optimizer=self.rules.optimizer,
+            activation_checkpointing=layout.checkpointing,
+            device=self.device,
+            routing=self.routing,
+            pipeline=self.rules.pipeline(layout),
+        )
+
+    def full(self, candidate: Candidate) -> Candidate:
+        """Traced and, where it fits, priced."""
+        layout = candidate.layout
+        assert layout is not None
+        plan = self.rules.plan(layout)
+        try:
+            memory = step_memory(self.build, plan, device_memory=self.device_memory, **self._settings(layout))
+            timed = None
+            if memory.fits:
+                comms = step_comms(self.build, plan, **self._settings(layout))
+                timed = step_time(comms, self.rules.cluster)
+        except (StepMemoryError, ValueError) as error:
+            return Candidate(candidate.world, layout, "cannot be traced", str(error), candidate.state_bytes)
+        return Candidate(candidate.world, layout, None, None, candidate.state_bytes, memory, timed)
+
+    def least_memory(self, candidates: list[Candidate]) -> Iterator[Candidate]:
+        """When nothing fits: the layouts refused for their state traced in order of that state,
+        until the next one's state alone is no less than the smallest peak found; then the smallest
+        peak is the least memory any layout needs."""
+        peaks = [c.memory.peak_bytes for c in candidates if c.memory is not None]
+        least = min(peaks, default=None)
+        for candidate in sorted((c for c in candidates if c.rule == STATE_TOO_LARGE), key=lambda c: c.state_bytes or 0):
+            assert candidate.layout is not None and candidate.state_bytes is not None
+            if least is not None and candidate.state_bytes >= least:
+                return
+            plan = self.rules.plan(candidate.layout)
+            memory = step_memory(self.build, plan, device_memory=self.device_memory, **self._settings(candidate.layout))
+            least = memory.peak_bytes if least is None else min(least, memory.peak_bytes)
+            yield Candidate(candidate.world, candidate.layout, None, None, candidate.state_bytes, memory)

@@ -1,0 +1,85 @@
+"""``meshbind plan``: layouts refused by check's rules, the rest traced and priced, and each listed
+layout's figures the same as ``meshbind check`` gives for it."""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+TINY_LLAMA = {
+    "model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+}  # fmt: skip
+
+
+def meshbind(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "meshbind", *arguments], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("plan") / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def search(config: str) -> dict:
+    done = meshbind(
+        "plan", "--hf-config", config, "--gpus", "4", "--gpu", "H100-SXM", "--device-memory", "80GiB",
+        "--global-batch", "8", "--seq-len", "64", "--pp-schedule", "1F1B", "--activation-checkpointing", "none", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_every_world_is_a_candidate_refused_by_its_rule_or_traced(search: dict) -> None:
+    candidates = search["candidates"]
+    worlds = {tuple(c["axes"][a] for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")) for c in candidates}
+    assert len(worlds) == math.comb(2 + 4, 4)  # every ordered split of 2 * 2 GPUs over five axes
+    kv_heads = [c for c in candidates if c["axes"]["tp"] == 4]
+    assert kv_heads and all(c["refused"] == "plan: layout" for c in kv_heads)  # 2 kv heads over tp=4
+    assert "num_key_value_heads" in kv_heads[0]["detail"]
+    assert all(c["refused"] == "cp splits nothing" for c in candidates if c["axes"]["cp"] > 1)
+    ranked = [candidates[i] for i in search["ranked"]]
+    speeds = [c["tokens_per_second_per_gpu"] for c in ranked]
+    assert ranked and speeds == sorted(speeds, reverse=True) and all(c["fits"] for c in ranked)
+    assert len(search["commands"]) == len(ranked)
+
+
+def test_a_listed_layout_gives_the_figures_check_gives(search: dict) -> None:
+    candidates = search["candidates"]
+    for position in (0, len(search["ranked"]) - 1):
+        listed = candidates[search["ranked"][position]]
+        words = shlex.split(search["commands"][position])
+        assert words[:2] == ["meshbind", "check"]
+        checked = meshbind(*words[1:], "--json")
+        assert checked.returncode == 0, checked.stderr
+        answer = json.loads(checked.stdout)
+        assert answer["memory"]["peak_bytes"] == listed["peak_bytes"]
+        assert answer["step_time"]["tokens_per_second_per_gpu"] == listed["tokens_per_second_per_gpu"]
+        assert answer["step_time"]["step_s"] == listed["step_s"]
+
+
+def test_a_state_too_large_is_not_traced_and_nothing_fitting_names_the_least_memory(config: str) -> None:
+    done = meshbind(
+        "plan", "--hf-config", config, "--gpus", "2", "--gpu", "H100-SXM", "--device-memory", "64KiB",
+        "--global-batch", "2", "--seq-len", "32", "--pp-schedule", "1F1B", "--activation-checkpointing", "none",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "does not fit: state alone" in done.stdout
+    assert "no layout fits 64.00 KiB: the least any needs is" in done.stderr
+
+
+def test_bad_flags_exit_2_naming_them(config: str) -> None:
+    done = meshbind("plan", "--hf-config", config, "--gpus", "0", "--gpu", "H100-SXM", "--device-memory", "80GiB",
+                    "--global-batch", "2", "--seq-len", "32")  # fmt: skip
+    assert done.returncode == 2 and "--gpus" in done.stderr
+    done = meshbind("plan", "--hf-config", config, "--gpus", "2", "--gpu", "H100-SXM", "--device-memory", "80GiB",
+                    "--global-batch", "2", "--seq-len", "32", "--pp-schedule", "Nope")  # fmt: skip
+    assert done.returncode == 2 and "Nope" in done.stderr
