@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -83,3 +86,26 @@ def test_bad_flags_exit_2_naming_them(config: str) -> None:
     done = meshbind("plan", "--hf-config", config, "--gpus", "2", "--gpu", "H100-SXM", "--device-memory", "80GiB",
                     "--global-batch", "2", "--seq-len", "32", "--pp-schedule", "Nope")  # fmt: skip
     assert done.returncode == 2 and "Nope" in done.stderr
+
+
+def test_ctrl_c_prints_the_best_found_so_far(config: str) -> None:
+    command = [
+        sys.executable, "-m", "meshbind", "plan", "--hf-config", config, "--gpus", "8", "--gpu", "H100-SXM",
+        "--device-memory", "80GiB", "--global-batch", "16", "--seq-len", "64",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        seen = ""
+        while "tracing layouts" not in seen and process.poll() is None:
+            seen += process.stderr.read(1)  # type: ignore[union-attr]
+        time.sleep(8)  # a few layouts traced
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130
+    assert "(interrupted: the best found so far)" in out
+    assert re.search(r"^ +1 +[0-9,]+ ", out, re.MULTILINE)  # a layout traced before the interrupt is ranked

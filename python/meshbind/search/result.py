@@ -138,8 +138,20 @@ class LayoutSearch:
         if refusals:
             lines.append("left out:")
             for rule, count in refusals.most_common():
-                lines.append(f"  {count:>6,}  {rule}{self._nearest(rule)}")
+                lines.append(f"  {count:>6,}  {rule}{self._nearest(rule)}{self._example(rule)}")
         return "\n".join(lines)
+
+    def _example(self, rule: str) -> str:
+        """One refused candidate of ``rule`` and the problem as check words it."""
+        first = next((c for c in self.candidates if c.rule == rule and c.detail is not None), None)
+        if first is None:
+            return ""
+        where = (
+            first.layout.text()
+            if first.layout is not None
+            else " · ".join(f"{axis} {size}" for axis, size in first.world.axis_sizes().items() if size > 1)
+        )
+        return f"\n            e.g. {where}: {first.detail}"
 
     def _nearest(self, rule: str) -> str:
         """For the layouts too large, the one closest to fitting and by how much."""
