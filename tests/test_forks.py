@@ -47,6 +47,22 @@ def test_pieces_answer_in_order_from_forked_children() -> None:
 
 
 @needs_two_cores
+def test_each_answer_is_kept_as_it_arrives_and_a_child_runs_its_own_pieces_itself() -> None:
+    done = run_fresh(
+        """
+        from meshbind.forks import in_forks
+        def nested(item):  # in a child: its pieces run in it, not in grandchildren
+            return os.getpid(), in_forks(lambda inner: os.getpid(), [item, item], lambda inner: f"inner {inner}")
+        seen = []
+        answers = in_forks(nested, [1, 2, 3], lambda item: f"piece {item}", lambda position, answer: seen.append(position))
+        assert sorted(seen) == [0, 1, 2], seen
+        assert all(inner == [pid, pid] and pid != os.getpid() for pid, inner in answers), answers
+        """
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@needs_two_cores
 def test_a_childs_error_is_raised_here_and_no_child_is_left() -> None:
     done = run_fresh(
         """

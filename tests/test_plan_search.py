@@ -79,6 +79,20 @@ def test_a_state_too_large_is_not_traced_and_nothing_fitting_names_the_least_mem
     assert "no layout fits 64.00 KiB: the least any needs is" in done.stderr
 
 
+def test_a_gpu_count_no_layout_can_use_names_the_nearest_that_can(config: str) -> None:
+    # 7 GPUs: tp 7 leaves a node of 8, a global batch of 16 does not split over 7 data-parallel
+    # ranks, pp 7 has 4 blocks to split, cp splits nothing; 6 can run pp 3 · tp 2.
+    done = meshbind(
+        "plan", "--hf-config", config, "--gpus", "7", "--gpu", "H100-SXM", "--device-memory", "80GiB",
+        "--global-batch", "16", "--seq-len", "64", "--json",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["candidates"] and all(c["refused"] for c in answer["candidates"])
+    assert math.prod(answer["nearest"]["axes"].values()) == 6 and answer["nearest"]["refused"] is None
+    assert "no layout of this model can run on 7 GPUs (see the rules above): the nearest count that can is 6 GPUs" in done.stderr
+
+
 def test_bad_flags_exit_2_naming_them(config: str) -> None:
     done = meshbind("plan", "--hf-config", config, "--gpus", "0", "--gpu", "H100-SXM", "--device-memory", "80GiB",
                     "--global-batch", "2", "--seq-len", "32")  # fmt: skip

@@ -1,6 +1,6 @@
 """Traces that share nothing, run side by side in forked children: as many at once as this process
-may use cores, each answer sent back pickled. A child starts from this process's memory as it
-stands (a model built on ``meta``, a plan), so only answers cross.
+may use cores, each answer sent back pickled; a child runs its own pieces in order. A child starts
+from this process's memory as it stands (a model built on ``meta``, a plan), so only answers cross.
 
 torch's autograd engine refuses a backward in a child forked after this process ran one (its
 threads do not survive a fork). A child that meets the refusal says so, and from then on every
@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
@@ -25,6 +26,8 @@ _AUTOGRAD_REFUSES = "Unable to handle autograd's threading in combination with f
 _REFUSED = "refused"
 _refused_here = False
 """Whether a child of this process met autograd's refusal: no later piece forks."""
+_in_a_child = False
+"""Whether this process is a child: its pieces run in it, in order, as its siblings hold the other cores."""
 
 
 def usable_cores() -> int:
@@ -32,22 +35,36 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def in_forks(work: Callable[[Item], Result], items: Sequence[Item], what: Callable[[Item], str]) -> list[Result]:
-    """``work`` of each of ``items``, in order, each in a forked child where one may fork. A
-    child's exception is raised here (the first to arrive); a child that ends without an answer
-    (killed, out of memory) is a ``RuntimeError`` naming ``what`` it was doing. The other children
-    are stopped either way."""
+def in_forks(
+    work: Callable[[Item], Result],
+    items: Sequence[Item],
+    what: Callable[[Item], str],
+    answered: Callable[[int, Result], None] | None = None,
+) -> list[Result]:
+    """``work`` of each of ``items``, in order, each in a forked child where one may fork (not in a
+    child: it runs its pieces itself). ``answered(position, result)`` is called as each arrives,
+    so a caller stopped part way keeps what was answered. A child's exception is raised here (the
+    first to arrive); a child that ends without an answer (killed, out of memory) is a
+    ``RuntimeError`` naming ``what`` it was doing. The other children are stopped either way."""
     global _refused_here
-    if _refused_here or usable_cores() <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [work(item) for item in items]
     results: dict[int, Result] = {}
-    if _forked(work, items, what, results):
+
+    def keep(position: int, result: Result) -> None:
+        results[position] = result
+        if answered is not None:
+            answered(position, result)
+
+    forking = not (_refused_here or _in_a_child or usable_cores() <= 1 or "fork" not in multiprocessing.get_all_start_methods())
+    if forking and _forked(work, items, what, keep):
         _refused_here = True
-    return [results[position] if position in results else work(item) for position, item in enumerate(items)]
+    for position, item in enumerate(items):
+        if position not in results:
+            keep(position, work(item))
+    return [results[position] for position in range(len(items))]
 
 
 def _forked(
-    work: Callable[[Item], Result], items: Sequence[Item], what: Callable[[Item], str], results: dict[int, Result]
+    work: Callable[[Item], Result], items: Sequence[Item], what: Callable[[Item], str], keep: Callable[[int, Result], None]
 ) -> bool:
     """Runs ``items`` in children, their answers into ``results``; whether autograd refused one."""
     context = multiprocessing.get_context("fork")
@@ -77,7 +94,7 @@ def _forked(
                     return True
                 if kind == "raised":
                     raise value
-                results[position] = value
+                keep(position, value)
     finally:
         for reader, (_, child) in running.items():
             child.kill()
@@ -87,6 +104,9 @@ def _forked(
 
 
 def _answer(work: Callable[[Any], Any], item: Any, writer: Connection) -> None:
+    global _in_a_child
+    _in_a_child = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to answer: it stops its children
     torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
     try:
         answer: tuple[str, Any] = ("answered", work(item))

@@ -12,6 +12,7 @@ from meshbind.cli.models import model_and_plan
 from meshbind.cli.progress import ProgressBar
 from meshbind.routing import Routing
 from meshbind.search import Choices, LayoutSearch, plan_layouts
+from meshbind.search.result import CANNOT_BE_TRACED
 from meshbind.search.space import PRECISION_CHOICES, REDUCE_DTYPE, Layout
 from meshbind.steptime.cluster import GIGA, Cluster
 from meshbind.units import size_text
@@ -57,13 +58,21 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def _nothing_fits(search: LayoutSearch) -> str:
+    """Why nothing is ranked, and the nearest thing that would work."""
     least = search.least_memory()
     if least is not None and least.memory is not None and least.layout is not None:
         return (
             f"meshbind plan: no layout fits {size_text(search.device_memory)}: the least any needs is "
             f"{size_text(least.memory.peak_bytes)} ({least.layout.text()})"
         )
-    return "meshbind plan: no layout of this model can run on these GPUs: see the rules above"
+    untraced = next((c for c in search.candidates if c.rule == CANNOT_BE_TRACED), None)
+    if untraced is not None and untraced.layout is not None:
+        return f"meshbind plan: no valid layout could be traced; {untraced.layout.text()}: {untraced.detail}"
+    nowhere = f"meshbind plan: no layout of this model can run on {search.gpus:,} GPUs (see the rules above)"
+    if search.nearest is None or search.nearest.layout is None:
+        return f"{nowhere}, nor on any count up to {2 * search.gpus:,} whose state fits {size_text(search.device_memory)}"
+    nearest = search.nearest.layout
+    return f"{nowhere}: the nearest count that can is {nearest.world.size:,} GPUs, e.g. {nearest.text()}"
 
 
 def _check_command(args: argparse.Namespace, layout: Layout, global_batch: int) -> str:

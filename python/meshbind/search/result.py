@@ -60,6 +60,8 @@ class Candidate:
 STATE_TOO_LARGE = "does not fit: state alone"
 """The rule of a layout whose parameters, gradients and optimizer state alone exceed the device."""
 PEAK_TOO_LARGE = "does not fit: traced peak"
+CANNOT_BE_TRACED = "cannot be traced"
+"""The rule of a valid layout whose step trace raised (its ``detail`` says why)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class LayoutSearch:
     """Stopped by Ctrl-C: the candidates traced by then, the rest not yet."""
     commands: tuple[str, ...] = field(default=(), compare=False)
     """``meshbind check`` for each ranked candidate, in rank order (empty from Python)."""
+    nearest: Candidate | None = None
+    """Where no layout of ``gpus`` passes the rules: one of the nearest GPU count that does and
+    whose state fits (``None`` otherwise)."""
 
     @property
     def ranked(self) -> list[Candidate]:
@@ -111,6 +116,7 @@ class LayoutSearch:
             "ranked": [self.candidates.index(c) for c in self.ranked],
             "commands": list(self.commands),
             "refusals": dict(self.refusals()),
+            "nearest": None if self.nearest is None else self.nearest.to_dict(),
             "candidates": [c.to_dict() for c in self.candidates],
         }
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from meshbind.comms.trace import step_comms
 from meshbind.errors import PipelineError, PlanError, StepMemoryError
+from meshbind.forks import in_forks
 from meshbind.fsdp_request import FullyShard
 from meshbind.memory.trace import step_memory, step_size_problem
 from meshbind.names import DTYPE_NAMES, Optimizer
@@ -21,7 +22,7 @@ from meshbind.pipeline import Pipeline, PipelineStages, split_stages
 from meshbind.report import plan_report
 from meshbind.resolution import ParallelPlan, resolve_plan
 from meshbind.routing import Routing
-from meshbind.search.result import STATE_TOO_LARGE, Candidate, LayoutSearch
+from meshbind.search.result import CANNOT_BE_TRACED, STATE_TOO_LARGE, Candidate, LayoutSearch
 from meshbind.search.space import REDUCE_DTYPE, Choices, Layout, microbatch_choices, worlds
 from meshbind.specs import LayoutContext
 from meshbind.steptime.cluster import Cluster
@@ -70,6 +71,7 @@ def plan_layouts(
     checked = [candidate for world in worlds(gpus, bool(wanted.expert_parallel)) for candidate in rules.layouts(world)]
     candidates = {id(c): c for c in checked}
     valid = [c for c in checked if c.rule is None]
+    nearest = None if valid else _nearest_usable(rules, gpus, bool(wanted.expert_parallel), device_memory)
     for c in valid:
         assert c.layout is not None
         state = rules.state_bytes(c.layout)
@@ -78,13 +80,19 @@ def plan_layouts(
     to_trace = sorted((c for c in candidates.values() if c.rule is None), key=lambda c: c.state_bytes or 0)
     traced = _Tracer(build, rules, device_memory, device, routing or Routing())
     interrupted = False
-    try:
-        for done, candidate in enumerate(to_trace):
-            if progress is not None:
-                progress("tracing layouts", done, len(to_trace))
-            candidates[id(candidate)] = traced.full(candidate)
+    done = 0
+
+    def answered(position: int, found: Candidate) -> None:
+        nonlocal done
+        candidates[id(to_trace[position])] = found
+        done += 1
         if progress is not None:
-            progress("tracing layouts", len(to_trace), len(to_trace))
+            progress("tracing layouts", done, len(to_trace))
+
+    try:
+        if progress is not None:
+            progress("tracing layouts", 0, len(to_trace))
+        in_forks(traced.full, to_trace, _tracing, answered)
         if not any(c.fits for c in candidates.values()):
             for found in traced.least_memory(list(candidates.values())):
                 candidates[id(found)] = found
@@ -99,7 +107,23 @@ def plan_layouts(
         tuple(candidates.values()),
         time.perf_counter() - started,
         interrupted,
+        nearest=nearest,
     )
+
+
+def _nearest_usable(rules: _Rules, gpus: int, expert_parallel: bool, device_memory: int) -> Candidate | None:
+    """Where no layout of ``gpus`` GPUs passes the rules: a layout of the nearest GPU count (the
+    smaller of two as near) that passes them and whose state fits, by the rules alone (nothing
+    traced); ``None`` when no count up to twice ``gpus`` has one."""
+    for distance in range(1, gpus + 1):
+        for count in (gpus - distance, gpus + distance):
+            for world in worlds(count, expert_parallel) if count >= 1 else ():
+                for candidate in rules.layouts(world):
+                    if candidate.rule is None and candidate.layout is not None:
+                        state = rules.state_bytes(candidate.layout)
+                        if state <= device_memory:
+                            return replace(candidate, state_bytes=state)
+    return None
 
 
 class _Rules:
@@ -214,6 +238,11 @@ class _Rules:
         return self.states[key]
 
 
+def _tracing(candidate: Candidate) -> str:
+    assert candidate.layout is not None
+    return f"tracing {candidate.layout.text()}"
+
+
 def _dtype(name: str) -> torch.dtype:
     dtype: torch.dtype = getattr(torch, DTYPE_NAMES[name])
     return dtype
@@ -253,17 +282,20 @@ class _Tracer:
 
     def full(self, candidate: Candidate) -> Candidate:
         """Traced and, where it fits, priced."""
+        return self._traced(candidate, priced=True)
+
+    def _traced(self, candidate: Candidate, *, priced: bool) -> Candidate:
         layout = candidate.layout
         assert layout is not None
         plan = self.rules.plan(layout)
         try:
             memory = step_memory(self.build, plan, device_memory=self.device_memory, **self._settings(layout))
             timed = None
-            if memory.fits:
+            if priced and memory.fits:
                 comms = step_comms(self.build, plan, **self._settings(layout))
                 timed = step_time(comms, self.rules.cluster)
         except (StepMemoryError, ValueError) as error:
-            return Candidate(candidate.world, layout, "cannot be traced", str(error), candidate.state_bytes)
+            return Candidate(candidate.world, layout, CANNOT_BE_TRACED, str(error), candidate.state_bytes)
         return Candidate(candidate.world, layout, None, None, candidate.state_bytes, memory, timed)
 
     def least_memory(self, candidates: list[Candidate]) -> Iterator[Candidate]:
@@ -273,10 +305,10 @@ class _Tracer:
         peaks = [c.memory.peak_bytes for c in candidates if c.memory is not None]
         least = min(peaks, default=None)
         for candidate in sorted((c for c in candidates if c.rule == STATE_TOO_LARGE), key=lambda c: c.state_bytes or 0):
-            assert candidate.layout is not None and candidate.state_bytes is not None
+            assert candidate.state_bytes is not None
             if least is not None and candidate.state_bytes >= least:
                 return
-            plan = self.rules.plan(candidate.layout)
-            memory = step_memory(self.build, plan, device_memory=self.device_memory, **self._settings(candidate.layout))
-            least = memory.peak_bytes if least is None else min(least, memory.peak_bytes)
-            yield Candidate(candidate.world, candidate.layout, None, None, candidate.state_bytes, memory)
+            found = self._traced(candidate, priced=False)
+            if found.memory is not None:
+                least = found.memory.peak_bytes if least is None else min(least, found.memory.peak_bytes)
+            yield found
