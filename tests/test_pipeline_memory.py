@@ -13,10 +13,11 @@ from step_memory_checks import demo_units, hf_pipelined_estimate, hf_transformer
 
 from meshbind import LayoutContext, StepMemory, resolve_plan, step_memory
 from meshbind.cli import main
-from meshbind.errors import PipelineError
+from meshbind.errors import PipelineError, StepMemoryError
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
 from meshbind.pipeline import Pipeline
+from meshbind.pipeline.schedules import Schedule
 
 LAYERS, BATCH, SEQ_LEN, MICROBATCHES = 4, 4, 32, 4
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -136,6 +137,17 @@ def test_what_a_pipelined_trace_cannot_run_is_refused_before_it_starts() -> None
         step_memory(lambda: MoETransformer(TransformerConfig(layers=LAYERS)), flat, batch=2, seq_len=8, pipeline=Pipeline())
     with pytest.raises(ValueError, match="inputs is not taken under a pipeline"):
         pipelined_demo(axes_of(1), "1F1B", inputs=lambda batch, seq_len: ((), {}))
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        with pytest.raises(ValueError, match=f"{schedule} runs each backward in two .* selective-op checkpointing allows one"):
+            pipelined_demo(axes_of(2), schedule, "selective-op")
+
+
+def test_a_split_backward_under_selective_op_checkpointing_is_refused_by_torch_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The rule above is torch's: traced past it, torch refuses the weights' backward.
+    monkeypatch.setattr(Schedule, "checkpointing_problem", lambda self, checkpointing: None)
+    with pytest.raises(StepMemoryError, match="Trying to backward an extra time"):
+        pipelined_demo(axes_of(2), "DualPipeV", "selective-op")
+    assert pipelined_demo(axes_of(2), "DualPipeV", "full").peak_bytes > 0
 
 
 def _with_microbatches(microbatches: int) -> StepMemory:

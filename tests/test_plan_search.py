@@ -79,6 +79,17 @@ def test_a_state_too_large_is_not_traced_and_nothing_fitting_names_the_least_mem
     assert "no layout fits 64.00 KiB: the least any needs is" in done.stderr
 
 
+def test_a_split_backward_under_selective_op_checkpointing_is_refused_untraced(config: str) -> None:
+    done = meshbind(
+        "plan", "--hf-config", config, "--gpus", "2", "--gpu", "H100-SXM", "--device-memory", "64KiB",
+        "--global-batch", "8", "--seq-len", "32", "--pp-schedule", "DualPipeV", "--activation-checkpointing", "selective-op",
+        "--json",
+    )  # fmt: skip
+    pipelined = [c for c in json.loads(done.stdout)["candidates"] if c["axes"]["pp"] == 2]
+    assert pipelined and all(c["refused"] == "checkpointing under the schedule" for c in pipelined), pipelined
+    assert "selective-op checkpointing allows one backward over a region" in pipelined[0]["detail"]
+
+
 def test_a_gpu_count_no_layout_can_use_names_the_nearest_that_can(config: str) -> None:
     # 7 GPUs: tp 7 leaves a node of 8, a global batch of 16 does not split over 7 data-parallel
     # ranks, pp 7 has 4 blocks to split, cp splits nothing; 6 can run pp 3 · tp 2.

@@ -96,6 +96,8 @@ def pipelined_step(
     if inputs is not None:
         raise ValueError("inputs is not taken under a pipeline: the first stage takes token ids [batch, seq_len]")
     stages = split_stages(plan.index, plan.context.world.pp, pipeline or Pipeline())
+    if (problem := stages.schedule.checkpointing_problem(settings.activation_checkpointing)) is not None:
+        raise ValueError(problem)
     if settings.batch % stages.microbatches:
         raise ValueError(f"batch {settings.batch} does not split into {stages.microbatches} pipeline microbatches")
     groups = plan_report(plan.index, plan, optimizer="none", pipeline=stages).rank_groups

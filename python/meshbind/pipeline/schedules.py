@@ -9,9 +9,12 @@ Single-stage schedules (``GPipe``, ``1F1B``) run one stage per rank; the others 
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+from meshbind.names import ActivationCheckpointing, Checkpointing
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,8 @@ class Schedule:
     name: str
     single_stage: bool
     placement: str = "loop"
+    splits_backward: bool = False
+    """Whether it runs a backward in two (the inputs' gradients, later the weights'): the zero-bubble schedules."""
 
     def default_stages_per_rank(self) -> int:
         """torchtitan's default: one for a single-stage schedule, two otherwise."""
@@ -33,6 +38,17 @@ class Schedule:
         if self.placement == "v":
             return (rank, stages - 1 - rank)
         return tuple(rank + index * pp for index in range(per_rank))
+
+    def checkpointing_problem(self, checkpointing: Checkpointing) -> str | None:
+        """Why this schedule cannot run under ``checkpointing``: torch's selective (per-operator)
+        checkpointing allows one backward over a region, and a split backward runs two."""
+        if self.splits_backward and checkpointing.mode is ActivationCheckpointing.SELECTIVE_OP:
+            return (
+                f"{self.name} runs each backward in two (the inputs' gradients, then the weights'), but torch's "
+                "selective-op checkpointing allows one backward over a region: use full checkpointing or none, "
+                "or a schedule that does not split the backward"
+            )
+        return None
 
     def problems(self, pp: int, stages: int, microbatches: int) -> list[str]:
         """What ``pp`` ranks running ``stages`` stages over ``microbatches`` microbatches break of
@@ -67,9 +83,9 @@ SCHEDULES = {
         Schedule("1F1B", single_stage=True),
         Schedule("Interleaved1F1B", single_stage=False),
         Schedule("LoopedBFS", single_stage=False),
-        Schedule("InterleavedZeroBubble", single_stage=False),
-        Schedule("ZBVZeroBubble", single_stage=False, placement="v"),
-        Schedule("DualPipeV", single_stage=False, placement="v"),
+        Schedule("InterleavedZeroBubble", single_stage=False, splits_backward=True),
+        Schedule("ZBVZeroBubble", single_stage=False, placement="v", splits_backward=True),
+        Schedule("DualPipeV", single_stage=False, placement="v", splits_backward=True),
     )
 }
 """Every schedule torch ships, by torch's name."""
@@ -124,6 +140,7 @@ def in_flight(order: RunOrder, stages: int) -> tuple[int, ...]:
     return tuple(most[stage] for stage in range(stages))
 
 
+@functools.cache  # torch builds each order over stand-in stages, slowly; the same order is asked for per world
 def run_order(schedule: Schedule, pp: int, stages: int, microbatches: int) -> RunOrder:
     """Each pipeline rank's actions in the order torch runs them, each as the stage actions it runs
     (DualPipeV's overlapped forward and backward as both). A multi-stage schedule runs its

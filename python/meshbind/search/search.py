@@ -19,6 +19,7 @@ from meshbind.fsdp_request import FullyShard
 from meshbind.memory.trace import step_memory, step_size_problem
 from meshbind.names import DTYPE_NAMES, Optimizer
 from meshbind.pipeline import Pipeline, PipelineStages, split_stages
+from meshbind.pipeline.schedules import schedule_named
 from meshbind.report import plan_report
 from meshbind.resolution import ParallelPlan, resolve_plan
 from meshbind.routing import Routing
@@ -156,7 +157,7 @@ class _Rules:
             for schedule, microbatches, problem in self._pipelines(world, plan):
                 for checkpointing in self.choices.checkpointing or ():
                     layout = Layout(world, schedule, microbatches, checkpointing, dtype)  # type: ignore[arg-type]
-                    yield Candidate(world, layout, *(problem or (None, None)))
+                    yield Candidate(world, layout, *(problem or _checkpointing_problem(layout) or (None, None)))
 
     def _world_refusal(self, world: World) -> tuple[str, str] | None:
         tp, node = world.tp, self.cluster.gpus_per_node
@@ -236,6 +237,13 @@ class _Rules:
             report = plan_report(self.model, self.plan(layout), optimizer=self.optimizer, pipeline=stages)
             self.states[key] = report.totals()["total_bytes_per_rank"]
         return self.states[key]
+
+
+def _checkpointing_problem(layout: Layout) -> tuple[str, str] | None:
+    if layout.schedule is None:
+        return None
+    problem = schedule_named(layout.schedule, "a pipeline schedule").checkpointing_problem(layout.checkpointing)
+    return None if problem is None else ("checkpointing under the schedule", problem)
 
 
 def _tracing(candidate: Candidate) -> str:
