@@ -69,6 +69,38 @@ def test_a_listed_layout_gives_the_figures_check_gives(search: dict) -> None:
         assert answer["step_time"]["step_s"] == listed["step_s"]
 
 
+def test_without_tracing_the_same_layouts_pass_the_rules_with_their_state(search: dict) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from meshbind import GPUS, Cluster
+    from meshbind.interop.hf_plans import from_hf_plan
+    from meshbind.search import Choices, plan_layouts
+
+    config = AutoConfig.for_model(**TINY_LLAMA)
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    model = build()
+    untraced = plan_layouts(
+        model, from_hf_plan(model), build=build, gpus=4, cluster=Cluster(GPUS["H100-SXM"]), device_memory=80 * 2**30,
+        global_batch=8, seq_len=64, choices=Choices(["1F1B"], checkpointing=["none"]), trace=False,
+    )  # fmt: skip
+    assert not untraced.ranked and all(c.memory is None for c in untraced.candidates)
+    counted = {json.dumps(c.to_dict(), sort_keys=True): c.state_bytes for c in untraced.candidates if c.rule is None}
+    traced = [c for c in search["candidates"] if c["refused"] is None]
+    keys = ("axes", "pp_schedule", "pp_microbatches", "activation_checkpointing", "param_dtype", "reduce_dtype")
+    assert sorted(
+        json.dumps(
+            {k: c[k] for k in keys} | {"refused": None, "detail": None, "fits": None, "state_bytes": c["state_bytes"]},
+            sort_keys=True,
+        )
+        for c in traced
+    ) == sorted(counted)
+
+
 def test_a_state_too_large_is_not_traced_and_nothing_fitting_names_the_least_memory(config: str) -> None:
     done = meshbind(
         "plan", "--hf-config", config, "--gpus", "2", "--gpu", "H100-SXM", "--device-memory", "64KiB",

@@ -48,6 +48,7 @@ def plan_layouts(
     device: str = "cuda",
     routing: Routing | None = None,
     progress: Progress | None = None,
+    trace: bool = True,
 ) -> LayoutSearch:
     """Every layout of ``gpus`` GPUs for ``model`` (on meta) under ``requests`` (meshbind's
     requests or a plan source such as ``from_hf_plan(model)``), ``global_batch`` sequences of
@@ -58,7 +59,8 @@ def plan_layouts(
     traced: its step holds at least that much. Every other valid layout is traced (step memory and
     step collectives) and priced on ``cluster``, with the same calls ``meshbind check`` makes, so
     its figures are check's. Ctrl-C stops the tracing and returns what was found so far
-    (``interrupted``)."""
+    (``interrupted``). Without ``trace``, nothing is traced: every candidate is refused by a rule,
+    too large by its state, or valid with its state counted (and nothing is ranked)."""
     started = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq_len", seq_len), ("device_memory", device_memory)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -69,34 +71,34 @@ def plan_layouts(
     if wanted.expert_parallel is None:
         wanted = replace(wanted, expert_parallel=any(fqn.rpartition(".")[2] == "experts" for fqn, _ in model.named_modules()))
     rules = _Rules(model, requests, wanted, cluster, global_batch, seq_len, optimizer)
-    checked = [candidate for world in worlds(gpus, bool(wanted.expert_parallel)) for candidate in rules.layouts(world)]
-    candidates = {id(c): c for c in checked}
-    valid = [c for c in checked if c.rule is None]
+    candidates = [candidate for world in worlds(gpus, bool(wanted.expert_parallel)) for candidate in rules.layouts(world)]
+    valid = [position for position, c in enumerate(candidates) if c.rule is None]
     nearest = None if valid else _nearest_usable(rules, gpus, bool(wanted.expert_parallel), device_memory)
-    for c in valid:
+    for position in valid:
+        c = candidates[position]
         assert c.layout is not None
         state = rules.state_bytes(c.layout)
-        too_large = state > device_memory
-        candidates[id(c)] = Candidate(c.world, c.layout, STATE_TOO_LARGE if too_large else None, None, state)
-    to_trace = sorted((c for c in candidates.values() if c.rule is None), key=lambda c: c.state_bytes or 0)
+        candidates[position] = replace(c, rule=STATE_TOO_LARGE if state > device_memory else None, state_bytes=state)
+    to_trace = sorted((p for p in valid if candidates[p].rule is None), key=lambda p: candidates[p].state_bytes or 0)
+    to_trace = to_trace if trace else []
     traced = _Tracer(build, rules, device_memory, device, routing or Routing())
     interrupted = False
     done = 0
 
     def answered(position: int, found: Candidate) -> None:
         nonlocal done
-        candidates[id(to_trace[position])] = found
+        candidates[to_trace[position]] = found
         done += 1
         if progress is not None:
             progress("tracing layouts", done, len(to_trace))
 
     try:
-        if progress is not None:
+        if progress is not None and to_trace:
             progress("tracing layouts", 0, len(to_trace))
-        in_forks(traced.full, to_trace, _tracing, answered)
-        if not any(c.fits for c in candidates.values()):
-            for found in traced.least_memory(list(candidates.values())):
-                candidates[id(found)] = found
+        in_forks(traced.full, [candidates[p] for p in to_trace], _tracing, answered)
+        if trace and not any(c.fits for c in candidates):
+            for position, found in traced.least_memory(candidates):
+                candidates[position] = found
     except KeyboardInterrupt:
         interrupted = True
     return LayoutSearch(
@@ -105,7 +107,7 @@ def plan_layouts(
         device_memory,
         global_batch,
         seq_len,
-        tuple(candidates.values()),
+        tuple(candidates),
         time.perf_counter() - started,
         interrupted,
         nearest=nearest,
@@ -306,17 +308,19 @@ class _Tracer:
             return Candidate(candidate.world, layout, CANNOT_BE_TRACED, str(error), candidate.state_bytes)
         return Candidate(candidate.world, layout, None, None, candidate.state_bytes, memory, timed)
 
-    def least_memory(self, candidates: list[Candidate]) -> Iterator[Candidate]:
+    def least_memory(self, candidates: list[Candidate]) -> Iterator[tuple[int, Candidate]]:
         """When nothing fits: the layouts refused for their state traced in order of that state,
         until the next one's state alone is no less than the smallest peak found; then the smallest
-        peak is the least memory any layout needs."""
+        peak is the least memory any layout needs. Each traced layout comes with its position."""
         peaks = [c.memory.peak_bytes for c in candidates if c.memory is not None]
         least = min(peaks, default=None)
-        for candidate in sorted((c for c in candidates if c.rule == STATE_TOO_LARGE), key=lambda c: c.state_bytes or 0):
-            assert candidate.state_bytes is not None
-            if least is not None and candidate.state_bytes >= least:
+        too_large = [p for p, c in enumerate(candidates) if c.rule == STATE_TOO_LARGE]
+        for position in sorted(too_large, key=lambda p: candidates[p].state_bytes or 0):
+            state = candidates[position].state_bytes
+            assert state is not None
+            if least is not None and state >= least:
                 return
-            found = self._traced(candidate, priced=False)
+            found = self._traced(candidates[position], priced=False)
             if found.memory is not None:
                 least = found.memory.peak_bytes if least is None else min(least, found.memory.peak_bytes)
-            yield found
+            yield position, found
