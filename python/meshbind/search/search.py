@@ -71,16 +71,11 @@ def plan_layouts(
     if wanted.expert_parallel is None:
         wanted = replace(wanted, expert_parallel=any(fqn.rpartition(".")[2] == "experts" for fqn, _ in model.named_modules()))
     rules = _Rules(model, requests, wanted, cluster, global_batch, seq_len, optimizer)
-    candidates = [candidate for world in worlds(gpus, bool(wanted.expert_parallel)) for candidate in rules.layouts(world)]
-    valid = [position for position, c in enumerate(candidates) if c.rule is None]
-    nearest = None if valid else _nearest_usable(rules, gpus, bool(wanted.expert_parallel), device_memory)
-    for position in valid:
-        c = candidates[position]
-        assert c.layout is not None
-        state = rules.state_bytes(c.layout)
-        candidates[position] = replace(c, rule=STATE_TOO_LARGE if state > device_memory else None, state_bytes=state)
-    to_trace = sorted((p for p in valid if candidates[p].rule is None), key=lambda p: candidates[p].state_bytes or 0)
-    to_trace = to_trace if trace else []
+    candidates = [c for world in worlds(gpus, bool(wanted.expert_parallel)) for c in rules.stated(world, device_memory)]
+    passed = any(c.rule in (None, STATE_TOO_LARGE) for c in candidates)
+    nearest = None if passed else _nearest_usable(rules, gpus, bool(wanted.expert_parallel), device_memory)
+    fitting = [position for position, c in enumerate(candidates) if c.rule is None]
+    to_trace = sorted(fitting, key=lambda p: candidates[p].state_bytes or 0) if trace else []
     traced = _Tracer(build, rules, device_memory, device, routing or Routing())
     interrupted = False
     done = 0
@@ -121,11 +116,9 @@ def _nearest_usable(rules: _Rules, gpus: int, expert_parallel: bool, device_memo
     for distance in range(1, gpus + 1):
         for count in (gpus - distance, gpus + distance):
             for world in worlds(count, expert_parallel) if count >= 1 else ():
-                for candidate in rules.layouts(world):
-                    if candidate.rule is None and candidate.layout is not None:
-                        state = rules.state_bytes(candidate.layout)
-                        if state <= device_memory:
-                            return replace(candidate, state_bytes=state)
+                usable = next((c for c in rules.stated(world, device_memory) if c.rule is None), None)
+                if usable is not None:
+                    return usable
     return None
 
 
@@ -160,6 +153,15 @@ class _Rules:
                 for checkpointing in self.choices.checkpointing or ():
                     layout = Layout(world, schedule, microbatches, checkpointing, dtype)  # type: ignore[arg-type]
                     yield Candidate(world, layout, *(problem or _checkpointing_problem(layout) or (None, None)))
+
+    def stated(self, world: World, device_memory: int) -> Iterator[Candidate]:
+        """Each of ``world``'s candidates, a valid one with its state counted: too large for
+        ``device_memory`` by its state alone, or left valid to trace."""
+        for candidate in self.layouts(world):
+            if candidate.rule is None and candidate.layout is not None:
+                state = self.state_bytes(candidate.layout)
+                candidate = replace(candidate, rule=STATE_TOO_LARGE if state > device_memory else None, state_bytes=state)
+            yield candidate
 
     def _world_refusal(self, world: World) -> tuple[str, str] | None:
         tp, node = world.tp, self.cluster.gpus_per_node
