@@ -23,6 +23,7 @@ from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig,
 from meshbind.launch import run_local_world
 from meshbind.model_index import ModelIndex
 from meshbind.pipeline import SCHEDULES, Pipeline, split_stages, stage_model
+from meshbind.pipeline.schedules import schedule_actions
 from meshbind.report import plan_report
 from meshbind.world import World
 
@@ -115,6 +116,27 @@ def test_microbatches_in_flight_are_read_from_torchs_own_schedule_order() -> Non
     assert len(interleaved.in_flight) == 8 and max(interleaved.in_flight) == 8 and interleaved.in_flight[-1] == 1
     with pytest.raises(PipelineError, match="torch refuses DualPipeV with 1 microbatches over 8 stages"):
         split_stages(index, 4, Pipeline("DualPipeV", microbatches=1))
+
+
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_the_compute_order_read_without_torchs_lowering_is_torchs_own(name: str) -> None:
+    """The rules read a multi-stage schedule's compute order with torch's lowering into the
+    runtime's list skipped (quadratic in the actions): the same order, the same refusals, and a
+    schedule built afterwards is lowered in full."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    lower = _PipelineScheduleRuntime._prepare_schedule_with_comms
+    schedule = SCHEDULES[name]
+    for pp, microbatches in ((2, 2), (2, 8), (3, 6), (4, 4), (4, 16)):
+        try:
+            lowered = get_schedule_ops(name, pp, microbatches, 2)
+        except (ValueError, AssertionError, RuntimeError):
+            with pytest.raises(ValueError, match=f"torch refuses {name}"):
+                schedule_actions(schedule, pp, 2 * pp, microbatches)
+            continue
+        assert schedule_actions(schedule, pp, 2 * pp, microbatches) == [[a for a in rank if a is not None] for rank in lowered]
+    assert _PipelineScheduleRuntime._prepare_schedule_with_comms is lower
 
 
 def test_a_stage_keeps_its_modules_under_their_full_fqns_and_nothing_else() -> None:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from meshbind.binding import ParallelBinding, bind_parallel_modules, bound_modules, validate_materialized_modules
     from meshbind.comms.result import StepComms as StepComms
     from meshbind.comms.trace import step_comms
+    from meshbind.comms.with_memory import step_memory_and_comms
     from meshbind.cp import CPContext
     from meshbind.ep import EPContext
     from meshbind.ep import RoutedTokens as RoutedTokens
@@ -116,6 +117,7 @@ _HOMES = {
     "Cluster": "meshbind.steptime.cluster",
     "GPUS": "meshbind.steptime.cluster",
     "step_memory": "meshbind.memory.trace",
+    "step_memory_and_comms": "meshbind.comms.with_memory",
     "StepMemory": "meshbind.memory.result",
     "StepMemoryError": "meshbind.errors",
     "validate_materialized_modules": "meshbind.binding",
@@ -183,6 +185,7 @@ __all__ = [
     "resolve_plan",
     "step_comms",
     "step_memory",
+    "step_memory_and_comms",
     "step_time",
     "validate_materialized_modules",
     "validate_parallel_module",

@@ -103,8 +103,7 @@ def check(args: argparse.Namespace) -> int:
         except CheckpointError as error:
             print(str(error), file=sys.stderr)
             return 1
-    memory = _step_memory(args, plan, pipeline) if args.memory else None
-    comms = _step_comms(args, plan, pipeline) if args.comms else None
+    memory, comms = _traced_steps(args, plan, pipeline)
     cluster = Cluster(args.gpu, args.gpus_per_node, args.inter_node) if args.step_time else None
     timed = step_time(comms, cluster) if comms is not None and cluster is not None else None
     if args.html:
@@ -211,29 +210,33 @@ def _layout_context(axes: list[tuple[str, int]]) -> LayoutContext:
         raise UsageError(f"--axis: {error}") from None
 
 
-def _step_memory(args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipeline | None) -> StepMemory:
-    """--memory: one training step traced on each class of ranks under the plan resolved (the
-    model built again for it), under the pipeline's schedule with ``pp`` above 1."""
+def _traced_steps(
+    args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipeline | None
+) -> tuple[StepMemory | None, StepComms | None]:
+    """--memory and --comms: one training step traced on each class of ranks under the plan
+    resolved (the model built again for it), under the pipeline's schedule with ``pp`` above 1;
+    with both, each step is traced once for both answers."""
+    from meshbind.comms.trace import step_comms
+    from meshbind.comms.with_memory import step_memory_and_comms
     from meshbind.memory.trace import step_memory
 
-    print(f"tracing one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
-    return _traced("--memory", step_memory, args, plan, pipeline, device_memory=args.device_memory)
-
-
-def _step_comms(args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipeline | None) -> StepComms:
-    """--comms: every collective of one training step, traced on each class of ranks under the
-    plan resolved (the model built again for it), under the pipeline's schedule with ``pp`` above 1."""
-    from meshbind.comms.trace import step_comms
-
-    print(f"tracing the collectives of one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
-    return _traced("--comms", step_comms, args, plan, pipeline)
+    if args.memory and args.comms:
+        print(f"tracing one training step and its collectives (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
+        return _traced("--memory", step_memory_and_comms, args, plan, pipeline, device_memory=args.device_memory)
+    if args.memory:
+        print(f"tracing one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
+        return _traced("--memory", step_memory, args, plan, pipeline, device_memory=args.device_memory), None
+    if args.comms:
+        print(f"tracing the collectives of one training step (batch {args.batch} x seq {args.seq_len}) ...", file=sys.stderr)
+        return None, _traced("--comms", step_comms, args, plan, pipeline)
+    return None, None
 
 
 def _traced(
     flag: str, trace: Callable[..., T], args: argparse.Namespace, plan: ParallelPlan, pipeline: Pipeline | None, **more: Any
 ) -> T:
-    """``trace`` (``step_memory`` or ``step_comms``) of the step the command line asks for; a
-    refused setting is a usage error of ``flag``."""
+    """``trace`` (``step_memory``, ``step_comms`` or both) of the step the command line asks for;
+    a refused setting is a usage error of ``flag``."""
     from meshbind.errors import StepMemoryError
 
     try:

@@ -22,7 +22,6 @@ from meshbind.forks import in_forks
 from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun, alike_run, depth_copies, truncated
 from meshbind.memory.fake_step import run_fake_step, step_errors
 from meshbind.memory.pipelined import PipelinedStep, on_each_action, pipelined_step, run_pipelined_fake_step
-from meshbind.memory.result import StepSettings
 from meshbind.memory.step import StepInputs
 from meshbind.memory.trace import traced_step_settings
 from meshbind.mesh import MeshContext
@@ -35,7 +34,7 @@ from meshbind.pipeline.runtime import Orders, RankActions
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
-from meshbind.world import PIPELINE_AXIS
+from meshbind.world import PIPELINE_AXIS, World
 
 
 def step_comms(
@@ -95,21 +94,21 @@ def step_comms(
         def class_comms(group: RankGroup) -> RankClassComms:
             class_started = time.perf_counter()
             if run is not None and deepest is not None:
-                records = [
-                    _record_rank(copy, shallower, group.first, settings, inputs)
-                    for copy, shallower in depth_copies(deepest, plan, index, run)
-                ]
-                if (full := _extrapolated([record.collectives() for record in records], run)) is not None:
-                    work = TracedWork(tuple(record.timeline for record in records), run.count)
-                    return _class_comms(group, full, run.extrapolated_text(), work, class_started)
+                records = []
+                for copy, shallower in depth_copies(deepest, plan, index, run):
+                    watch = CommsWatch(plan.context.world)
+                    run_fake_step(copy, shallower, group.first, settings, inputs, watch)
+                    records.append(watch.record)
+                if (found := extrapolated_class(group, records, run, class_started)) is not None:
+                    return found
             if unplanned:
                 whole = unplanned.pop()
             else:
                 with torch.device("meta"):
                     whole = build()
-            recorded = _record_rank(whole, replace(plan, index=index.restricted(whole)), group.first, settings, inputs)
-            work = TracedWork((recorded.timeline,))
-            return _class_comms(group, recorded.collectives(), "the whole model", work, class_started)
+            watch = CommsWatch(plan.context.world)
+            run_fake_step(whole, replace(plan, index=index.restricted(whole)), group.first, settings, inputs, watch)
+            return whole_class(group, watch.record, "the whole model", class_started)
 
         groups = plan_report(index, plan, optimizer="none").rank_groups
         classes = in_forks(class_comms, groups, lambda group: f"tracing rank {group.first}'s step")
@@ -132,9 +131,9 @@ def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex,
 
     def trace(position: int) -> tuple[RankClassComms, Orders | None]:
         started, group = time.perf_counter(), step.groups[position]
-        recorded, orders = _record_pipelined_rank(model, step, group.first)
-        how = f"{stages_text(step.stages.stages_of_rank(places[position][0]))} whole, under {step.stages.schedule.name}"
-        return _class_comms(group, recorded.collectives(), how, TracedWork((recorded.timeline,)), started), orders
+        watch = PipelinedCommsWatch(world)
+        run_pipelined_fake_step(model, step.plan, step.stages, step.examples, group.first, step.settings, watch)
+        return pipelined_class_comms(step, group, watch.record, started), watch.orders
 
     def tracing(position: int) -> str:
         return f"tracing rank {step.groups[position].first}'s step"
@@ -220,6 +219,27 @@ def _class_comms(
     return RankClassComms(group.first, group.count, tuple(collectives), traced, time.perf_counter() - started, work)
 
 
+def whole_class(group: RankGroup, record: CollectiveRecord, traced: str, started: float) -> RankClassComms:
+    """``group``'s answer from its traced rank's record of one whole step."""
+    return _class_comms(group, record.collectives(), traced, TracedWork((record.timeline,)), started)
+
+
+def pipelined_class_comms(step: PipelinedStep, group: RankGroup, record: CollectiveRecord, started: float) -> RankClassComms:
+    """``group``'s answer from its traced rank's record under the pipeline."""
+    mine = step.stages.stages_of_rank(step.plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
+    return whole_class(group, record, f"{stages_text(mine)} whole, under {step.stages.schedule.name}", started)
+
+
+def extrapolated_class(group: RankGroup, records: list[CollectiveRecord], run: AlikeRun, started: float) -> RankClassComms | None:
+    """``group``'s answer from its traced rank's records at the traced depths of ``run``, or
+    ``None`` where some collective does not grow by equal steps."""
+    full = _extrapolated([record.collectives() for record in records], run)
+    if full is None:
+        return None
+    work = TracedWork(tuple(record.timeline for record in records), run.count)
+    return _class_comms(group, full, run.extrapolated_text(), work, started)
+
+
 def _extrapolated(shallow: list[list[Collective]], run: AlikeRun) -> tuple[Collective, ...] | None:
     """Each collective's calls and bytes at the run's full depth, from the traced depths, or
     ``None`` where some do not grow by equal steps from one depth to the next (extrapolating
@@ -237,42 +257,49 @@ def _extrapolated(shallow: list[list[Collective]], run: AlikeRun) -> tuple[Colle
     return tuple(full)
 
 
-def _record_rank(
-    model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None
-) -> CollectiveRecord:
-    record = CollectiveRecord(Timeline())
+class CommsWatch:
+    """Step collectives' watch over one traced step (``run_fake_step``'s ``watch``): every
+    collective and operator on the record's timeline, each group named by the axes of ``world``,
+    and the optimizer step's start marked."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.record = CollectiveRecord(Timeline())
 
     @contextmanager
-    def recorded(_model: nn.Module, optimizer: Any, _inputs: Any, mesh_context: MeshContext) -> Iterator[None]:
+    def __call__(self, _model: nn.Module, optimizer: Any, _inputs: Any, mesh_context: MeshContext) -> Iterator[None]:
         with (
             step_errors(lambda: "the model"),
-            record.naming(GroupAxes(mesh_context, plan.context.world)),
-            _marked(optimizer, record),
+            self.record.naming(GroupAxes(mesh_context, self.world)),
+            _marked(optimizer, self.record),
         ):
             yield
 
-    run_fake_step(model, plan, rank, settings, inputs, recorded)
-    return record
 
+class PipelinedCommsWatch:
+    """Step collectives' watch over one rank's pipelined step (``run_pipelined_fake_step``'s
+    ``watch``): as ``CommsWatch``, with each schedule action, each step of torch's runtime and the
+    schedule's end marked; ``orders`` is every rank's runtime list of actions (``None`` for a
+    single-stage schedule)."""
 
-def _record_pipelined_rank(whole: nn.Module, step: PipelinedStep, rank: int) -> tuple[CollectiveRecord, Orders | None]:
-    """The rank's step recorded, and every rank's list of actions under torch's runtime (``None``
-    for a single-stage schedule)."""
-    record = CollectiveRecord(Timeline())
-    orders: list[Orders | None] = []
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.record = CollectiveRecord(Timeline())
+        self._orders: list[Orders | None] = []
 
     @contextmanager
-    def recorded(_models: Any, optimizer: Any, _inputs: Any, mesh_context: MeshContext, schedule: Any) -> Iterator[None]:
+    def __call__(self, _models: Any, optimizer: Any, _inputs: Any, mesh_context: MeshContext, schedule: Any) -> Iterator[None]:
         with (
             step_errors(lambda: "the pipeline's step"),
-            record.naming(GroupAxes(mesh_context, step.plan.context.world)),
-            _marked(optimizer, record),
-            _marked_actions(schedule, record, orders),
+            self.record.naming(GroupAxes(mesh_context, self.world)),
+            _marked(optimizer, self.record),
+            _marked_actions(schedule, self.record, self._orders),
         ):
             yield
 
-    run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, rank, step.settings, recorded)
-    return record, orders[0]
+    @property
+    def orders(self) -> Orders | None:
+        return self._orders[0]
 
 
 @contextmanager

@@ -57,3 +57,17 @@ def run_fake_step(
             args, kwargs = step_inputs(settings.batch, settings.seq_len)
             with watch(model, optimizer, (args, kwargs), mesh_context):
                 training_step(model, optimizer, args, kwargs)
+
+
+def watched_by(*watches: Callable[..., AbstractContextManager[Any]]) -> Callable[..., AbstractContextManager[Any]]:
+    """One watch entering each of ``watches`` around the same step, in order (a ``Watch`` or a
+    pipelined one): one traced step answers each of them."""
+
+    @contextlib.contextmanager
+    def watch(*args: Any) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for each in watches:
+                stack.enter_context(each(*args))
+            yield
+
+    return watch

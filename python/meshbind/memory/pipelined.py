@@ -118,25 +118,28 @@ PipelinedWatch = Callable[
 """``watch(stage_models, optimizer, (tokens, targets), mesh_context, schedule)``: what is entered around the step."""
 
 
-def trace_pipelined_rank(
-    whole: nn.Module, plan: ParallelPlan, stages: PipelineStages, examples: Examples, rank: int, settings: StepSettings
-) -> Peak:
-    """One step of ``rank``'s stages under ``stages``' schedule, traced; the peak names the
-    schedule's action running at it."""
-    assert plan.index is not None
-    blocks = plan.index.layer_list()
-    trackers = []
+class PipelinedMemoryWatch:
+    """Step memory's watch over one rank's pipelined step (``run_pipelined_fake_step``'s
+    ``watch``): torch's trackers over the rank's stages, each schedule action named as it starts,
+    so that the peak names the action running at it."""
+
+    def __init__(self, plan: ParallelPlan) -> None:
+        assert plan.index is not None
+        self.blocks = plan.index.layer_list()
+        self._trackers: list[Any] = []
 
     @contextmanager
-    def tracked(
-        models: list[nn.Module], optimizer: Any, inputs: Any, _: MeshContext, schedule: _PipelineSchedule
+    def __call__(
+        self, models: list[nn.Module], optimizer: Any, inputs: Any, _: MeshContext, schedule: _PipelineSchedule
     ) -> Iterator[None]:
-        trackers.append(step_tracker(models, optimizer, inputs, blocks))
-        with traced_step(trackers[0]), _named_actions(schedule, trackers[0]):
+        self._trackers.append(step_tracker(models, optimizer, inputs, self.blocks))
+        with traced_step(self._trackers[0]), _named_actions(schedule, self._trackers[0]):
             yield
 
-    run_pipelined_fake_step(whole, plan, stages, examples, rank, settings, tracked)
-    return trackers[0].peak()
+    def peak(self) -> Peak:
+        """The traced step's peak, the action and place it falls in, and each place's most bytes."""
+        peak: Peak = self._trackers[0].peak()
+        return peak
 
 
 def run_pipelined_fake_step(

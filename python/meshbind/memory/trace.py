@@ -22,9 +22,9 @@ from torch import nn
 
 from meshbind.errors import StepMemoryError
 from meshbind.forks import in_forks
-from meshbind.memory.depth import TRACED_DEPTHS, alike_run, depth_copies, extrapolated, truncated
+from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun, alike_run, depth_copies, extrapolated, truncated
 from meshbind.memory.fake_step import run_fake_step
-from meshbind.memory.pipelined import PipelinedStep, pipelined_step, trace_pipelined_rank
+from meshbind.memory.pipelined import PipelinedMemoryWatch, PipelinedStep, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.step import StepInputs
 from meshbind.memory.trackers import Peak, step_tracker, traced_step
@@ -92,7 +92,7 @@ def step_memory(
     )
     started = time.perf_counter()
     # Under a pipeline each stage is traced whole: no shallower copies are cut.
-    models = _Models(build, plan, alike_layers and plan.context.world.pp == 1)
+    models = TracedModels(build, plan, alike_layers and plan.context.world.pp == 1)
     if plan.context.world.pp == 1:
         if pipeline is not None:
             raise ValueError("pipeline is for a plan with pp above 1; this plan has pp=1")
@@ -105,7 +105,7 @@ def step_memory(
     return StepMemory(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started)
 
 
-class _Models:
+class TracedModels:
     """The models the traces apply the plan to, each its own: the model first built (once here,
     once in each fork), a copy of it at each traced depth, and a new build where a whole model is
     traced again."""
@@ -133,43 +133,57 @@ class _Models:
 
 
 def _trace_class(
-    models: _Models, plan: ParallelPlan, group: RankGroup, settings: StepSettings, inputs: StepInputs | None
+    models: TracedModels, plan: ParallelPlan, group: RankGroup, settings: StepSettings, inputs: StepInputs | None
 ) -> RankClassMemory:
     """One rank of ``group`` traced: at three depths of the alike run when that is exact, else whole."""
     started = time.perf_counter()
     run = models.run
     if run is not None:
         assert models.deepest is not None
-        shallow_peaks = [
-            _trace_rank(model, shallower, group.first, settings, inputs, run.list_fqn)
-            for model, shallower in depth_copies(models.deepest, plan, models.index, run)
-        ]
-        found = extrapolated([peak.places for peak in shallow_peaks], run)
+        shallow_peaks = []
+        for model, shallower in depth_copies(models.deepest, plan, models.index, run):
+            watch = MemoryWatch(run.list_fqn)
+            run_fake_step(model, shallower, group.first, settings, inputs, watch)
+            shallow_peaks.append(watch.peak())
+        found = extrapolated_class(group, shallow_peaks, run, started)
         if found is not None:
-            (module, phase, _), full = found
-            peak = Peak(full.pop("peak"), full, module, phase, {}, "")
-            return _class_memory(group, peak, run.extrapolated_text(), started)
+            return found
     model = models.whole()
-    whole_plan = replace(plan, index=models.index.restricted(model))
-    peak = _trace_rank(model, whole_plan, group.first, settings, inputs, models.index.layer_list())
-    return _class_memory(group, peak, "the whole model", started)
+    watch = MemoryWatch(models.index.layer_list())
+    run_fake_step(model, replace(plan, index=models.index.restricted(model)), group.first, settings, inputs, watch)
+    return class_memory(group, watch.peak(), "the whole model", started)
+
+
+def extrapolated_class(group: RankGroup, shallow_peaks: list[Peak], run: AlikeRun, started: float) -> RankClassMemory | None:
+    """``group``'s answer from its traced rank's peaks at the traced depths of ``run``, or ``None``
+    where some place does not grow by equal steps (``memory/depth.py``)."""
+    found = extrapolated([peak.places for peak in shallow_peaks], run)
+    if found is None:
+        return None
+    (module, phase, _), full = found
+    return class_memory(group, Peak(full.pop("peak"), full, module, phase, {}, ""), run.extrapolated_text(), started)
 
 
 def _trace_pipelined_class(whole: nn.Module, step: PipelinedStep, group: RankGroup) -> RankClassMemory:
     """One rank of ``group``: its stages' whole step under the schedule."""
     started = time.perf_counter()
     stages = step.stages
-    peak = trace_pipelined_rank(whole, step.plan, stages, step.examples, group.first, step.settings)
-    mine = stages.stages_of_rank(step.plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
-    traced = f"{stages_text(mine)} whole, under {stages.schedule.name}"
-    return _class_memory(group, peak, traced, started, mine)
+    watch = PipelinedMemoryWatch(step.plan)
+    run_pipelined_fake_step(whole, step.plan, stages, step.examples, group.first, step.settings, watch)
+    return pipelined_class_memory(step, group, watch.peak(), started)
+
+
+def pipelined_class_memory(step: PipelinedStep, group: RankGroup, peak: Peak, started: float) -> RankClassMemory:
+    """``group``'s answer from its traced rank's peak under the pipeline."""
+    mine = step.stages.stages_of_rank(step.plan.context.world.coordinates(group.first)[PIPELINE_AXIS])
+    return class_memory(group, peak, f"{stages_text(mine)} whole, under {step.stages.schedule.name}", started, mine)
 
 
 def _tracing(group: RankGroup) -> str:
     return f"tracing rank {group.first}'s step"
 
 
-def _class_memory(group: RankGroup, peak: Peak, traced: str, started: float, stages: tuple[int, ...] = ()) -> RankClassMemory:
+def class_memory(group: RankGroup, peak: Peak, traced: str, started: float, stages: tuple[int, ...] = ()) -> RankClassMemory:
     """The answer for ``group`` from its traced rank's peak (``started``: when its tracing began)."""
     return RankClassMemory(
         first_rank=group.first,
@@ -249,16 +263,21 @@ def traced_step_settings(
     return settings
 
 
-def _trace_rank(
-    model: nn.Module, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None, blocks: str | None
-) -> Peak:
-    trackers = []
+class MemoryWatch:
+    """Step memory's watch over one traced step (``run_fake_step``'s ``watch``): torch's trackers,
+    counting from the step's start; ``blocks`` is the model's layer list, if any (``Place``)."""
+
+    def __init__(self, blocks: str | None) -> None:
+        self.blocks = blocks
+        self._trackers: list[Any] = []
 
     @contextlib.contextmanager
-    def tracked(model: nn.Module, optimizer: Any, step_inputs: Any, _: Any) -> Iterator[None]:
-        trackers.append(step_tracker([model], optimizer, step_inputs, blocks))
-        with traced_step(trackers[0]):
+    def __call__(self, model: nn.Module, optimizer: Any, step_inputs: Any, _: Any) -> Iterator[None]:
+        self._trackers.append(step_tracker([model], optimizer, step_inputs, self.blocks))
+        with traced_step(self._trackers[0]):
             yield
 
-    run_fake_step(model, plan, rank, settings, inputs, tracked)
-    return trackers[0].peak()
+    def peak(self) -> Peak:
+        """The traced step's peak, where it falls and each place's most bytes."""
+        peak: Peak = self._trackers[0].peak()
+        return peak

@@ -9,8 +9,10 @@ Single-stage schedules (``GPipe``, ``1F1B``) run one stage per rank; the others 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,12 +118,34 @@ def schedule_actions(schedule: Schedule, pp: int, stages: int, microbatches: int
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  # builds a schedule
 
     try:
-        actions = get_schedule_ops(schedule.name, pp, microbatches, stages // pp)
+        with _compute_order_only():
+            actions = get_schedule_ops(schedule.name, pp, microbatches, stages // pp)
     except (ValueError, AssertionError, RuntimeError) as error:
         raise ValueError(
             f"torch refuses {schedule.name} with {microbatches} microbatches over {stages} stages: {error}"
         ) from None
     return [[action for action in rank if action is not None] for rank in actions]
+
+
+@contextlib.contextmanager
+def _compute_order_only() -> Iterator[None]:
+    """A multi-stage schedule's constructor lowers its order into the runtime's list with FSDP's
+    unshards, sends and receives (``_prepare_schedule_with_comms``), in time quadratic in the
+    actions, and the order read here is the compute order before it: while it is read, the
+    lowering checks the stages' placement (``_validate_and_set_stage_mapping``) and stops there.
+    A traced step builds its schedule without this, lowered in full."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    lower = _PipelineScheduleRuntime._prepare_schedule_with_comms
+
+    def placement_checked(self: Any, actions: dict[int, list[Any]], format: str = "compute_only") -> None:
+        self._validate_and_set_stage_mapping(actions)
+
+    _PipelineScheduleRuntime._prepare_schedule_with_comms = placement_checked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _PipelineScheduleRuntime._prepare_schedule_with_comms = lower  # type: ignore[method-assign]
 
 
 def in_flight(order: RunOrder, stages: int) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshbind.comms.trace import step_comms
+from meshbind.comms.with_memory import step_memory_and_comms
 from meshbind.errors import PipelineError, PlanError, StepMemoryError
 from meshbind.forks import in_forks
 from meshbind.fsdp_request import FullyShard
@@ -57,10 +57,11 @@ def plan_layouts(
 
     A layout whose state alone (the report's fullest rank) exceeds ``device_memory`` is not
     traced: its step holds at least that much. Every other valid layout is traced (step memory and
-    step collectives) and priced on ``cluster``, with the same calls ``meshbind check`` makes, so
-    its figures are check's. Ctrl-C stops the tracing and returns what was found so far
-    (``interrupted``). Without ``trace``, nothing is traced: every candidate is refused by a rule,
-    too large by its state, or valid with its state counted (and nothing is ranked)."""
+    step collectives from one trace of each step, ``step_memory_and_comms``, as ``meshbind check
+    --memory --comms`` traces them) and priced on ``cluster``, so its figures are check's. Ctrl-C
+    stops the tracing and returns what was found so far (``interrupted``). Without ``trace``,
+    nothing is traced: every candidate is refused by a rule, too large by its state, or valid with
+    its state counted (and nothing is ranked)."""
     started = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq_len", seq_len), ("device_memory", device_memory)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -301,11 +302,12 @@ class _Tracer:
         assert layout is not None
         plan = self.rules.plan(layout)
         try:
-            memory = step_memory(self.build, plan, device_memory=self.device_memory, **self._settings(layout))
-            timed = None
-            if priced and memory.fits:
-                comms = step_comms(self.build, plan, **self._settings(layout))
-                timed = step_time(comms, self.rules.cluster)
+            settings = dict(device_memory=self.device_memory, **self._settings(layout))
+            if priced:
+                memory, comms = step_memory_and_comms(self.build, plan, **settings)
+                timed = step_time(comms, self.rules.cluster) if memory.fits else None
+            else:
+                memory, timed = step_memory(self.build, plan, **settings), None
         except (StepMemoryError, ValueError) as error:
             return Candidate(candidate.world, layout, CANNOT_BE_TRACED, str(error), candidate.state_bytes)
         return Candidate(candidate.world, layout, None, None, candidate.state_bytes, memory, timed)

@@ -1,0 +1,122 @@
+"""Step memory and step collectives from the same traced steps, for a caller that asks both
+(``meshbind plan``, ``meshbind check --memory --comms``): each fake step runs once, under torch's
+memory trackers and the collective record together, where ``step_memory`` and ``step_comms`` each
+run it. Each answer is the one its own function gives: the same steps, each watched the same way
+(the record only reads the ops the trackers count), extrapolated over alike blocks by the same
+rules. Under a pipeline every rank class is traced whole for its memory, so its collectives come
+from that trace too, where ``step_comms`` alone reads some ranks' from another's actions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from torch import nn
+
+from meshbind.comms.result import RankClassComms, StepComms
+from meshbind.comms.trace import CommsWatch, PipelinedCommsWatch, extrapolated_class, pipelined_class_comms, whole_class
+from meshbind.forks import in_forks
+from meshbind.memory.depth import depth_copies
+from meshbind.memory.fake_step import run_fake_step, watched_by
+from meshbind.memory.pipelined import PipelinedMemoryWatch, pipelined_step, run_pipelined_fake_step
+from meshbind.memory.result import RankClassMemory, StepMemory
+from meshbind.memory.step import StepInputs
+from meshbind.memory.trace import (
+    MemoryWatch,
+    TracedModels,
+    class_memory,
+    pipelined_class_memory,
+    traced_step_settings,
+)
+from meshbind.memory.trace import (
+    extrapolated_class as extrapolated_memory,
+)
+from meshbind.model_flops import model_flops_per_token
+from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
+from meshbind.pipeline import Pipeline
+from meshbind.report import RankGroup, plan_report
+from meshbind.resolution.plan import ParallelPlan
+from meshbind.routing import Routing
+
+Answers = tuple[RankClassMemory, RankClassComms]
+
+
+def step_memory_and_comms(
+    build: Callable[[], nn.Module],
+    plan: ParallelPlan,
+    *,
+    batch: int,
+    seq_len: int,
+    optimizer: str = Optimizer.ADAM,
+    activation_checkpointing: str | Checkpointing = ActivationCheckpointing.NONE,
+    device: str = Device.CUDA,
+    device_memory: int | None = None,
+    routing: Routing | None = None,
+    inputs: StepInputs | None = None,
+    pipeline: Pipeline | None = None,
+    alike_layers: bool = True,
+) -> tuple[StepMemory, StepComms]:
+    """``step_memory(...)`` and ``step_comms(...)`` of the same arguments from one trace of each
+    step (the arguments are theirs); each answer's ``seconds`` is the time both took."""
+    given = dict(batch=batch, seq_len=seq_len, optimizer=optimizer, activation_checkpointing=activation_checkpointing)
+    given |= dict(device=device, routing=routing)
+    settings = traced_step_settings("step_memory", plan, device_memory=device_memory, **given)  # type: ignore[arg-type]
+    comms_settings = traced_step_settings("step_comms", plan, device_memory=None, **given)  # type: ignore[arg-type]
+    started = time.perf_counter()
+    world = plan.context.world
+    models = TracedModels(build, plan, alike_layers and world.pp == 1)
+    flops_per_token = model_flops_per_token(models.first(), seq_len)
+    if world.pp == 1:
+        if pipeline is not None:
+            raise ValueError("pipeline is for a plan with pp above 1; this plan has pp=1")
+        groups = plan_report(models.index, plan, optimizer="none").rank_groups
+
+        def traced(group: RankGroup) -> Answers:
+            class_started = time.perf_counter()
+            memory: RankClassMemory | None = None
+            comms: RankClassComms | None = None
+            if (run := models.run) is not None and models.deepest is not None:
+                peaks, records = [], []
+                for model, shallower in depth_copies(models.deepest, plan, models.index, run):
+                    memory_watch, comms_watch = MemoryWatch(run.list_fqn), CommsWatch(world)
+                    run_fake_step(model, shallower, group.first, settings, inputs, watched_by(memory_watch, comms_watch))
+                    peaks.append(memory_watch.peak())
+                    records.append(comms_watch.record)
+                memory = extrapolated_memory(group, peaks, run, class_started)
+                comms = extrapolated_class(group, records, run, class_started)
+            if memory is None or comms is None:
+                model = models.whole()
+                memory_watch, comms_watch = MemoryWatch(models.index.layer_list()), CommsWatch(world)
+                whole_plan = replace(plan, index=models.index.restricted(model))
+                run_fake_step(model, whole_plan, group.first, settings, inputs, watched_by(memory_watch, comms_watch))
+                memory = memory or class_memory(group, memory_watch.peak(), "the whole model", class_started)
+                comms = comms or whole_class(group, comms_watch.record, "the whole model", class_started)
+            return memory, comms
+
+        answers = in_forks(traced, groups, _tracing)
+    else:
+        whole = models.first()
+        step = pipelined_step(whole, replace(plan, index=models.index), settings, pipeline, inputs)
+        settings, comms_settings = step.settings, replace(comms_settings, pipeline=step.settings.pipeline)
+
+        def traced_pipelined(group: RankGroup) -> Answers:
+            class_started = time.perf_counter()
+            memory_watch, comms_watch = PipelinedMemoryWatch(step.plan), PipelinedCommsWatch(world)
+            watch = watched_by(memory_watch, comms_watch)
+            run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, group.first, step.settings, watch)
+            memory = pipelined_class_memory(step, group, memory_watch.peak(), class_started)
+            return memory, pipelined_class_comms(step, group, comms_watch.record, class_started)
+
+        answers = in_forks(traced_pipelined, step.groups, _tracing)
+    seconds = time.perf_counter() - started
+    memory_classes = tuple(memory for memory, _ in answers)
+    comms_classes = tuple(comms for _, comms in answers)
+    return (
+        StepMemory(settings, world, memory_classes, seconds),
+        StepComms(comms_settings, world, comms_classes, seconds, flops_per_token),
+    )
+
+
+def _tracing(group: RankGroup) -> str:
+    return f"tracing rank {group.first}'s step"
