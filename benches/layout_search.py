@@ -39,8 +39,7 @@ from meshbind import (
     StepMemory,
     StepTime,
     resolve_plan,
-    step_comms,
-    step_memory,
+    step_memory_and_comms,
     step_time,
 )
 from meshbind.interop.hf_plans import from_hf_plan
@@ -159,9 +158,8 @@ def _traced_alone(run: Run) -> tuple[StepMemory, StepTime | None]:
     settings: dict[str, Any] = dict(
         batch=run.local_batch, seq_len=run.seq_len, activation_checkpointing=run.checkpointing, pipeline=pipeline
     )
-    memory = step_memory(run.build, plan, device_memory=DEVICE_MEMORY, **settings)
-    timed = step_time(step_comms(run.build, plan, **settings), CLUSTER) if memory.fits else None
-    return memory, timed
+    memory, comms = step_memory_and_comms(run.build, plan, device_memory=DEVICE_MEMORY, **settings)
+    return memory, step_time(comms, CLUSTER) if memory.fits else None
 
 
 if __name__ == "__main__":
