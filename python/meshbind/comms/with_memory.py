@@ -59,10 +59,20 @@ def step_memory_and_comms(
 ) -> tuple[StepMemory, StepComms]:
     """``step_memory(...)`` and ``step_comms(...)`` of the same arguments from one trace of each
     step (the arguments are theirs); each answer's ``seconds`` is the time both took."""
-    given = dict(batch=batch, seq_len=seq_len, optimizer=optimizer, activation_checkpointing=activation_checkpointing)
-    given |= dict(device=device, routing=routing)
-    settings = traced_step_settings("step_memory", plan, device_memory=device_memory, **given)  # type: ignore[arg-type]
-    comms_settings = traced_step_settings("step_comms", plan, device_memory=None, **given)  # type: ignore[arg-type]
+    settings, comms_settings = (
+        traced_step_settings(
+            traced_by,
+            plan,
+            batch=batch,
+            seq_len=seq_len,
+            optimizer=optimizer,
+            activation_checkpointing=activation_checkpointing,
+            device=device,
+            device_memory=memory,
+            routing=routing,
+        )
+        for traced_by, memory in (("step_memory", device_memory), ("step_comms", None))
+    )
     started = time.perf_counter()
     world = plan.context.world
     models = TracedModels(build, plan, alike_layers and world.pp == 1)
