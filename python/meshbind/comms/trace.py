@@ -19,11 +19,11 @@ from meshbind.comms.record import Collective, CollectiveRecord, GroupAxes, colle
 from meshbind.comms.result import RankClassComms, StepComms
 from meshbind.comms.timeline import OPTIMIZER, SCHEDULE_END, Timeline, TracedWork
 from meshbind.forks import in_forks
-from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun, alike_run, depth_copies, truncated
-from meshbind.memory.fake_step import run_fake_step, step_errors
+from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun
+from meshbind.memory.fake_step import step_errors
 from meshbind.memory.pipelined import PipelinedStep, on_each_action, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.step import StepInputs
-from meshbind.memory.trace import traced_step_settings
+from meshbind.memory.trace import TracedModels, traced_step_settings
 from meshbind.mesh import MeshContext
 from meshbind.model_flops import model_flops_per_token
 from meshbind.model_index import ModelIndex
@@ -80,42 +80,31 @@ def step_comms(
         routing=routing,
     )
     started = time.perf_counter()
-    with torch.device("meta"):
-        model = build()
-    index = plan.index if plan.index is not None else ModelIndex.of(model)
+    world = plan.context.world
+    models = TracedModels(build, plan, alike_layers and world.pp == 1)
+    model, index = models.first(), models.index
     flops_per_token = model_flops_per_token(model, seq_len)
-    if plan.context.world.pp == 1:
+    if world.pp == 1:
         if pipeline is not None:
             raise ValueError("pipeline is for a plan with pp above 1; this plan has pp=1")
-        run = alike_run(index) if alike_layers else None
-        deepest = truncated(model, run, TRACED_DEPTHS[-1]) if run is not None else None
-        unplanned = [model]  # a trace applies the plan to it: taken once here, once by each fork
 
         def class_comms(group: RankGroup) -> RankClassComms:
             class_started = time.perf_counter()
-            if run is not None and deepest is not None:
-                records = []
-                for copy, shallower in depth_copies(deepest, plan, index, run):
-                    watch = CommsWatch(plan.context.world)
-                    run_fake_step(copy, shallower, group.first, settings, inputs, watch)
-                    records.append(watch.record)
-                if (found := extrapolated_class(group, records, run, class_started)) is not None:
+            if (run := models.run) is not None:
+                watches = [CommsWatch(world) for _ in TRACED_DEPTHS]
+                models.at_depths(plan, group.first, settings, inputs, watches)
+                if (found := extrapolated_class(group, [watch.record for watch in watches], run, class_started)) is not None:
                     return found
-            if unplanned:
-                whole = unplanned.pop()
-            else:
-                with torch.device("meta"):
-                    whole = build()
-            watch = CommsWatch(plan.context.world)
-            run_fake_step(whole, replace(plan, index=index.restricted(whole)), group.first, settings, inputs, watch)
+            watch = CommsWatch(world)
+            models.at_full_depth(plan, group.first, settings, inputs, watch)
             return whole_class(group, watch.record, "the whole model", class_started)
 
         groups = plan_report(index, plan, optimizer="none").rank_groups
         classes = in_forks(class_comms, groups, lambda group: f"tracing rank {group.first}'s step")
-        return StepComms(settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
+        return StepComms(settings, world, tuple(classes), time.perf_counter() - started, flops_per_token)
     step = pipelined_step(model, replace(plan, index=index), settings, pipeline, inputs)
     classes = _pipelined_classes(model, step, index, alike_layers)
-    return StepComms(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started, flops_per_token)
+    return StepComms(step.settings, world, tuple(classes), time.perf_counter() - started, flops_per_token)
 
 
 def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex, alike_layers: bool) -> list[RankClassComms]:

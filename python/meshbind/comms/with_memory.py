@@ -17,8 +17,8 @@ from torch import nn
 from meshbind.comms.result import RankClassComms, StepComms
 from meshbind.comms.trace import CommsWatch, PipelinedCommsWatch, extrapolated_class, pipelined_class_comms, whole_class
 from meshbind.forks import in_forks
-from meshbind.memory.depth import depth_copies
-from meshbind.memory.fake_step import run_fake_step, watched_by
+from meshbind.memory.depth import TRACED_DEPTHS
+from meshbind.memory.fake_step import watched_by
 from meshbind.memory.pipelined import PipelinedMemoryWatch, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.result import RankClassMemory, StepMemory
 from meshbind.memory.step import StepInputs
@@ -86,20 +86,16 @@ def step_memory_and_comms(
             class_started = time.perf_counter()
             memory: RankClassMemory | None = None
             comms: RankClassComms | None = None
-            if (run := models.run) is not None and models.deepest is not None:
-                peaks, records = [], []
-                for model, shallower in depth_copies(models.deepest, plan, models.index, run):
-                    memory_watch, comms_watch = MemoryWatch(run.list_fqn), CommsWatch(world)
-                    run_fake_step(model, shallower, group.first, settings, inputs, watched_by(memory_watch, comms_watch))
-                    peaks.append(memory_watch.peak())
-                    records.append(comms_watch.record)
-                memory = extrapolated_memory(group, peaks, run, class_started)
-                comms = extrapolated_class(group, records, run, class_started)
+            if (run := models.run) is not None:
+                memory_watches = [MemoryWatch(run.list_fqn) for _ in TRACED_DEPTHS]
+                comms_watches = [CommsWatch(world) for _ in TRACED_DEPTHS]
+                watches = [watched_by(*both) for both in zip(memory_watches, comms_watches, strict=True)]
+                models.at_depths(plan, group.first, settings, inputs, watches)
+                memory = extrapolated_memory(group, [watch.peak() for watch in memory_watches], run, class_started)
+                comms = extrapolated_class(group, [watch.record for watch in comms_watches], run, class_started)
             if memory is None or comms is None:
-                model = models.whole()
                 memory_watch, comms_watch = MemoryWatch(models.index.layer_list()), CommsWatch(world)
-                whole_plan = replace(plan, index=models.index.restricted(model))
-                run_fake_step(model, whole_plan, group.first, settings, inputs, watched_by(memory_watch, comms_watch))
+                models.at_full_depth(plan, group.first, settings, inputs, watched_by(memory_watch, comms_watch))
                 memory = memory or class_memory(group, memory_watch.peak(), "the whole model", class_started)
                 comms = comms or whole_class(group, comms_watch.record, "the whole model", class_started)
             return memory, comms

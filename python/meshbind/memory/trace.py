@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch import nn
 from meshbind.errors import StepMemoryError
 from meshbind.forks import in_forks
 from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun, alike_run, depth_copies, extrapolated, truncated
-from meshbind.memory.fake_step import run_fake_step
+from meshbind.memory.fake_step import Watch, run_fake_step
 from meshbind.memory.pipelined import PipelinedMemoryWatch, PipelinedStep, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.step import StepInputs
@@ -131,26 +131,35 @@ class TracedModels:
         with torch.device("meta"):
             return self.build()
 
+    def at_depths(
+        self, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None, watches: Sequence[Watch]
+    ) -> None:
+        """One step of ``rank`` on the copy at each traced depth of the alike run, under its own
+        plan (``depth_copies``), each watched by the watch of its depth."""
+        assert self.run is not None and self.deepest is not None
+        for (model, shallower), watch in zip(depth_copies(self.deepest, plan, self.index, self.run), watches, strict=True):
+            run_fake_step(model, shallower, rank, settings, inputs, watch)
+
+    def at_full_depth(
+        self, plan: ParallelPlan, rank: int, settings: StepSettings, inputs: StepInputs | None, watch: Watch
+    ) -> None:
+        """One step of ``rank`` on a whole model, watched by ``watch``."""
+        model = self.whole()
+        run_fake_step(model, replace(plan, index=self.index.restricted(model)), rank, settings, inputs, watch)
+
 
 def _trace_class(
     models: TracedModels, plan: ParallelPlan, group: RankGroup, settings: StepSettings, inputs: StepInputs | None
 ) -> RankClassMemory:
     """One rank of ``group`` traced: at three depths of the alike run when that is exact, else whole."""
     started = time.perf_counter()
-    run = models.run
-    if run is not None:
-        assert models.deepest is not None
-        shallow_peaks = []
-        for model, shallower in depth_copies(models.deepest, plan, models.index, run):
-            watch = MemoryWatch(run.list_fqn)
-            run_fake_step(model, shallower, group.first, settings, inputs, watch)
-            shallow_peaks.append(watch.peak())
-        found = extrapolated_class(group, shallow_peaks, run, started)
-        if found is not None:
+    if (run := models.run) is not None:
+        watches = [MemoryWatch(run.list_fqn) for _ in TRACED_DEPTHS]
+        models.at_depths(plan, group.first, settings, inputs, watches)
+        if (found := extrapolated_class(group, [watch.peak() for watch in watches], run, started)) is not None:
             return found
-    model = models.whole()
     watch = MemoryWatch(models.index.layer_list())
-    run_fake_step(model, replace(plan, index=models.index.restricted(model)), group.first, settings, inputs, watch)
+    models.at_full_depth(plan, group.first, settings, inputs, watch)
     return class_memory(group, watch.peak(), "the whole model", started)
 
 
