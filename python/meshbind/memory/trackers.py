@@ -91,8 +91,13 @@ class _PeakPlace:
     _root_name: str
 
     def _update_peak_stats(self, peak_state: Any) -> None:
+        # torch's own walks every module it tracks after each op to keep per-module peaks, which
+        # nothing here reads (a fifth of a deep stage's trace): only the step's peak is kept.
         before = self._peak_mem.get(TRACED_DEVICE, 0)
-        super()._update_peak_stats(peak_state)  # type: ignore[misc]
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
         current = self._curr_mem_snap.get(TRACED_DEVICE)
         if current is None:
             return
