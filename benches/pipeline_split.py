@@ -66,7 +66,8 @@ def measured(name: str, axes: dict[str, int], pipeline: Pipeline, repeat: int, m
             1,
         )  # fmt: skip
         highest = max(traced.classes, key=lambda c: c.peak_bytes)
-        line += f" {batch} x {seq_len}, ac {checkpointing} | {seconds:.1f} s | {size_text(highest.peak_bytes)} (ranks {highest.first_rank}+) |"
+        peak = f"{size_text(highest.peak_bytes)} (ranks {highest.first_rank}+)"
+        line += f" {batch} x {seq_len}, ac {checkpointing} | {seconds:.1f} s | {peak} |"
     return line
 
 
