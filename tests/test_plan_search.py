@@ -14,6 +14,12 @@ import time
 
 import pytest
 
+from meshbind.names import Checkpointing
+from meshbind.search.result import Candidate
+from meshbind.search.search import _likely_fastest_first
+from meshbind.search.space import Layout
+from meshbind.world import World
+
 TINY_LLAMA = {
     "model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
@@ -166,3 +172,21 @@ def test_ctrl_c_prints_the_best_found_so_far(config: str) -> None:
     assert process.returncode == 130
     assert "(interrupted: the best found so far)" in out
     assert re.search(r"^ +1 +[0-9,]+ ", out, re.MULTILINE)  # a layout traced before the interrupt is ranked
+
+
+def test_layouts_are_traced_likeliest_to_rank_first_first() -> None:
+    def candidate(dtype: str, pp: int, checkpointing: str, tp: int, state: int) -> Candidate:
+        world = World(pp=pp, dp_replicate=1, dp_shard=8 // (pp * tp), cp=1, tp=tp, ep=1)
+        schedule, microbatches = ("1F1B", pp) if pp > 1 else (None, None)
+        layout = Layout(world, schedule, microbatches, Checkpointing.parse(checkpointing, "ac"), dtype)
+        return Candidate(world, layout, state_bytes=state)
+
+    expected = [
+        candidate("bf16", 1, "none", 1, 9),
+        candidate("bf16", 1, "none", 2, 5),
+        candidate("bf16", 1, "selective-op", 1, 3),
+        candidate("bf16", 1, "full", 1, 1),
+        candidate("bf16", 2, "none", 1, 2),
+        candidate("fp32", 1, "none", 1, 1),
+    ]
+    assert sorted(reversed(expected), key=_likely_fastest_first) == expected

@@ -17,7 +17,7 @@ from meshbind.errors import PipelineError, PlanError, StepMemoryError
 from meshbind.forks import in_forks
 from meshbind.fsdp_request import FullyShard
 from meshbind.memory.trace import step_memory, step_size_problem
-from meshbind.names import DTYPE_NAMES, Optimizer
+from meshbind.names import DTYPE_NAMES, ActivationCheckpointing, Optimizer
 from meshbind.pipeline import Pipeline, PipelineStages, split_stages
 from meshbind.pipeline.schedules import schedule_named
 from meshbind.report import plan_report
@@ -76,7 +76,7 @@ def plan_layouts(
     passed = any(c.rule in (None, STATE_TOO_LARGE) for c in candidates)
     nearest = None if passed else _nearest_usable(rules, gpus, bool(wanted.expert_parallel), device_memory)
     fitting = [position for position, c in enumerate(candidates) if c.rule is None]
-    to_trace = sorted(fitting, key=lambda p: candidates[p].state_bytes or 0) if trace else []
+    to_trace = sorted(fitting, key=lambda p: _likely_fastest_first(candidates[p])) if trace else []
     traced = _Tracer(build, rules, device_memory, device, routing or Routing())
     interrupted = False
     done = 0
@@ -242,6 +242,26 @@ class _Rules:
             report = plan_report(self.model, self.plan(layout), optimizer=self.optimizer, pipeline=stages)
             self.states[key] = report.totals()["total_bytes_per_rank"]
         return self.states[key]
+
+
+_RECOMPUTED = {
+    ActivationCheckpointing.NONE: 0,
+    ActivationCheckpointing.SELECTIVE_OP: 1,
+    ActivationCheckpointing.SELECTIVE_LAYER: 1,
+    ActivationCheckpointing.FULL: 2,
+}
+
+
+def _likely_fastest_first(candidate: Candidate) -> tuple[int, ...]:
+    """The order layouts are traced in, so that a search stopped part way (Ctrl-C) holds the ones
+    likeliest to rank first: bf16 before fp32, then fewer pipeline stages (less bubble), less
+    recomputation, fewer ranks splitting each sequence (fewer collectives the step waits on), and
+    the smaller state. It orders the work only: every layout is traced either way."""
+    layout = candidate.layout
+    assert layout is not None
+    recomputed = _RECOMPUTED[layout.checkpointing.mode]
+    world = layout.world
+    return layout.param_dtype != "bf16", world.pp, recomputed, world.tp * world.cp, candidate.state_bytes or 0
 
 
 def _checkpointing_problem(layout: Layout) -> tuple[str, str] | None:
