@@ -75,6 +75,7 @@ class _PeakPlace:
         self._roots = roots
         self._block_prefix = None if blocks is None else f"{blocks}." if blocks else ""
         self._last_block: dict[str, str] = {}
+        self._module_and_block: dict[frozenset[str], tuple[str, str]] = {}
         self._mod_tracker._fw_pre_hook = _leaves_unwatched(self._mod_tracker._fw_pre_hook)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -109,13 +110,25 @@ class _PeakPlace:
             self._places[place] = dict(current)
 
     def _place(self) -> Place:
-        module, phase = self.current_module() or "<root>", self.current_phase()
-        prefix = self._block_prefix
+        # Asked after every op: the running modules change only at module hooks, so each set of
+        # them is read once (its innermost module, and the block that module lies in).
+        running = frozenset(self._mod_tracker.parents)
+        if (known := self._module_and_block.get(running)) is None:
+            known = self._module_and_block[running] = self._innermost_and_block()
+        module, block = known
+        phase = self.current_phase()
+        if block:
+            self._last_block[phase] = block
+        return module, phase, self._last_block.get(phase, "")
+
+    def _innermost_and_block(self) -> tuple[str, str]:
+        """The innermost running module, and the block of the layer list it lies in ("": none)."""
+        module, prefix = self.current_module() or "<root>", self._block_prefix
         if prefix is not None and module.startswith(prefix):
             number = module[len(prefix) :].partition(".")[0]
             if number.isdigit():
-                self._last_block[phase] = prefix + number
-        return module, phase, self._last_block.get(phase, "")
+                return module, prefix + number
+        return module, ""
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         # A pipeline stage's root runs forward once per microbatch, which the trackers refuse as a
