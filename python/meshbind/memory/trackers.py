@@ -93,7 +93,7 @@ class _PeakPlace:
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         # torch's own walks every module it tracks after each op to keep per-module peaks, which
-        # nothing here reads (a fifth of a deep stage's trace): only the step's peak is kept.
+        # nothing here reads: only the step's peak is kept.
         before = self._peak_mem.get(TRACED_DEVICE, 0)
         for device, snapshot in self._curr_mem_snap.items():
             if self._peak_mem.get(device, 0) < snapshot["Total"]:
