@@ -17,14 +17,16 @@ from meshbind.errors import PipelineError, StepMemoryError
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
 from meshbind.pipeline import Pipeline
-from meshbind.pipeline.schedules import Schedule
+from meshbind.pipeline.schedules import Schedule, schedule_named
 
 LAYERS, BATCH, SEQ_LEN, MICROBATCHES = 4, 4, 32, 4
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 RUNS = [(schedule, MICROBATCHES, checkpointing) for schedule in SCHEDULES for checkpointing in ("none", "full")]
 # A schedule that splits its backward (input gradients, then weight gradients) runs the stages'
-# backward through autograd.grad, which torch's module tracker needs a hook of meshbind's to follow.
-RUNS.append(("DualPipeV", MICROBATCHES, "none"))
+# backward through autograd.grad, which torch's module tracker needs a hook of meshbind's to follow;
+# under full checkpointing the activations it recomputes for both halves are freed at the weight
+# gradients' end, which the trace sees as torch's runtime takes its next step.
+RUNS += [("DualPipeV", MICROBATCHES, "none"), ("DualPipeV", MICROBATCHES, "full")]
 
 
 def pipelined_demo(axes: dict[str, int], schedule: str, checkpointing: str = "none", **settings: Any) -> StepMemory:
@@ -67,6 +69,15 @@ def test_pipelined_estimate_is_within_a_hundredth_of_every_rank_measured(dp_shar
         errors.update({(schedule, checkpointing, rank): by_rank[rank] / measured[rank][index] - 1 for rank in range(size)})
     beyond = {key: f"{error:+.4f}" for key, error in errors.items() if abs(error) > 0.01}
     assert not beyond, beyond
+    if dp_shard == 1:
+        # Under torch's runtime a stage's output is freed when its send is waited, as in the real
+        # step (the trace collects it there): plain stages are exact to a ten-thousandth.
+        runtime = {
+            key: f"{error:+.6f}"
+            for key, error in errors.items()
+            if not schedule_named(key[0]).single_stage and not (schedule_named(key[0]).splits_backward and key[1] == "full")
+        }
+        assert runtime and all(abs(float(error)) <= 1e-4 for error in runtime.values()), runtime
 
 
 @pytest.mark.parametrize(

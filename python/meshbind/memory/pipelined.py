@@ -44,6 +44,7 @@ from meshbind.pipeline import (
     stage_loss,
     stage_model,
 )
+from meshbind.pipeline.runtime import on_each_runtime_step
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing, assuming
@@ -224,10 +225,16 @@ def _named_actions(schedule: _PipelineSchedule, tracker: Any) -> Iterator[None]:
     schedule``."""
     numbers = itertools.count(1)
 
-    def starting(stage: int, kind: str, microbatch: int) -> None:
+    def collected(*_: object) -> None:
         # The trackers' hooks on a stage's output close a reference cycle around it: an output the
-        # stage released after sending (freed there in a real step) is freed here before the next action.
+        # stage released after sending (freed there in a real step) is freed at the next point the
+        # trace sees torch move on, each step its runtime takes and each action it starts.
         gc.collect()
+
+    on_each_runtime_step(schedule, collected)
+
+    def starting(stage: int, kind: str, microbatch: int) -> None:
+        collected()
         tracker.action = f"action {next(numbers)}: stage {stage} {_ACTION_WORDS[kind]} of microbatch {microbatch}"
 
     def ended() -> None:

@@ -22,15 +22,17 @@ ActionTwin = tuple[object, ...]
 
 
 class _Taking(list[Any]):
-    """A rank's list of actions that calls ``taken(position)`` as torch's runtime takes each."""
+    """A rank's list of actions that calls each of its ``taken`` hooks with an action's position as
+    torch's runtime takes it (step memory's and the collectives' watches, together, each add one)."""
 
-    def __init__(self, actions: list[Any], taken: Callable[[int], None]) -> None:
+    def __init__(self, actions: list[Any]) -> None:
         super().__init__(actions)
-        self._taken = taken
+        self.taken: list[Callable[[int], None]] = []
 
     def __iter__(self) -> Any:
         for position, action in enumerate(super().__iter__()):
-            self._taken(position)
+            for taken in self.taken:
+                taken(position)
             yield action
 
 
@@ -40,8 +42,11 @@ def on_each_runtime_step(schedule: Any, taken: Callable[[int], None]) -> Orders 
     orders = getattr(schedule, "pipeline_order_with_comms", None)
     if not orders:
         return None
-    lists = {rank: list(actions) for rank, actions in orders.items()}
-    orders[schedule.rank] = _Taking(orders[schedule.rank], taken)
+    lists = {rank: actions[:] for rank, actions in orders.items()}  # sliced: iterating a `_Taking` calls its hooks
+    mine = orders[schedule.rank]
+    if not isinstance(mine, _Taking):
+        mine = orders[schedule.rank] = _Taking(mine)
+    mine.taken.append(taken)
     return lists
 
 
