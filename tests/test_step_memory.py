@@ -758,3 +758,44 @@ def test_mixed_precision_is_traced_at_the_dtypes_torch_uses() -> None:
     assert mixed["parameters"] == full["parameters"] and mixed["optimizer_state"] == full["optimizer_state"]
     assert 2 * mixed["unsharded_parameters"] == full["unsharded_parameters"] and 2 * mixed["all_gather"] == full["all_gather"]
     assert 0.45 * full["activations"] < mixed["activations"] < 0.55 * full["activations"]
+
+
+def test_a_graph_a_split_backward_kept_is_freed_once_let_go_of_and_the_backward_ends_each_module() -> None:
+    """torch's module tracker waits for a module's input gradients with hooks that hold the inputs'
+    autograd nodes in a reference cycle: a graph a backward kept (a split backward's input half,
+    reached from a released output's gradient edge, as a pipeline stage runs it) would hold its
+    saved activations after the stage lets go of it, until a garbage collection. The trackers' own
+    hooks let go of the nodes once run, and the backward still ends every module's backward."""
+    import gc
+
+    from meshbind.memory.trackers import TRACED_DEVICE, step_tracker, traced_step
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    given = torch.randn(16, 64, requires_grad=True)
+    tracker = step_tracker([model], None, (given,))
+    ended: list[str] = []
+    backward_ended = tracker._post_bw_hook
+
+    def ending(module: nn.Module, grads: Any) -> None:
+        ended.append(type(module).__name__)
+        backward_ended(module, grads)
+
+    tracker._post_bw_hook = ending  # type: ignore[method-assign]
+
+    def live() -> int:
+        return int(tracker.get_tracker_snapshot()[TRACED_DEVICE]["Total"])
+
+    gc.disable()  # a collection would free the cycle and hide it
+    try:
+        with traced_step(tracker):
+            before = live()
+            output = model(given * 2)  # a non-leaf input: its node is waited on
+            edge, gradient = torch.autograd.graph.get_gradient_edge(output), torch.ones_like(output)
+            del output
+            torch.autograd.grad([edge], [given], [gradient], retain_graph=True)
+            assert live() > before
+            del edge, gradient
+            assert live() == before
+    finally:
+        gc.enable()
+    assert sorted(ended) == ["Linear", "Linear", "Sequential", "Tanh"]

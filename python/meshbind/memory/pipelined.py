@@ -13,7 +13,6 @@ trackers count the step as a whole; each stage's root runs forward once per micr
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -44,7 +43,6 @@ from meshbind.pipeline import (
     stage_loss,
     stage_model,
 )
-from meshbind.pipeline.runtime import on_each_runtime_step
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing, assuming
@@ -134,7 +132,8 @@ class PipelinedMemoryWatch:
         self, models: list[nn.Module], optimizer: Any, inputs: Any, _: MeshContext, schedule: _PipelineSchedule
     ) -> Iterator[None]:
         self._trackers.append(step_tracker(models, optimizer, inputs, self.blocks))
-        with traced_step(self._trackers[0]), _named_actions(schedule, self._trackers[0]):
+        _name_actions(schedule, self._trackers[0])
+        with traced_step(self._trackers[0]):
             yield
 
     def peak(self) -> Peak:
@@ -218,34 +217,19 @@ def _stages_of(schedule: _PipelineSchedule) -> list[Any]:
 _ACTION_WORDS = {"F": "forward", "B": "backward", "I": "backward", "W": "weight gradients"}
 
 
-@contextmanager
-def _named_actions(schedule: _PipelineSchedule, tracker: Any) -> Iterator[None]:
+def _name_actions(schedule: _PipelineSchedule, tracker: Any) -> None:
     """Each action torch's schedule runs on this rank's stages named on the tracker as it starts
     (``action 5: stage 1 backward of microbatch 2``), and what follows the schedule as ``after the
     schedule``."""
     numbers = itertools.count(1)
 
-    def collected(*_: object) -> None:
-        # The trackers' hooks on a stage's output close a reference cycle around it: an output the
-        # stage released after sending (freed there in a real step) is freed at the next point the
-        # trace sees torch move on, each step its runtime takes and each action it starts.
-        gc.collect()
-
-    on_each_runtime_step(schedule, collected)
-
     def starting(stage: int, kind: str, microbatch: int) -> None:
-        collected()
         tracker.action = f"action {next(numbers)}: stage {stage} {_ACTION_WORDS[kind]} of microbatch {microbatch}"
 
     def ended() -> None:
         tracker.action = "after the schedule"
 
     on_each_action(schedule, starting, ended)
-    gc.freeze()  # what exists before the step is never its garbage: each action's collection skips it
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def on_each_action(schedule: _PipelineSchedule, starting: Callable[[int, str, int], None], ended: Callable[[], None]) -> None:

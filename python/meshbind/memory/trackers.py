@@ -3,7 +3,8 @@ where each one's peak falls."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -13,7 +14,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_leaves
 
 from meshbind.memory.fake_step import step_errors
 from meshbind.memory.result import KINDS
@@ -76,7 +77,7 @@ class _PeakPlace:
         self._block_prefix = None if blocks is None else f"{blocks}." if blocks else ""
         self._last_block: dict[str, str] = {}
         self._module_and_block: dict[frozenset[str], tuple[str, str]] = {}
-        self._mod_tracker._fw_pre_hook = _leaves_unwatched(self._mod_tracker._fw_pre_hook)
+        self._mod_tracker._fw_pre_hook = _module_pre_forward(self._mod_tracker)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.untracked:
@@ -162,20 +163,58 @@ class _PeakPlace:
         return Peak(total, figures, module, phase, places, self._peak_action)
 
 
-def _leaves_unwatched(pre_forward: Any) -> Any:
-    """torch's module tracker waits for the gradients of a module's inputs with a hook that
-    ``autograd.grad`` refuses on a leaf: a pipeline stage's received input, under a schedule that
-    splits its backward (``DualPipeV``, the zero-bubble ones). It sees such an input as the same
-    storage without a gradient, and marks the module's backward done at the backward's end."""
+def _module_pre_forward(mod_tracker: Any) -> Callable[[nn.Module, Any], None]:
+    """torch's module tracker's pre-forward hook (``ModTracker._fw_pre_hook``) but for how it waits
+    for the gradients of a module's inputs, which ends the module's backward.
 
-    def watched(module: nn.Module, inputs: Any) -> Any:
-        return pre_forward(module, tree_map_only(torch.Tensor, _no_leaf_with_gradient, inputs))
+    torch waits with ``register_multi_grad_hook``, whose hook holds the inputs' autograd nodes and
+    is held by them: a reference cycle, so a graph a pipeline stage lets go of (an output released
+    once sent, what a split backward kept for the weights' gradients) is freed by the next garbage
+    collection, not where a real step frees it. Here the hook holds the nodes only until it has
+    run. A leaf input is not waited on: ``autograd.grad`` refuses a hook on a leaf (a pipeline
+    stage's received input, under a schedule that splits its backward); a module with no other
+    input requiring a gradient ends its backward at the backward's end, as torch ends one with none."""
 
-    return watched
+    def pre_forward(module: nn.Module, inputs: Any) -> None:
+        if torch._dynamo.eval_frame._is_in_optimized_module():
+            return
+        name = mod_tracker._get_mod_name(module)
+        module_ref = weakref.ref(module)
+        mod_tracker._get_append_fn(module_ref, name, False)()
+        if mod_tracker._user_pre_fw_hook is not None:
+            mod_tracker._user_pre_fw_hook(module, inputs)
+        if mod_tracker.is_bw:
+            return
+        backward_done = mod_tracker._get_pop_fn(module_ref, name, True)
+        waited = [leaf for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
+        if waited:
+            _when_gradients_computed(waited, backward_done)
+        else:
+            mod_tracker._post_bw_callbacks_to_enqueue.append(backward_done)
+
+    return pre_forward
 
 
-def _no_leaf_with_gradient(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach() if tensor.is_leaf and tensor.requires_grad else tensor
+def _when_gradients_computed(tensors: list[torch.Tensor], done: Callable[[], Any]) -> None:
+    """``done()`` once a backward has computed the gradients of all of ``tensors`` that it computes
+    (``register_multi_grad_hook``'s "all" mode), holding their autograd nodes only until then."""
+    nodes: list[Any] | None = [tensor.grad_fn for tensor in tensors]
+    left: dict[int, int] = {}  # by autograd's graph task: the gradients still to be computed
+
+    def computed(_: torch.Tensor) -> None:
+        nonlocal nodes
+        if nodes is None:
+            return
+        task = torch._C._current_graph_task_id()
+        if task not in left:
+            left[task] = sum(map(torch._C._will_engine_execute_node, nodes))
+        left[task] -= 1
+        if left[task] == 0:
+            nodes = None
+            done()
+
+    for tensor in tensors:
+        tensor.register_hook(computed)  # type: ignore[no-untyped-call]
 
 
 def _figures(snapshot: dict[Any, int]) -> dict[str, int]:

@@ -22,17 +22,15 @@ ActionTwin = tuple[object, ...]
 
 
 class _Taking(list[Any]):
-    """A rank's list of actions that calls each of its ``taken`` hooks with an action's position as
-    torch's runtime takes it (step memory's and the collectives' watches, together, each add one)."""
+    """A rank's list of actions that calls ``taken(position)`` as torch's runtime takes each."""
 
-    def __init__(self, actions: list[Any]) -> None:
+    def __init__(self, actions: list[Any], taken: Callable[[int], None]) -> None:
         super().__init__(actions)
-        self.taken: list[Callable[[int], None]] = []
+        self._taken = taken
 
     def __iter__(self) -> Any:
         for position, action in enumerate(super().__iter__()):
-            for taken in self.taken:
-                taken(position)
+            self._taken(position)
             yield action
 
 
@@ -42,11 +40,8 @@ def on_each_runtime_step(schedule: Any, taken: Callable[[int], None]) -> Orders 
     orders = getattr(schedule, "pipeline_order_with_comms", None)
     if not orders:
         return None
-    lists = {rank: actions[:] for rank, actions in orders.items()}  # sliced: iterating a `_Taking` calls its hooks
-    mine = orders[schedule.rank]
-    if not isinstance(mine, _Taking):
-        mine = orders[schedule.rank] = _Taking(mine)
-    mine.taken.append(taken)
+    lists = {rank: list(actions) for rank, actions in orders.items()}
+    orders[schedule.rank] = _Taking(orders[schedule.rank], taken)
     return lists
 
 
