@@ -48,6 +48,12 @@ CASES = {
     "Interleaved1F1B": (lambda: _demo(DEMO_PIPELINED), {"activation_checkpointing": "full"}, Pipeline("Interleaved1F1B", 4)),
     # step_comms alone reads the third rank's collectives from the second's trace, renumbered
     "1F1B, alike ranks": (lambda: _demo({**DEMO_PIPELINED, "pp": 4}, layers=6), {}, Pipeline("1F1B", 8)),
+    # both alone put the second rank together from the third's actions
+    "Interleaved1F1B, ranks put together": (
+        lambda: _demo({**DEMO_PIPELINED, "pp": 4}, layers=18),
+        {"activation_checkpointing": "full"},
+        Pipeline("Interleaved1F1B", 8),
+    ),
 }
 
 
@@ -67,10 +73,12 @@ def test_one_trace_answers_as_step_memory_and_step_comms_each_alone(case: str) -
         assert {**both.to_dict(), "seconds": 0} == {**alone.to_dict(), "seconds": 0}
     for both, alone in zip(comms.classes, alone_comms.classes, strict=True):
         assert (both.first_rank, both.ranks, both.collectives) == (alone.first_rank, alone.ranks, alone.collectives)
-        if pipeline is None:
+        if pipeline is None or "put together" in alone.traced:
             assert both.traced == alone.traced
     assert step_time(comms, H100).to_dict() == step_time(alone_comms, H100).to_dict()
     if case == "alike blocks extrapolated":
         assert "extrapolated" in memory.classes[0].traced and "extrapolated" in comms.classes[0].traced
     if case == "1F1B, alike ranks":
         assert "renumbered" in alone_comms.classes[2].traced and "whole" in comms.classes[2].traced
+    if case == "Interleaved1F1B, ranks put together":
+        assert "put together" in memory.classes[1].traced and "put together" in comms.classes[1].traced

@@ -336,3 +336,20 @@ def test_a_stage_whose_ranks_differ_refuses_while_the_other_stage_applies() -> N
     assert outcomes[:2] == [None, None]
     for error in outcomes[2:]:
         assert error is not None and "rank 3 differs from rank 2 first at plan layers.3: absent here" in error, error
+
+
+def test_every_watch_of_a_runtime_step_is_called_and_the_lists_handed_back_call_none() -> None:
+    """Step memory and the collectives watch one step together: each adds its hook to the rank's
+    runtime list, and both are called as torch's runtime takes each action."""
+    from types import SimpleNamespace
+
+    from meshbind.pipeline.runtime import on_each_runtime_step
+
+    schedule = SimpleNamespace(rank=1, pipeline_order_with_comms={0: ["a", "b"], 1: ["c", "d", "e"]})
+    seen: list[tuple[str, int]] = []
+    watches = ("memory", "comms")
+    lists = [on_each_runtime_step(schedule, lambda position, who=who: seen.append((who, position))) for who in watches]
+    assert lists[0] == lists[1] == {0: ["a", "b"], 1: ["c", "d", "e"]} and not seen
+    assert list(schedule.pipeline_order_with_comms[1]) == ["c", "d", "e"]
+    assert seen == [(who, position) for position in range(3) for who in watches]
+    assert on_each_runtime_step(SimpleNamespace(rank=0, pipeline_order_with_comms={}), lambda _: None) is None

@@ -19,7 +19,8 @@ from meshbind.launch import run_local_world
 from meshbind.pipeline import Pipeline
 from meshbind.pipeline.schedules import Schedule, schedule_named
 
-LAYERS, BATCH, SEQ_LEN, MICROBATCHES = 4, 4, 32, 4
+LAYERS, SEQ_LEN, MICROBATCHES = 4, 32, 4
+BATCH = MICROBATCHES
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 RUNS = [(schedule, MICROBATCHES, checkpointing) for schedule in SCHEDULES for checkpointing in ("none", "full")]
 # Schedules that split each backward into input gradients, then weight gradients (autograd.grad
@@ -31,21 +32,28 @@ RUNS += [
 ]
 
 
-def pipelined_demo(axes: dict[str, int], schedule: str, checkpointing: str = "none", **settings: Any) -> StepMemory:
-    """``step_memory`` of the demo's model (4 blocks) at ``axes`` under ``schedule``."""
+def pipelined_demo(
+    axes: dict[str, int],
+    schedule: str,
+    checkpointing: str = "none",
+    layers: int = LAYERS,
+    microbatches: int = MICROBATCHES,
+    **settings: Any,
+) -> StepMemory:
+    """``step_memory`` of the demo's model (4 blocks) at ``axes`` under ``schedule``, a sequence per microbatch."""
 
     def build() -> MoETransformer:
-        return MoETransformer(TransformerConfig(layers=LAYERS))
+        return MoETransformer(TransformerConfig(layers=layers))
 
     with torch.device("meta"):
         model = build()
     units = demo_units(axes["dp_shard"], None)
     plan = resolve_plan(model, [loss_head_request()], LayoutContext(axes), fully_shard=units, index=True)
-    pipeline = Pipeline(schedule=schedule, microbatches=MICROBATCHES)
+    pipeline = Pipeline(schedule=schedule, microbatches=microbatches)
     return step_memory(
         build,
         plan,
-        batch=BATCH,
+        batch=microbatches,
         seq_len=SEQ_LEN,
         device="cpu",
         activation_checkpointing=checkpointing,
@@ -132,6 +140,38 @@ def test_each_pipeline_rank_is_its_own_class_and_the_peak_names_the_schedules_ac
     assert as_json["rank_classes"][1]["peak_action"] == last.peak_action
     gpipe = pipelined_demo(axes_of(2), "GPipe").classes[0]
     assert gpipe.live_at_peak["activations"] > first.live_at_peak["activations"]  # GPipe holds all four
+
+
+@pytest.mark.parametrize(
+    ("schedule", "checkpointing", "pp", "dp_shard"),
+    [("Interleaved1F1B", "full", 4, 2), ("ZBVZeroBubble", "none", 4, 2), ("DualPipeV", "none", 8, 1)],
+)
+def test_a_rank_put_together_from_a_traced_ranks_actions_is_its_whole_trace(
+    schedule: str, checkpointing: str, pp: int, dp_shard: int
+) -> None:
+    """Over 4·pp + 2 blocks the middle ranks hold alike stages: some are traced, the others put
+    together from their actions (``memory/composed.py``), and every figure of the answer is the one
+    its own whole trace gives: the peak, each kind at it (FSDP's unsharded gradients of a split
+    backward named where they are made), its module, phase and action. Under DualPipeV a wait on a
+    forward's send frees the output on some ranks and not on others (after its backward or before):
+    its twin is one whose microbatch ran the same computations before it."""
+    axes = {"pp": pp, "dp_replicate": 1, "dp_shard": dp_shard, "cp": 1, "tp": 1, "ep": 1}
+    layers, microbatches = 4 * pp + 2, 2 * pp
+    put, whole = (
+        pipelined_demo(axes, schedule, checkpointing, layers, microbatches, alike_layers=alike) for alike in (True, False)
+    )
+    assert any("put together" in found.traced for found in put.classes) and all(
+        "whole" in found.traced for found in whole.classes
+    )
+    for found, own in zip(put.classes, whole.classes, strict=True):
+        assert (found.first_rank, found.ranks, found.stages) == (own.first_rank, own.ranks, own.stages)
+        assert (found.peak_bytes, found.live_at_peak, found.peak_module, found.peak_phase, found.peak_action) == (
+            own.peak_bytes,
+            own.live_at_peak,
+            own.peak_module,
+            own.peak_phase,
+            own.peak_action,
+        )
 
 
 def test_what_a_pipelined_trace_cannot_run_is_refused_before_it_starts() -> None:

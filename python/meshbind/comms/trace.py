@@ -30,7 +30,7 @@ from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline, stages_text
 from meshbind.pipeline.alike import alike_pipeline_ranks, stage_signatures
-from meshbind.pipeline.runtime import Orders, RankActions
+from meshbind.pipeline.runtime import Orders, RankActions, traced_sources
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
@@ -109,7 +109,7 @@ def step_comms(
 
 def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex, alike_layers: bool) -> list[RankClassComms]:
     """Each rank class's collectives under the pipeline, in the groups' order: the first class
-    traced (its schedule lists every rank's actions), then side by side the others ``_sources``
+    traced (its schedule lists every rank's actions), then side by side the others ``traced_sources``
     picks (``forks.py``), the rest read from their traces. Each rank's stages are cut from
     ``model``, which is never planned itself."""
     single_stage = step.stages.schedule.single_stage
@@ -129,7 +129,7 @@ def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex,
 
     ((first, orders),) = in_forks(trace, [0], tracing)
     actions = RankActions(step.stages, signatures, orders) if signatures is not None and orders is not None else None
-    sources = _sources(places, alike, actions)
+    sources = traced_sources(places, alike, actions)
     rest = [position for position, (source, _) in enumerate(sources) if source == position and position > 0]
     traced = {0: first} | dict(zip(rest, in_forks(lambda position: trace(position)[0], rest, tracing), strict=True))
     cut: dict[int, TracedRank] = {}
@@ -149,57 +149,22 @@ def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex,
         else:
             assert actions is not None
             source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.work.timelines[0]))
-            timeline = put_together(pp_rank, source_cut, taken, actions, world.stage_size)
-            how = f"{stages_text(mine)}: {stages_text(theirs)}' actions, put together"
-            classes.append(_class_comms(group, collectives_in(timeline.events), how, TracedWork((timeline,)), started))
+            classes.append(put_together_class(step, group, source_cut, taken, actions))
     return classes
 
 
-def _sources(
-    places: list[tuple[int, int, int]], alike: dict[int, int], actions: RankActions | None
-) -> list[tuple[int, list[int] | None]]:
-    """For each pipeline rank class (by its pipeline rank, its first rank within it and its ranks),
-    the class whose trace it reads, by position: itself where it is traced; an alike rank's under a
-    single-stage schedule; else, with the positions of the twins of its actions, a traced rank's
-    that has a twin of each (``RankActions.twin_positions``). Where a rank must be traced and an
-    alike later one would put it together, that one is traced instead: the one that would put
-    together the most."""
-    position_of = {place: position for position, place in enumerate(places)}
-    traced: dict[tuple[int, int], list[int]] = {}  # positions, by first rank within the pipeline rank and ranks
-    sources: list[tuple[int, list[int] | None] | None] = [None] * len(places)
-    for position, (pp_rank, within, count) in enumerate(places):
-        if sources[position] is not None:  # traced ahead
-            continue
-        if (alike_place := (alike.get(pp_rank, -1), within, count)) in position_of:
-            sources[position] = (position_of[alike_place], None)
-            continue
-        if actions is not None and position > 0:
-            found: tuple[int, list[int] | None] | None = next(
-                ((source, taken) for source in traced.get((within, count), [])
-                 if (taken := actions.twin_positions(pp_rank, places[source][0])) is not None),
-                None,
-            )  # fmt: skip
-            if found is None:
-                later = {places[other][0]: other for other in range(position + 1, len(places))
-                         if places[other][1:] == (within, count) and sources[other] is None}  # fmt: skip
-                if (stand_in := _widest_source(pp_rank, list(later), actions)) is not None:
-                    sources[later[stand_in]] = (later[stand_in], None)
-                    traced.setdefault((within, count), []).append(later[stand_in])
-                    found = (later[stand_in], actions.twin_positions(pp_rank, stand_in))
-            if found is not None:
-                sources[position] = found
-                continue
-        sources[position] = (position, None)
-        traced.setdefault((within, count), []).append(position)
-    return [source for source in sources if source is not None]
-
-
-def _widest_source(rank: int, later: list[int], actions: RankActions) -> int | None:
-    """Of the ``later`` pipeline ranks, the one with a twin of each of ``rank``'s actions that has
-    twins of the most of the others' too; ``None`` where none has ``rank``'s."""
-    covering = [source for source in later if actions.twin_positions(rank, source) is not None]
-    widths = [sum(actions.twin_positions(other, source) is not None for other in later) for source in covering]
-    return covering[widths.index(max(widths))] if covering else None
+def put_together_class(
+    step: PipelinedStep, group: RankGroup, source: TracedRank, taken: list[int], actions: RankActions
+) -> RankClassComms:
+    """``group``'s answer put together from the traced ``source``'s steps, its actions' twins at
+    ``taken`` (``RankActions.twin_positions``)."""
+    started = time.perf_counter()
+    world = step.plan.context.world
+    pp_rank = world.coordinates(group.first)[PIPELINE_AXIS]
+    timeline = put_together(pp_rank, source, taken, actions, world.stage_size)
+    mine, theirs = step.stages.stages_of_rank(pp_rank), step.stages.stages_of_rank(source.pp_rank)
+    how = f"{stages_text(mine)}: {stages_text(theirs)}' actions, put together"
+    return _class_comms(group, collectives_in(timeline.events), how, TracedWork((timeline,)), started)
 
 
 def _class_comms(

@@ -3,8 +3,8 @@
 memory trackers and the collective record together, where ``step_memory`` and ``step_comms`` each
 run it. Each answer is the one its own function gives: the same steps, each watched the same way
 (the record only reads the ops the trackers count), extrapolated over alike blocks by the same
-rules. Under a pipeline every rank class is traced whole for its memory, so its collectives come
-from that trace too, where ``step_comms`` alone reads some ranks' from another's actions."""
+rules, and under torch's pipeline runtime the same ranks put together from a traced rank's actions
+(under a single-stage schedule each rank is traced: its microbatches in flight are its own)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ from dataclasses import replace
 
 from torch import nn
 
+from meshbind.comms.composed import TracedRank
 from meshbind.comms.result import RankClassComms, StepComms
 from meshbind.comms.trace import CommsWatch, PipelinedCommsWatch, extrapolated_class, pipelined_class_comms, whole_class
+from meshbind.comms.trace import put_together_class as put_together_comms
 from meshbind.forks import in_forks
 from meshbind.memory.depth import TRACED_DEPTHS
 from meshbind.memory.fake_step import watched_by
-from meshbind.memory.pipelined import PipelinedMemoryWatch, pipelined_step, run_pipelined_fake_step
+from meshbind.memory.pipelined import PipelinedMemoryWatch, PipelinedStep, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.result import RankClassMemory, StepMemory
 from meshbind.memory.step import StepInputs
 from meshbind.memory.trace import (
@@ -32,12 +34,19 @@ from meshbind.memory.trace import (
 from meshbind.memory.trace import (
     extrapolated_class as extrapolated_memory,
 )
+from meshbind.memory.trace import (
+    put_together_class as put_together_memory,
+)
+from meshbind.memory.trackers import StepPart
 from meshbind.model_flops import model_flops_per_token
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline
+from meshbind.pipeline.alike import stage_signatures
+from meshbind.pipeline.runtime import Orders, RankActions, traced_sources
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
+from meshbind.world import PIPELINE_AXIS
 
 Answers = tuple[RankClassMemory, RankClassComms]
 
@@ -106,15 +115,7 @@ def step_memory_and_comms(
         step = pipelined_step(whole, replace(plan, index=models.index), settings, pipeline, inputs)
         settings, comms_settings = step.settings, replace(comms_settings, pipeline=step.settings.pipeline)
 
-        def traced_pipelined(group: RankGroup) -> Answers:
-            class_started = time.perf_counter()
-            memory_watch, comms_watch = PipelinedMemoryWatch(step.plan), PipelinedCommsWatch(world)
-            watch = watched_by(memory_watch, comms_watch)
-            run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, group.first, step.settings, watch)
-            memory = pipelined_class_memory(step, group, memory_watch.peak(), class_started)
-            return memory, pipelined_class_comms(step, group, comms_watch.record, class_started)
-
-        answers = in_forks(traced_pipelined, step.groups, _tracing)
+        answers = _pipelined_answers(whole, step, alike_layers)
     seconds = time.perf_counter() - started
     memory_classes = tuple(memory for memory, _ in answers)
     comms_classes = tuple(comms for _, comms in answers)
@@ -126,3 +127,48 @@ def step_memory_and_comms(
 
 def _tracing(group: RankGroup) -> str:
     return f"tracing rank {group.first}'s step"
+
+
+def _pipelined_answers(whole: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[Answers]:
+    """Each rank class's answers under the pipeline, in the groups' order. Under torch's runtime
+    (every multi-stage schedule) with ``alike_layers``, the ranks both functions put together from
+    a traced rank's actions are put together here from the same traces (both pick the ranks to
+    trace by the same twins); else every class is traced (under a single-stage schedule step
+    memory traces each rank, whose microbatches in flight differ)."""
+    world = step.plan.context.world
+    assert step.plan.index is not None
+
+    def trace(position: int) -> tuple[Answers, list[StepPart], Orders | None]:
+        started, group = time.perf_counter(), step.groups[position]
+        memory_watch, comms_watch = PipelinedMemoryWatch(step.plan), PipelinedCommsWatch(world)
+        watch = watched_by(memory_watch, comms_watch)
+        run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, group.first, step.settings, watch)
+        memory = pipelined_class_memory(step, group, memory_watch.peak(), started)
+        return (memory, pipelined_class_comms(step, group, comms_watch.record, started)), memory_watch.parts(), comms_watch.orders
+
+    def tracing(position: int) -> str:
+        return _tracing(step.groups[position])
+
+    if not alike_layers or step.stages.schedule.single_stage:
+        return [answers for answers, _, _ in in_forks(trace, range(len(step.groups)), tracing)]
+    ((first, first_parts, orders),) = in_forks(trace, [0], tracing)
+    assert orders is not None
+    actions = RankActions(step.stages, stage_signatures(step.plan.index, step.stages), orders)
+    places = [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in step.groups]
+    sources = traced_sources(places, {}, actions)
+    rest = [position for position, (source, _) in enumerate(sources) if source == position and position > 0]
+    traced = {0: (first, first_parts)} | {
+        position: (found, parts) for position, (found, parts, _) in zip(rest, in_forks(trace, rest, tracing), strict=True)
+    }
+    cut: dict[int, TracedRank] = {}
+    answers: list[Answers] = []
+    for position, (group, (source, taken)) in enumerate(zip(step.groups, sources, strict=True)):
+        if source == position:
+            answers.append(traced[position][0])
+            continue
+        assert taken is not None
+        (_, source_comms), parts = traced[source]
+        source_cut = cut.setdefault(source, TracedRank.cut(places[source][0], source_comms.work.timelines[0]))
+        memory = put_together_memory(step, group, step.groups[source], parts, taken, orders)
+        answers.append((memory, put_together_comms(step, group, source_cut, taken, actions)))
+    return answers

@@ -30,7 +30,7 @@ from meshbind.memory.fake_world import fake_world, without_torch_advice
 from meshbind.memory.fsdp_chunks import chunks_for_traced_rank
 from meshbind.memory.result import StepSettings
 from meshbind.memory.step import apply_plan, make_optimizer, make_optimizer_state, pipelined_training_step
-from meshbind.memory.trackers import TRACED_DEVICE, Peak, step_tracker, traced_step
+from meshbind.memory.trackers import TRACED_DEVICE, Peak, StepPart, step_tracker, traced_step
 from meshbind.mesh import MeshContext
 from meshbind.names import Device
 from meshbind.pipeline import (
@@ -43,6 +43,7 @@ from meshbind.pipeline import (
     stage_loss,
     stage_model,
 )
+from meshbind.pipeline.runtime import Orders, action_parts, on_each_runtime_step
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing, assuming
@@ -120,26 +121,50 @@ PipelinedWatch = Callable[
 class PipelinedMemoryWatch:
     """Step memory's watch over one rank's pipelined step (``run_pipelined_fake_step``'s
     ``watch``): torch's trackers over the rank's stages, each schedule action named as it starts,
-    so that the peak names the action running at it."""
+    so that the peak names the action running at it. The step is cut into parts at each step torch's
+    runtime takes and where the schedule ends (``parts``): what a rank with a twin of each action
+    is put together from (``memory/composed.py``)."""
 
     def __init__(self, plan: ParallelPlan) -> None:
         assert plan.index is not None
         self.blocks = plan.index.layer_list()
         self._trackers: list[Any] = []
+        self.orders: Orders | None = None
+        """Every rank's list of actions under torch's runtime (``None``: a single-stage schedule)."""
 
     @contextmanager
     def __call__(
         self, models: list[nn.Module], optimizer: Any, inputs: Any, _: MeshContext, schedule: _PipelineSchedule
     ) -> Iterator[None]:
-        self._trackers.append(step_tracker(models, optimizer, inputs, self.blocks))
-        _name_actions(schedule, self._trackers[0])
-        with traced_step(self._trackers[0]):
+        tracker = step_tracker(models, optimizer, inputs, self.blocks)
+        self._trackers.append(tracker)
+        _name_actions(schedule, tracker)
+        for stage in _stages_of(schedule):
+            stage.backward_weight_one_chunk = _then(stage.backward_weight_one_chunk, tracker.weight_gradients_made, stage.submod)
+        with traced_step(tracker):
+            tracker.cut()
+            self.orders = on_each_runtime_step(schedule, lambda _: tracker.cut())
             yield
 
     def peak(self) -> Peak:
         """The traced step's peak, the action and place it falls in, and each place's most bytes."""
         peak: Peak = self._trackers[0].peak()
         return peak
+
+    def parts(self) -> list[StepPart]:
+        """The step's parts: until torch's runtime takes its first step, each step it takes (none
+        under a single-stage schedule), and from the schedule's end."""
+        parts: list[StepPart] = self._trackers[0].parts()
+        return parts
+
+
+def _then(run: Callable[..., Any], after: Callable[[nn.Module], None], stage: nn.Module) -> Callable[..., Any]:
+    def ran(*args: Any, **kwargs: Any) -> Any:
+        result = run(*args, **kwargs)
+        after(stage)
+        return result
+
+    return ran
 
 
 def run_pipelined_fake_step(
@@ -215,19 +240,31 @@ def _stages_of(schedule: _PipelineSchedule) -> list[Any]:
 
 
 _ACTION_WORDS = {"F": "forward", "B": "backward", "I": "backward", "W": "weight gradients"}
+AFTER_THE_SCHEDULE = "after the schedule"
+
+
+def action_text(number: int, stage: int, kind: str, microbatch: int) -> str:
+    """How the answer names the ``number``-th action a rank's stages run (``kind`` as torch names it)."""
+    return f"action {number}: stage {stage} {_ACTION_WORDS[kind]} of microbatch {microbatch}"
+
+
+def stage_actions(action: Any) -> list[tuple[str, int, int]]:
+    """The kind, stage and microbatch of each action of a stage one of torch's runtime actions runs."""
+    return [part for part in action_parts(action) if part[0] in _ACTION_WORDS]
 
 
 def _name_actions(schedule: _PipelineSchedule, tracker: Any) -> None:
     """Each action torch's schedule runs on this rank's stages named on the tracker as it starts
     (``action 5: stage 1 backward of microbatch 2``), and what follows the schedule as ``after the
-    schedule``."""
+    schedule``, a part of its own."""
     numbers = itertools.count(1)
 
     def starting(stage: int, kind: str, microbatch: int) -> None:
-        tracker.action = f"action {next(numbers)}: stage {stage} {_ACTION_WORDS[kind]} of microbatch {microbatch}"
+        tracker.begin_action(action_text(next(numbers), stage, kind, microbatch))
 
     def ended() -> None:
-        tracker.action = "after the schedule"
+        tracker.action = AFTER_THE_SCHEDULE
+        tracker.cut()
 
     on_each_action(schedule, starting, ended)
 

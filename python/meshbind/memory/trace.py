@@ -22,15 +22,18 @@ from torch import nn
 
 from meshbind.errors import StepMemoryError
 from meshbind.forks import in_forks
+from meshbind.memory.composed import module_mover, put_together
 from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun, alike_run, depth_copies, extrapolated, truncated
 from meshbind.memory.fake_step import Watch, run_fake_step
 from meshbind.memory.pipelined import PipelinedMemoryWatch, PipelinedStep, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.result import RankClassMemory, StepMemory, StepSettings
 from meshbind.memory.step import StepInputs
-from meshbind.memory.trackers import Peak, step_tracker, traced_step
+from meshbind.memory.trackers import Peak, StepPart, step_tracker, traced_step
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline, stages_text
+from meshbind.pipeline.alike import stage_signatures
+from meshbind.pipeline.runtime import Orders, RankActions, traced_sources
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
@@ -101,7 +104,7 @@ def step_memory(
         return StepMemory(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
     whole = models.first()
     step = pipelined_step(whole, replace(plan, index=models.index), settings, pipeline, inputs)
-    classes = in_forks(lambda group: _trace_pipelined_class(whole, step, group), step.groups, _tracing)
+    classes = _pipelined_classes(whole, step, alike_layers)
     return StepMemory(step.settings, plan.context.world, tuple(classes), time.perf_counter() - started)
 
 
@@ -173,13 +176,56 @@ def extrapolated_class(group: RankGroup, shallow_peaks: list[Peak], run: AlikeRu
     return class_memory(group, Peak(full.pop("peak"), full, module, phase, {}, ""), run.extrapolated_text(), started)
 
 
-def _trace_pipelined_class(whole: nn.Module, step: PipelinedStep, group: RankGroup) -> RankClassMemory:
-    """One rank of ``group``: its stages' whole step under the schedule."""
+def _pipelined_classes(whole: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[RankClassMemory]:
+    """Each rank class's step memory under the pipeline, in the groups' order. Under torch's runtime
+    (every multi-stage schedule) with ``alike_layers``: the first class traced (its schedule lists
+    every rank's actions), then side by side the others ``traced_sources`` picks, the rest put
+    together from a traced rank's actions (``memory/composed.py``); else each class traced, side by
+    side. Each rank's stages are cut from ``whole``, which is never planned itself."""
+    world = step.plan.context.world
+    assert step.plan.index is not None
+
+    def trace(position: int) -> tuple[RankClassMemory, list[StepPart], Orders | None]:
+        started, group = time.perf_counter(), step.groups[position]
+        watch = PipelinedMemoryWatch(step.plan)
+        run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, group.first, step.settings, watch)
+        return pipelined_class_memory(step, group, watch.peak(), started), watch.parts(), watch.orders
+
+    def tracing(position: int) -> str:
+        return _tracing(step.groups[position])
+
+    if not alike_layers or step.stages.schedule.single_stage:
+        return [found for found, _, _ in in_forks(trace, range(len(step.groups)), tracing)]
+    ((first, first_parts, orders),) = in_forks(trace, [0], tracing)
+    assert orders is not None
+    actions = RankActions(step.stages, stage_signatures(step.plan.index, step.stages), orders)
+    places = [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in step.groups]
+    sources = traced_sources(places, {}, actions)
+    rest = [position for position, (source, _) in enumerate(sources) if source == position and position > 0]
+    traced = {0: (first, first_parts)} | {
+        position: (found, parts) for position, (found, parts, _) in zip(rest, in_forks(trace, rest, tracing), strict=True)
+    }
+    classes = []
+    for position, (group, (source, taken)) in enumerate(zip(step.groups, sources, strict=True)):
+        if source == position:
+            classes.append(traced[position][0])
+        else:
+            assert taken is not None
+            classes.append(put_together_class(step, group, step.groups[source], traced[source][1], taken, orders))
+    return classes
+
+
+def put_together_class(
+    step: PipelinedStep, group: RankGroup, source: RankGroup, parts: list[StepPart], taken: list[int], orders: Orders
+) -> RankClassMemory:
+    """``group``'s answer put together from the traced ``source``'s ``parts``, its actions' twins
+    at ``taken`` (``RankActions.twin_positions``) in its own order (``orders``)."""
     started = time.perf_counter()
-    stages = step.stages
-    watch = PipelinedMemoryWatch(step.plan)
-    run_pipelined_fake_step(whole, step.plan, stages, step.examples, group.first, step.settings, watch)
-    return pipelined_class_memory(step, group, watch.peak(), started)
+    world = step.plan.context.world
+    pp_rank, source_rank = world.coordinates(group.first)[PIPELINE_AXIS], world.coordinates(source.first)[PIPELINE_AXIS]
+    mine, theirs = step.stages.stages_of_rank(pp_rank), step.stages.stages_of_rank(source_rank)
+    peak = put_together(parts, taken, orders[pp_rank], module_mover(step.stages, theirs, mine))
+    return class_memory(group, peak, f"{stages_text(mine)}: {stages_text(theirs)}' actions, put together", started, mine)
 
 
 def pipelined_class_memory(step: PipelinedStep, group: RankGroup, peak: Peak, started: float) -> RankClassMemory:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -59,14 +60,44 @@ _KIND_OF = {
 }
 
 
+class StepPart(NamedTuple):
+    """A part of a traced step (``_PeakPlace.cut``): the live bytes by kind (``Peak.kinds``, with
+    ``"peak"`` their total) as it begins, at its highest and as it ends; at its highest, the module
+    and phase, the action running and how many actions had begun within the part."""
+
+    begin: dict[str, int]
+    highest: dict[str, int]
+    end: dict[str, int]
+    module: str
+    phase: str
+    action: str
+    actions_begun: int
+
+
+@dataclass
+class _OpenPart:
+    """The part of the step being counted: snapshots as the trackers keep them."""
+
+    begin: dict[Any, int]
+    highest: dict[Any, int]
+    place: Place
+    action: str
+    actions_begun: int
+
+    def ended(self, end: dict[Any, int]) -> StepPart:
+        module, phase, _ = self.place
+        begin, highest = _figures(self.begin), _figures(self.highest)
+        return StepPart(begin, highest, _figures(end), module, phase, self.action, self.actions_begun)
+
+
 class _PeakPlace:
     """Where the step's peak falls, and the most bytes live in each place the step runs in (its
     module and phase), kept after each op; nothing counted while ``untracked``
-    (``untracked_shape_propagation``)."""
+    (``untracked_shape_propagation``). Cut into parts (``cut``), each part's own highest too."""
 
     untracked = False
     action = ""
-    """What a pipeline's schedule is running (set by its trace): the peak names it."""
+    """What a pipeline's schedule is running (``begin_action``): the peak names it."""
 
     def __init__(self, *args: Any, blocks: str | None = None, roots: Sequence[nn.Module] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -78,6 +109,9 @@ class _PeakPlace:
         self._last_block: dict[str, str] = {}
         self._module_and_block: dict[frozenset[str], tuple[str, str]] = {}
         self._mod_tracker._fw_pre_hook = _module_pre_forward(self._mod_tracker)
+        self._parts: list[StepPart] = []
+        self._open: _OpenPart | None = None
+        self._actions_begun = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.untracked:
@@ -109,6 +143,32 @@ class _PeakPlace:
             self._peak_action = self.action
         if place not in self._places or current["Total"] > self._places[place]["Total"]:
             self._places[place] = dict(current)
+        if self._open is not None and current["Total"] > self._open.highest.get("Total", 0):
+            self._open.highest, self._open.place = dict(current), place
+            self._open.action, self._open.actions_begun = self.action, self._actions_begun
+
+    def weight_gradients_made(self, stage: nn.Module) -> None:
+        """A split backward's weight half has made ``stage``'s parameters' gradients (``_FSDPStepTracker``)."""
+
+    def begin_action(self, action: str) -> None:
+        """A pipeline schedule's action begins (``action`` names it)."""
+        self.action = action
+        self._actions_begun += 1
+
+    def cut(self) -> None:
+        """Ends the part of the step being counted, if any, and begins the next here."""
+        current = dict(self._curr_mem_snap.get(TRACED_DEVICE, {}))
+        if self._open is not None:
+            self._parts.append(self._open.ended(current))
+        self._open = _OpenPart(current, current, self._place(), self.action, 0)
+        self._actions_begun = 0
+
+    def parts(self) -> list[StepPart]:
+        """The step's parts, in order: between one ``cut`` and the next, and from the last to the step's end."""
+        if self._open is not None:
+            self._parts.append(self._open.ended(dict(self._curr_mem_snap.get(TRACED_DEVICE, {}))))
+            self._open = None
+        return self._parts
 
     def _place(self) -> Place:
         # Asked after every op: the running modules change only at module hooks, so each set of
@@ -197,24 +257,31 @@ def _module_pre_forward(mod_tracker: Any) -> Callable[[nn.Module, Any], None]:
 
 def _when_gradients_computed(tensors: list[torch.Tensor], done: Callable[[], Any]) -> None:
     """``done()`` once a backward has computed the gradients of all of ``tensors`` that it computes
-    (``register_multi_grad_hook``'s "all" mode), holding their autograd nodes only until then."""
+    (``register_multi_grad_hook``'s "all" mode), holding their autograd nodes only until then.
+    torch's engine does not list a backward's root among the nodes it will run (a stage's output
+    handed on unchanged, the root of the stage's backward): a tensor whose gradient arrives counts."""
     nodes: list[Any] | None = [tensor.grad_fn for tensor in tensors]
-    left: dict[int, int] = {}  # by autograd's graph task: the gradients still to be computed
+    waiting: dict[int, set[int]] = {}  # by autograd's graph task: the tensors whose gradients are still to come
 
-    def computed(_: torch.Tensor) -> None:
-        nonlocal nodes
-        if nodes is None:
-            return
-        task = torch._C._current_graph_task_id()
-        if task not in left:
-            left[task] = sum(map(torch._C._will_engine_execute_node, nodes))
-        left[task] -= 1
-        if left[task] == 0:
-            nodes = None
-            done()
+    def computed(index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            nonlocal nodes
+            if nodes is None:
+                return
+            task = torch._C._current_graph_task_id()
+            if task not in waiting:
+                waiting[task] = {place for place, node in enumerate(nodes) if torch._C._will_engine_execute_node(node)}
+            left = waiting[task]
+            left.discard(index)
+            if not left:
+                nodes = None
+                del waiting[task]
+                done()
 
-    for tensor in tensors:
-        tensor.register_hook(computed)  # type: ignore[no-untyped-call]
+        return hook
+
+    for index, tensor in enumerate(tensors):
+        tensor.register_hook(computed(index))  # type: ignore[no-untyped-call]
 
 
 def _figures(snapshot: dict[Any, int]) -> dict[str, int]:
@@ -245,6 +312,16 @@ class _FSDPStepTracker(_PeakPlace, FSDPMemTracker):  # type: ignore[no-untyped-c
             return inner(*args, **kwargs)
 
         return again
+
+    def weight_gradients_made(self, stage: nn.Module) -> None:
+        # torch's tracker names FSDP's unsharded gradients at FSDP's post-backward, which a split
+        # backward runs with its input half: those its weight half makes would be temporaries until
+        # the stage's next backward. They are named where they are made.
+        for module in stage.modules():
+            if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group) is not None:
+                for fsdp_param in group.fsdp_params:
+                    if (gradient := fsdp_param._unsharded_param.grad) is not None:
+                        self._update_and_maybe_create_winfos(gradient, _FSDPRefType.UNSHARDED_GRAD, update_existing=True)
 
 
 @contextmanager
