@@ -3,8 +3,7 @@ where each one's peak falls."""
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -17,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_leaves
 
+from meshbind.memory.backward_waits import module_pre_forward
 from meshbind.memory.fake_step import step_errors
 from meshbind.memory.result import KINDS
 
@@ -108,7 +108,7 @@ class _PeakPlace:
         self._block_prefix = None if blocks is None else f"{blocks}." if blocks else ""
         self._last_block: dict[str, str] = {}
         self._module_and_block: dict[frozenset[str], tuple[str, str]] = {}
-        self._mod_tracker._fw_pre_hook = _module_pre_forward(self._mod_tracker)
+        self._mod_tracker._fw_pre_hook = module_pre_forward(self._mod_tracker)
         self._parts: list[StepPart] = []
         self._open: _OpenPart | None = None
         self._actions_begun = 0
@@ -221,67 +221,6 @@ class _PeakPlace:
         module, phase, _ = self._peak_place
         places = {place: _figures(snapshot) for place, snapshot in self._places.items()}
         return Peak(total, figures, module, phase, places, self._peak_action)
-
-
-def _module_pre_forward(mod_tracker: Any) -> Callable[[nn.Module, Any], None]:
-    """torch's module tracker's pre-forward hook (``ModTracker._fw_pre_hook``) but for how it waits
-    for the gradients of a module's inputs, which ends the module's backward.
-
-    torch waits with ``register_multi_grad_hook``, whose hook holds the inputs' autograd nodes and
-    is held by them: a reference cycle, so a graph a pipeline stage lets go of (an output released
-    once sent, what a split backward kept for the weights' gradients) is freed by the next garbage
-    collection, not where a real step frees it. Here the hook holds the nodes only until it has
-    run. A leaf input is not waited on: ``autograd.grad`` refuses a hook on a leaf (a pipeline
-    stage's received input, under a schedule that splits its backward); a module with no other
-    input requiring a gradient ends its backward at the backward's end, as torch ends one with none."""
-
-    def pre_forward(module: nn.Module, inputs: Any) -> None:
-        if torch._dynamo.eval_frame._is_in_optimized_module():
-            return
-        name = mod_tracker._get_mod_name(module)
-        module_ref = weakref.ref(module)
-        mod_tracker._get_append_fn(module_ref, name, False)()
-        if mod_tracker._user_pre_fw_hook is not None:
-            mod_tracker._user_pre_fw_hook(module, inputs)
-        if mod_tracker.is_bw:
-            return
-        backward_done = mod_tracker._get_pop_fn(module_ref, name, True)
-        waited = [leaf for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
-        if waited:
-            _when_gradients_computed(waited, backward_done)
-        else:
-            mod_tracker._post_bw_callbacks_to_enqueue.append(backward_done)
-
-    return pre_forward
-
-
-def _when_gradients_computed(tensors: list[torch.Tensor], done: Callable[[], Any]) -> None:
-    """``done()`` once a backward has computed the gradients of all of ``tensors`` that it computes
-    (``register_multi_grad_hook``'s "all" mode), holding their autograd nodes only until then.
-    torch's engine does not list a backward's root among the nodes it will run (a stage's output
-    handed on unchanged, the root of the stage's backward): a tensor whose gradient arrives counts."""
-    nodes: list[Any] | None = [tensor.grad_fn for tensor in tensors]
-    waiting: dict[int, set[int]] = {}  # by autograd's graph task: the tensors whose gradients are still to come
-
-    def computed(index: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            nonlocal nodes
-            if nodes is None:
-                return
-            task = torch._C._current_graph_task_id()
-            if task not in waiting:
-                waiting[task] = {place for place, node in enumerate(nodes) if torch._C._will_engine_execute_node(node)}
-            left = waiting[task]
-            left.discard(index)
-            if not left:
-                nodes = None
-                del waiting[task]
-                done()
-
-        return hook
-
-    for index, tensor in enumerate(tensors):
-        tensor.register_hook(computed(index))  # type: ignore[no-untyped-call]
 
 
 def _figures(snapshot: dict[Any, int]) -> dict[str, int]:
