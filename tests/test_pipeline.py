@@ -353,3 +353,29 @@ def test_every_watch_of_a_runtime_step_is_called_and_the_lists_handed_back_call_
     assert list(schedule.pipeline_order_with_comms[1]) == ["c", "d", "e"]
     assert seen == [(who, position) for position in range(3) for who in watches]
     assert on_each_runtime_step(SimpleNamespace(rank=0, pipeline_order_with_comms={}), lambda _: None) is None
+
+
+def test_ranks_to_trace_are_chosen_from_lists_lowered_ahead_and_a_trace_that_ran_others_is_refused() -> None:
+    """torch lowers a multi-stage schedule's runtime lists from the schedule alone: the lists read
+    before any trace are the ones a traced rank runs (the traces check each), and a traced rank
+    whose runtime ran other lists stops the answer rather than putting ranks together from it."""
+    from meshbind.pipeline.alike import stage_signatures
+    from meshbind.pipeline.runtime import RankActions, lowered_orders, traced_and_put_together
+
+    _, index = demo_index()
+    stages = split_stages(index, 2, Pipeline("Interleaved1F1B"))
+    orders = lowered_orders(stages)
+    kinds = {str(action.computation_type.value) for actions in orders.values() for action in actions}
+    assert {"F", "B", "SEND_F", "RECV_B", "UNSHARD", "REDUCE_GRAD"} <= kinds  # the runtime's, not the compute order
+    actions = RankActions(stages, stage_signatures(index, stages), orders)
+    places = [(0, 0, 1), (1, 0, 1)]
+
+    def answered(ran: dict[int, list[object]]) -> list[tuple[int, int]]:
+        def answer(_: int, source: int, __: list[int] | None, traced: int) -> tuple[int, int]:
+            return source, traced
+
+        return traced_and_put_together(places, {}, actions, lambda p: (p, ran), answer, lambda p: f"tracing rank {p}")
+
+    assert answered(orders) == [(0, 0), (1, 1)]  # the two ranks hold unlike stages: each traced
+    with pytest.raises(RuntimeError, match="tracing rank 0: torch's runtime ran other lists"):
+        answered({rank: ranks[:-1] for rank, ranks in orders.items()})

@@ -29,8 +29,8 @@ from meshbind.model_flops import model_flops_per_token
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline, stages_text
-from meshbind.pipeline.alike import alike_pipeline_ranks, stage_signatures
-from meshbind.pipeline.runtime import Orders, RankActions, traced_sources
+from meshbind.pipeline.alike import alike_pipeline_ranks
+from meshbind.pipeline.runtime import Orders, RankActions, traced_and_put_together
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
@@ -108,15 +108,15 @@ def step_comms(
 
 
 def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex, alike_layers: bool) -> list[RankClassComms]:
-    """Each rank class's collectives under the pipeline, in the groups' order: the first class
-    traced (its schedule lists every rank's actions), then side by side the others ``traced_sources``
-    picks (``forks.py``), the rest read from their traces. Each rank's stages are cut from
-    ``model``, which is never planned itself."""
+    """Each rank class's collectives under the pipeline, in the groups' order: the classes
+    ``traced_sources`` picks traced side by side, the rest read from their traces (renumbered under
+    a single-stage schedule, put together from a traced rank's actions under torch's runtime).
+    Each rank's stages are cut from ``model``, which is never planned itself."""
     single_stage = step.stages.schedule.single_stage
     alike = alike_pipeline_ranks(index, step.stages) if alike_layers and single_stage else {}
-    signatures = stage_signatures(index, step.stages) if alike_layers and not single_stage else None
-    world = step.plan.context.world
-    places = [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in step.groups]
+    actions = step.runtime_actions() if alike_layers else None
+    world, places = step.plan.context.world, step.places()
+    cut: dict[int, TracedRank] = {}
 
     def trace(position: int) -> tuple[RankClassComms, Orders | None]:
         started, group = time.perf_counter(), step.groups[position]
@@ -124,33 +124,24 @@ def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex,
         run_pipelined_fake_step(model, step.plan, step.stages, step.examples, group.first, step.settings, watch)
         return pipelined_class_comms(step, group, watch.record, started), watch.orders
 
-    def tracing(position: int) -> str:
-        return f"tracing rank {step.groups[position].first}'s step"
-
-    ((first, orders),) = in_forks(trace, [0], tracing)
-    actions = RankActions(step.stages, signatures, orders) if signatures is not None and orders is not None else None
-    sources = traced_sources(places, alike, actions)
-    rest = [position for position, (source, _) in enumerate(sources) if source == position and position > 0]
-    traced = {0: first} | dict(zip(rest, in_forks(lambda position: trace(position)[0], rest, tracing), strict=True))
-    cut: dict[int, TracedRank] = {}
-    classes = []
-    for position, (group, (source, taken)) in enumerate(zip(step.groups, sources, strict=True)):
-        started = time.perf_counter()
+    def answer(position: int, source: int, taken: list[int] | None, whole: RankClassComms) -> RankClassComms:
+        started, group = time.perf_counter(), step.groups[position]
         pp_rank, source_rank = places[position][0], places[source][0]
-        mine, theirs = step.stages.stages_of_rank(pp_rank), step.stages.stages_of_rank(source_rank)
-        whole = traced[source]
         if source == position:
-            classes.append(whole)
-        elif taken is None:
+            return whole
+        if taken is None:
+            mine, theirs = step.stages.stages_of_rank(pp_rank), step.stages.stages_of_rank(source_rank)
             further = (pp_rank - source_rank) * world.stage_size
             moved = whole.work.timelines[0].moved(dict(zip(theirs, mine, strict=True)), further)
             how = f"{stages_text(mine)}: alike {stages_text(theirs)}'s trace, renumbered"
-            classes.append(_class_comms(group, whole.collectives, how, TracedWork((moved,)), started))
-        else:
-            assert actions is not None
-            source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.work.timelines[0]))
-            classes.append(put_together_class(step, group, source_cut, taken, actions))
-    return classes
+            return _class_comms(group, whole.collectives, how, TracedWork((moved,)), started)
+        assert actions is not None
+        source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.work.timelines[0]))
+        return put_together_class(step, group, source_cut, taken, actions)
+
+    return traced_and_put_together(
+        places, alike, actions, trace, answer, lambda position: f"tracing rank {step.groups[position].first}'s step"
+    )
 
 
 def put_together_class(

@@ -41,8 +41,7 @@ from meshbind.memory.trackers import StepPart
 from meshbind.model_flops import model_flops_per_token
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline
-from meshbind.pipeline.alike import stage_signatures
-from meshbind.pipeline.runtime import Orders, RankActions, traced_sources
+from meshbind.pipeline.runtime import Orders, traced_and_put_together
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
@@ -136,39 +135,26 @@ def _pipelined_answers(whole: nn.Module, step: PipelinedStep, alike_layers: bool
     trace by the same twins); else every class is traced (under a single-stage schedule step
     memory traces each rank, whose microbatches in flight differ)."""
     world = step.plan.context.world
-    assert step.plan.index is not None
+    cut: dict[int, TracedRank] = {}
 
-    def trace(position: int) -> tuple[Answers, list[StepPart], Orders | None]:
+    def trace(position: int) -> tuple[tuple[Answers, list[StepPart]], Orders | None]:
         started, group = time.perf_counter(), step.groups[position]
         memory_watch, comms_watch = PipelinedMemoryWatch(step.plan), PipelinedCommsWatch(world)
         watch = watched_by(memory_watch, comms_watch)
         run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, group.first, step.settings, watch)
         memory = pipelined_class_memory(step, group, memory_watch.peak(), started)
-        return (memory, pipelined_class_comms(step, group, comms_watch.record, started)), memory_watch.parts(), comms_watch.orders
+        answers = memory, pipelined_class_comms(step, group, comms_watch.record, started)
+        return (answers, memory_watch.parts()), comms_watch.orders
 
-    def tracing(position: int) -> str:
-        return _tracing(step.groups[position])
-
-    if not alike_layers or step.stages.schedule.single_stage:
-        return [answers for answers, _, _ in in_forks(trace, range(len(step.groups)), tracing)]
-    ((first, first_parts, orders),) = in_forks(trace, [0], tracing)
-    assert orders is not None
-    actions = RankActions(step.stages, stage_signatures(step.plan.index, step.stages), orders)
-    places = [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in step.groups]
-    sources = traced_sources(places, {}, actions)
-    rest = [position for position, (source, _) in enumerate(sources) if source == position and position > 0]
-    traced = {0: (first, first_parts)} | {
-        position: (found, parts) for position, (found, parts, _) in zip(rest, in_forks(trace, rest, tracing), strict=True)
-    }
-    cut: dict[int, TracedRank] = {}
-    answers: list[Answers] = []
-    for position, (group, (source, taken)) in enumerate(zip(step.groups, sources, strict=True)):
+    def answer(position: int, source: int, taken: list[int] | None, traced: tuple[Answers, list[StepPart]]) -> Answers:
+        (answers, parts), group = traced, step.groups[position]
         if source == position:
-            answers.append(traced[position][0])
-            continue
-        assert taken is not None
-        (_, source_comms), parts = traced[source]
-        source_cut = cut.setdefault(source, TracedRank.cut(places[source][0], source_comms.work.timelines[0]))
-        memory = put_together_memory(step, group, step.groups[source], parts, taken, orders)
-        answers.append((memory, put_together_comms(step, group, source_cut, taken, actions)))
-    return answers
+            return answers
+        assert taken is not None and actions is not None
+        source_rank = world.coordinates(step.groups[source].first)[PIPELINE_AXIS]
+        source_cut = cut.setdefault(source, TracedRank.cut(source_rank, answers[1].work.timelines[0]))
+        memory = put_together_memory(step, group, step.groups[source], parts, taken, actions.orders)
+        return memory, put_together_comms(step, group, source_cut, taken, actions)
+
+    actions = step.runtime_actions() if alike_layers else None
+    return traced_and_put_together(step.places(), {}, actions, trace, answer, lambda position: _tracing(step.groups[position]))

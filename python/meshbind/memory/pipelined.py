@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,7 +43,8 @@ from meshbind.pipeline import (
     stage_loss,
     stage_model,
 )
-from meshbind.pipeline.runtime import Orders, action_parts, on_each_runtime_step
+from meshbind.pipeline.alike import stage_signatures
+from meshbind.pipeline.runtime import Orders, RankActions, action_parts, lowered_orders, on_each_runtime_step
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing, assuming
@@ -53,25 +54,31 @@ Examples = dict[int, tuple[torch.Tensor, torch.Tensor]]
 """Each stage's microbatch input and output, on ``meta``."""
 
 
-def stage_examples(whole: nn.Module, stages: PipelineStages, microbatch: int, seq_len: int, routing: Routing) -> Examples:
+def stage_examples(
+    whole: nn.Module, stages: PipelineStages, signatures: Sequence[object], microbatch: int, seq_len: int, routing: Routing
+) -> Examples:
     """Each stage's input and output for one microbatch of ``microbatch`` sequences: the stages run
     in turn on fake tensors, without the plan (a stage hands on whole tensors, as its layouts
     hand them on), each output the next stage's input. torch learns these in a real step by
-    sending them between the stages, which a fake group cannot."""
+    sending them between the stages, which a fake group cannot. A stage alike an earlier one
+    (``signatures``: the same modules), given the same input, hands on what that one did: it is not run."""
     examples: Examples = {}
     count = len(stages.stages)
-    models = [runnable_stage(stage_model(whole, stages.keeps(stage)), stage, count) for stage in range(count)]
-    with FakeTensorMode(allow_non_fake_inputs=True), assuming(routing), real_step_masks():
-        given = torch.zeros(microbatch, seq_len, dtype=torch.long)
-        for stage, model in enumerate(models):
-            model.to_empty(device=TRACED_DEVICE)
-            output = model(given)
-            if not isinstance(output, torch.Tensor):
-                raise StepMemoryError(
-                    f"pipeline stage {stage} of {type(whole).__name__} hands on {type(output).__name__}, not a tensor"
-                )
-            examples[stage] = (_on_meta(given), _on_meta(output))
-            given = output.detach()
+    ran: dict[tuple[object, ...], Any] = {}
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    given = torch.zeros(microbatch, seq_len, dtype=torch.long)
+    for stage in range(count):
+        alike = (signatures[stage], stage == 0, stage == count - 1, given.shape, given.dtype)
+        if (output := ran.get(alike)) is None:
+            model = runnable_stage(stage_model(whole, stages.keeps(stage)), stage, count)  # copied outside the fake mode
+            with fake, assuming(routing), real_step_masks():
+                model.to_empty(device=TRACED_DEVICE)
+                output = ran[alike] = model(given)
+        if not isinstance(output, torch.Tensor):
+            handed = type(output).__name__
+            raise StepMemoryError(f"pipeline stage {stage} of {type(whole).__name__} hands on {handed}, not a tensor")
+        examples[stage] = (_on_meta(given), _on_meta(output))
+        given = output.detach()
     return examples
 
 
@@ -85,6 +92,20 @@ class PipelinedStep:
     groups: tuple[RankGroup, ...]
     examples: Examples
     plan: ParallelPlan
+    signatures: Sequence[object]
+    """Each stage's modules, told apart (``pipeline.alike.stage_signatures``)."""
+
+    def places(self) -> list[tuple[int, int, int]]:
+        """Each class's pipeline rank, its first rank within it and its ranks (``traced_sources``)."""
+        world = self.plan.context.world
+        return [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in self.groups]
+
+    def runtime_actions(self) -> RankActions | None:
+        """The ranks' runtime lists told apart for putting ranks together; ``None`` under a
+        single-stage schedule, which has none."""
+        if self.stages.schedule.single_stage:
+            return None
+        return RankActions(self.stages, self.signatures, lowered_orders(self.stages))
 
 
 def pipelined_step(
@@ -101,8 +122,9 @@ def pipelined_step(
     if settings.batch % stages.microbatches:
         raise ValueError(f"batch {settings.batch} does not split into {stages.microbatches} pipeline microbatches")
     groups = plan_report(plan.index, plan, optimizer="none", pipeline=stages).rank_groups
-    examples = stage_examples(whole, stages, settings.batch // stages.microbatches, settings.seq_len, settings.routing)
-    return PipelinedStep(replace(settings, pipeline=stages), stages, groups, examples, plan)
+    signatures, microbatch = stage_signatures(plan.index, stages), settings.batch // stages.microbatches
+    examples = stage_examples(whole, stages, signatures, microbatch, settings.seq_len, settings.routing)
+    return PipelinedStep(replace(settings, pipeline=stages), stages, groups, examples, plan, signatures)
 
 
 def _on_meta(tensor: torch.Tensor) -> torch.Tensor:

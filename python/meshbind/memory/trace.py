@@ -32,8 +32,7 @@ from meshbind.memory.trackers import Peak, StepPart, step_tracker, traced_step
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline, stages_text
-from meshbind.pipeline.alike import stage_signatures
-from meshbind.pipeline.runtime import Orders, RankActions, traced_sources
+from meshbind.pipeline.runtime import Orders, traced_and_put_together
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
@@ -178,41 +177,27 @@ def extrapolated_class(group: RankGroup, shallow_peaks: list[Peak], run: AlikeRu
 
 def _pipelined_classes(whole: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[RankClassMemory]:
     """Each rank class's step memory under the pipeline, in the groups' order. Under torch's runtime
-    (every multi-stage schedule) with ``alike_layers``: the first class traced (its schedule lists
-    every rank's actions), then side by side the others ``traced_sources`` picks, the rest put
-    together from a traced rank's actions (``memory/composed.py``); else each class traced, side by
-    side. Each rank's stages are cut from ``whole``, which is never planned itself."""
-    world = step.plan.context.world
-    assert step.plan.index is not None
+    (every multi-stage schedule) with ``alike_layers``, the classes ``traced_sources`` picks are
+    traced, side by side, the rest put together from a traced rank's actions (``memory/composed.py``);
+    else each class is traced, side by side. Each rank's stages are cut from ``whole``, which is
+    never planned itself."""
 
-    def trace(position: int) -> tuple[RankClassMemory, list[StepPart], Orders | None]:
+    Traced = tuple[RankClassMemory, list[StepPart]]  # the class's answer, and its step's parts
+
+    def trace(position: int) -> tuple[Traced, Orders | None]:
         started, group = time.perf_counter(), step.groups[position]
         watch = PipelinedMemoryWatch(step.plan)
         run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, group.first, step.settings, watch)
-        return pipelined_class_memory(step, group, watch.peak(), started), watch.parts(), watch.orders
+        return (pipelined_class_memory(step, group, watch.peak(), started), watch.parts()), watch.orders
 
-    def tracing(position: int) -> str:
-        return _tracing(step.groups[position])
-
-    if not alike_layers or step.stages.schedule.single_stage:
-        return [found for found, _, _ in in_forks(trace, range(len(step.groups)), tracing)]
-    ((first, first_parts, orders),) = in_forks(trace, [0], tracing)
-    assert orders is not None
-    actions = RankActions(step.stages, stage_signatures(step.plan.index, step.stages), orders)
-    places = [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in step.groups]
-    sources = traced_sources(places, {}, actions)
-    rest = [position for position, (source, _) in enumerate(sources) if source == position and position > 0]
-    traced = {0: (first, first_parts)} | {
-        position: (found, parts) for position, (found, parts, _) in zip(rest, in_forks(trace, rest, tracing), strict=True)
-    }
-    classes = []
-    for position, (group, (source, taken)) in enumerate(zip(step.groups, sources, strict=True)):
+    def answer(position: int, source: int, taken: list[int] | None, traced: Traced) -> RankClassMemory:
         if source == position:
-            classes.append(traced[position][0])
-        else:
-            assert taken is not None
-            classes.append(put_together_class(step, group, step.groups[source], traced[source][1], taken, orders))
-    return classes
+            return traced[0]
+        assert taken is not None and actions is not None
+        return put_together_class(step, step.groups[position], step.groups[source], traced[1], taken, actions.orders)
+
+    actions = step.runtime_actions() if alike_layers else None
+    return traced_and_put_together(step.places(), {}, actions, trace, answer, lambda position: _tracing(step.groups[position]))
 
 
 def put_together_class(

@@ -90,6 +90,9 @@ class _OpenPart:
         return StepPart(begin, highest, _figures(end), module, phase, self.action, self.actions_begun)
 
 
+_DEVICE_QUERY = torch.ops.prim.device.default
+
+
 class _PeakPlace:
     """Where the step's peak falls, and the most bytes live in each place the step runs in (its
     module and phase), kept after each op; nothing counted while ``untracked``
@@ -114,7 +117,9 @@ class _PeakPlace:
         self._actions_begun = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.untracked:
+        # A fake tensor's device is asked of every mode (most of a step's dispatches): it makes
+        # and frees nothing, so torch's trackers need not see it.
+        if self.untracked or func is _DEVICE_QUERY:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
 

@@ -5,21 +5,27 @@ are *twins*: the same kind of action on a stage of the same modules at the same 
 (the "v" of a two-stage schedule goes down, then up), with the same neighbours on the rank, and
 both the stage's first of that kind, its last, or neither (FSDP gathers in the first, reduces in
 the last). A rank whose every action has a twin on a traced rank holding the same stages' modules
-can be put together from that rank's actions in its own order (``comms/composed.py``)."""
+can be put together from that rank's actions in its own order (``comms/composed.py``,
+``memory/composed.py``). torch lowers the lists from the schedule alone, so which ranks to trace is
+known before any is traced (``traced_and_put_together``)."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from meshbind.forks import in_forks
 from meshbind.pipeline.schedules import STAGE_ACTIONS
 from meshbind.pipeline.stages import PipelineStages
 
 Orders = dict[int, list[Any]]
 """torch's runtime lists: each pipeline rank's actions (torch's ``_Action``s)."""
 ActionTwin = tuple[object, ...]
+Traced = TypeVar("Traced")
+Answer = TypeVar("Answer")
 
 
 class _Taking(list[Any]):
@@ -51,6 +57,22 @@ def on_each_runtime_step(schedule: Any, taken: Callable[[int], None]) -> Orders 
     return lists
 
 
+def lowered_orders(stages: PipelineStages) -> Orders:
+    """torch's runtime lists of a multi-stage schedule, as its constructor lowers them from the
+    compute order and the schedule's settings alone: built here over stand-in stages, as torch's
+    schedule pictures build them (``get_schedule_ops``), with the settings a traced step uses."""
+    schedule = stages.schedule
+    return _lowered_orders(schedule.name, stages.pp, len(stages.stages) // stages.pp, stages.microbatches)
+
+
+@functools.cache  # asked for by every trace of the same world
+def _lowered_orders(name: str, pp: int, stages_per_rank: int, microbatches: int) -> Orders:
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    ranks = get_schedule_ops(name, pp, microbatches, stages_per_rank, with_comms=True)
+    return {rank: [action for action in actions if action is not None] for rank, actions in enumerate(ranks)}
+
+
 @dataclass(frozen=True)
 class RankActions:
     """What tells a pipeline rank's actions apart for putting ranks together: the twin key of each
@@ -61,6 +83,7 @@ class RankActions:
     """Each stage's modules, told apart (``pipeline.alike.stage_signatures``)."""
     orders: Orders
     _action_twins: dict[int, list[ActionTwin]] = field(default_factory=dict, compare=False, repr=False)
+    _first_twins: dict[int, dict[ActionTwin, int]] = field(default_factory=dict, compare=False, repr=False)
 
     def stage_twins(self, rank: int) -> tuple[object, ...]:
         mine = self.stages.stages_of_rank(rank)
@@ -96,13 +119,12 @@ class RankActions:
         the same stages' modules and has a twin of every one; else ``None``."""
         if self.stage_twins(source) != self.stage_twins(rank):
             return None
-        at: dict[ActionTwin, int] = {}
-        for position, twin in enumerate(self.action_twins(source)):
-            at.setdefault(twin, position)
-        wanted = self.action_twins(rank)
-        if not all(twin in at for twin in wanted):
-            return None
-        return [at[twin] for twin in wanted]
+        if (at := self._first_twins.get(source)) is None:  # asked of each traced rank for every other
+            at = self._first_twins[source] = {}
+            for position, twin in enumerate(self.action_twins(source)):
+                at.setdefault(twin, position)
+        positions = [at.get(twin, -1) for twin in self.action_twins(rank)]
+        return None if -1 in positions else positions
 
 
 def action_parts(action: Any) -> list[tuple[str, int, int]]:
@@ -132,7 +154,7 @@ def traced_sources(
         if (alike_place := (alike.get(pp_rank, -1), within, count)) in position_of:
             sources[position] = (position_of[alike_place], None)
             continue
-        if actions is not None and position > 0:
+        if actions is not None:
             found: tuple[int, list[int] | None] | None = next(
                 ((source, taken) for source in traced.get((within, count), [])
                  if (taken := actions.twin_positions(pp_rank, places[source][0])) is not None),
@@ -159,3 +181,29 @@ def _widest_source(rank: int, later: list[int], actions: RankActions) -> int | N
     covering = [source for source in later if actions.twin_positions(rank, source) is not None]
     widths = [sum(actions.twin_positions(other, source) is not None for other in later) for source in covering]
     return covering[widths.index(max(widths))] if covering else None
+
+
+def traced_and_put_together(
+    places: list[tuple[int, int, int]],
+    alike: dict[int, int],
+    actions: RankActions | None,
+    trace: Callable[[int], tuple[Traced, Orders | None]],
+    answer: Callable[[int, int, list[int] | None, Traced], Answer],
+    tracing: Callable[[int], str],
+) -> list[Answer]:
+    """Each pipeline rank class's answer, by position in ``places`` (as ``traced_sources`` takes
+    them): the classes ``traced_sources`` picks traced side by side (``trace(position)``, which
+    gives the traced rank's runtime lists too), then ``answer(position, source, taken, traced)`` for
+    every class from its source's trace. A traced rank whose runtime ran other lists than
+    ``actions`` (lowered ahead) is a ``RuntimeError``: the ranks put together would be wrong."""
+    sources = traced_sources(places, alike, actions)
+    positions = [position for position, (source, _) in enumerate(sources) if source == position]
+    traced: dict[int, Traced] = {}
+    for position, (found, orders) in zip(positions, in_forks(trace, positions, tracing), strict=True):
+        if actions is not None and orders != actions.orders:
+            raise RuntimeError(
+                f"{tracing(position)}: torch's runtime ran other lists of actions than it lowers from the "
+                "schedule alone; the ranks put together from it would be wrong"
+            )
+        traced[position] = found
+    return [answer(position, source, taken, traced[source]) for position, (source, taken) in enumerate(sources)]
