@@ -10,6 +10,6 @@ if [ "$#" -gt 0 ]; then
     exec python -m pytest -q "$@"
 fi
 cargo test --quiet
-python -m pytest -q
+python -m pytest -q --durations=20  # the slowest tests named, where the suite's time goes
 MESHBIND_NO_LAYOUT_READS=1 python -m pytest -q tests/test_walk.py tests/test_patterns.py tests/test_plan.py tests/test_layout_reads.py
 bash scripts/interpreters.sh
