@@ -26,7 +26,6 @@ from meshbind.memory.step import StepInputs
 from meshbind.memory.trace import TracedModels, traced_step_settings
 from meshbind.mesh import MeshContext
 from meshbind.model_flops import model_flops_per_token
-from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline, stages_text
 from meshbind.pipeline.alike import alike_pipeline_ranks
@@ -103,17 +102,17 @@ def step_comms(
         classes = in_forks(class_comms, groups, lambda group: f"tracing rank {group.first}'s step")
         return StepComms(settings, world, tuple(classes), time.perf_counter() - started, flops_per_token)
     step = pipelined_step(model, replace(plan, index=index), settings, pipeline, inputs)
-    classes = _pipelined_classes(model, step, index, alike_layers)
+    classes = _pipelined_classes(model, step, alike_layers)
     return StepComms(step.settings, world, tuple(classes), time.perf_counter() - started, flops_per_token)
 
 
-def _pipelined_classes(model: nn.Module, step: PipelinedStep, index: ModelIndex, alike_layers: bool) -> list[RankClassComms]:
+def _pipelined_classes(model: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[RankClassComms]:
     """Each rank class's collectives under the pipeline, in the groups' order: the classes
     ``traced_sources`` picks traced side by side, the rest read from their traces (renumbered under
     a single-stage schedule, put together from a traced rank's actions under torch's runtime).
     Each rank's stages are cut from ``model``, which is never planned itself."""
     single_stage = step.stages.schedule.single_stage
-    alike = alike_pipeline_ranks(index, step.stages) if alike_layers and single_stage else {}
+    alike = alike_pipeline_ranks(step.signatures, step.stages) if alike_layers and single_stage else {}
     actions = step.runtime_actions() if alike_layers else None
     world, places = step.plan.context.world, step.places()
     cut: dict[int, TracedRank] = {}

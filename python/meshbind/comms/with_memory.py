@@ -45,7 +45,6 @@ from meshbind.pipeline.runtime import Orders, traced_and_put_together
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
-from meshbind.world import PIPELINE_AXIS
 
 Answers = tuple[RankClassMemory, RankClassComms]
 
@@ -134,7 +133,7 @@ def _pipelined_answers(whole: nn.Module, step: PipelinedStep, alike_layers: bool
     a traced rank's actions are put together here from the same traces (both pick the ranks to
     trace by the same twins); else every class is traced (under a single-stage schedule step
     memory traces each rank, whose microbatches in flight differ)."""
-    world = step.plan.context.world
+    world, places = step.plan.context.world, step.places()
     cut: dict[int, TracedRank] = {}
 
     def trace(position: int) -> tuple[tuple[Answers, list[StepPart]], Orders | None]:
@@ -151,10 +150,9 @@ def _pipelined_answers(whole: nn.Module, step: PipelinedStep, alike_layers: bool
         if source == position:
             return answers
         assert taken is not None and actions is not None
-        source_rank = world.coordinates(step.groups[source].first)[PIPELINE_AXIS]
-        source_cut = cut.setdefault(source, TracedRank.cut(source_rank, answers[1].work.timelines[0]))
+        source_cut = cut.setdefault(source, TracedRank.cut(places[source][0], answers[1].work.timelines[0]))
         memory = put_together_memory(step, group, step.groups[source], parts, taken, actions.orders)
         return memory, put_together_comms(step, group, source_cut, taken, actions)
 
     actions = step.runtime_actions() if alike_layers else None
-    return traced_and_put_together(step.places(), {}, actions, trace, answer, lambda position: _tracing(step.groups[position]))
+    return traced_and_put_together(places, {}, actions, trace, answer, lambda position: _tracing(step.groups[position]))

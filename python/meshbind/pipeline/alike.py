@@ -7,13 +7,15 @@ for the others, its stages renumbered."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from meshbind.model_index import ModelIndex
 from meshbind.pipeline.stages import PipelineStages
 
 
-def alike_pipeline_ranks(index: ModelIndex, stages: PipelineStages) -> dict[int, int]:
-    """Each pipeline rank that runs stages alike an earlier rank's, mapped to the first such rank."""
-    signatures = stage_signatures(index, stages)
+def alike_pipeline_ranks(signatures: Sequence[object], stages: PipelineStages) -> dict[int, int]:
+    """Each pipeline rank that runs stages alike an earlier rank's (``signatures``: each stage's, as
+    ``stage_signatures`` tells them apart), mapped to the first such rank."""
     order = stages.order
     last = len(stages.stages) - 1
     first_with: dict[tuple[object, ...], int] = {}
