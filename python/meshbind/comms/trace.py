@@ -23,7 +23,7 @@ from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun
 from meshbind.memory.fake_step import step_errors
 from meshbind.memory.pipelined import PipelinedStep, on_each_action, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.step import StepInputs
-from meshbind.memory.trace import TracedModels, traced_step_settings
+from meshbind.memory.trace import TracedModels, traced_step_settings, tracing_text
 from meshbind.mesh import MeshContext
 from meshbind.model_flops import model_flops_per_token
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
@@ -99,7 +99,7 @@ def step_comms(
             return whole_class(group, watch.record, "the whole model", class_started)
 
         groups = plan_report(index, plan, optimizer="none").rank_groups
-        classes = in_forks(class_comms, groups, lambda group: f"tracing rank {group.first}'s step")
+        classes = in_forks(class_comms, groups, tracing_text)
         return StepComms(settings, world, tuple(classes), time.perf_counter() - started, flops_per_token)
     step = pipelined_step(model, replace(plan, index=index), settings, pipeline, inputs)
     classes = _pipelined_classes(model, step, alike_layers)
@@ -138,9 +138,7 @@ def _pipelined_classes(model: nn.Module, step: PipelinedStep, alike_layers: bool
         source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.work.timelines[0]))
         return put_together_class(step, group, source_cut, taken, actions)
 
-    return traced_and_put_together(
-        places, alike, actions, trace, answer, lambda position: f"tracing rank {step.groups[position].first}'s step"
-    )
+    return traced_and_put_together(places, alike, actions, trace, answer, lambda position: tracing_text(step.groups[position]))
 
 
 def put_together_class(

@@ -30,6 +30,7 @@ from meshbind.memory.trace import (
     class_memory,
     pipelined_class_memory,
     traced_step_settings,
+    tracing_text,
 )
 from meshbind.memory.trace import (
     extrapolated_class as extrapolated_memory,
@@ -107,7 +108,7 @@ def step_memory_and_comms(
                 comms = comms or whole_class(group, comms_watch.record, "the whole model", class_started)
             return memory, comms
 
-        answers = in_forks(traced, groups, _tracing)
+        answers = in_forks(traced, groups, tracing_text)
     else:
         whole = models.first()
         step = pipelined_step(whole, replace(plan, index=models.index), settings, pipeline, inputs)
@@ -121,10 +122,6 @@ def step_memory_and_comms(
         StepMemory(settings, world, memory_classes, seconds),
         StepComms(comms_settings, world, comms_classes, seconds, flops_per_token),
     )
-
-
-def _tracing(group: RankGroup) -> str:
-    return f"tracing rank {group.first}'s step"
 
 
 def _pipelined_answers(whole: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[Answers]:
@@ -155,4 +152,4 @@ def _pipelined_answers(whole: nn.Module, step: PipelinedStep, alike_layers: bool
         return memory, put_together_comms(step, group, source_cut, taken, actions)
 
     actions = step.runtime_actions() if alike_layers else None
-    return traced_and_put_together(places, {}, actions, trace, answer, lambda position: _tracing(step.groups[position]))
+    return traced_and_put_together(places, {}, actions, trace, answer, lambda position: tracing_text(step.groups[position]))

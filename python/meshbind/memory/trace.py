@@ -99,7 +99,7 @@ def step_memory(
         if pipeline is not None:
             raise ValueError("pipeline is for a plan with pp above 1; this plan has pp=1")
         groups = plan_report(models.index, plan, optimizer="none").rank_groups
-        classes = in_forks(lambda group: _trace_class(models, plan, group, settings, inputs), groups, _tracing)
+        classes = in_forks(lambda group: _trace_class(models, plan, group, settings, inputs), groups, tracing_text)
         return StepMemory(settings, plan.context.world, tuple(classes), time.perf_counter() - started)
     whole = models.first()
     step = pipelined_step(whole, replace(plan, index=models.index), settings, pipeline, inputs)
@@ -197,7 +197,9 @@ def _pipelined_classes(whole: nn.Module, step: PipelinedStep, alike_layers: bool
         return put_together_class(step, step.groups[position], step.groups[source], traced[1], taken, actions.orders)
 
     actions = step.runtime_actions() if alike_layers else None
-    return traced_and_put_together(step.places(), {}, actions, trace, answer, lambda position: _tracing(step.groups[position]))
+    return traced_and_put_together(
+        step.places(), {}, actions, trace, answer, lambda position: tracing_text(step.groups[position])
+    )
 
 
 def put_together_class(
@@ -219,7 +221,8 @@ def pipelined_class_memory(step: PipelinedStep, group: RankGroup, peak: Peak, st
     return class_memory(group, peak, f"{stages_text(mine)} whole, under {step.stages.schedule.name}", started, mine)
 
 
-def _tracing(group: RankGroup) -> str:
+def tracing_text(group: RankGroup) -> str:
+    """What a trace of ``group``'s rank is doing, for a child that ends without an answer (``in_forks``)."""
     return f"tracing rank {group.first}'s step"
 
 
