@@ -256,6 +256,29 @@ def test_mixed_precision_is_torchs_policy_on_every_unit_and_a_dtype_that_is_not_
             FullyShard(("blocks.*",), **{field: value})
 
 
+def test_a_plan_under_another_plan_wide_policy_is_the_plan_those_dtypes_resolve_to() -> None:
+    """The layout search resolves a world once and takes its other precisions by ``with_policy``:
+    equal to resolving them afresh, a unit's own policy kept."""
+    import torch
+    from fsdp_checks import MIXED, REQUESTS, Model
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from meshbind import FullyShard, LayoutContext, resolve_plan
+
+    context = LayoutContext({"dp_shard": 2, "tp": 2, "ep": 2})
+    for units in (None, MIXED.units):
+        own = () if units is None else MIXED.unit_policies
+        bf16 = resolve_plan(Model(), REQUESTS, context, fully_shard=FullyShard(units, param_dtype="bf16", unit_policies=own))
+        fp32_units = FullyShard(units, param_dtype="fp32", reduce_dtype="fp32", unit_policies=own)
+        fp32 = resolve_plan(Model(), REQUESTS, context, fully_shard=fp32_units)
+        assert bf16.fsdp is not None and fp32.fsdp is not None and bf16.fsdp != fp32.fsdp
+        assert bf16.fsdp.with_policy(MixedPrecisionPolicy(torch.float32, torch.float32)) == fp32.fsdp
+        assert fp32.fsdp.with_policy(bf16.fsdp.policy) == bf16.fsdp
+    kept = {unit.fqn: unit.policy for unit in bf16.fsdp.with_policy(None).units}
+    assert kept["blocks.0.norm"] == MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)
+    assert kept["blocks.0"] is None and kept[""] is None
+
+
 def test_a_unit_policy_gives_the_units_it_selects_their_own_precision_and_every_misfit_is_named() -> None:
     import torch
     from fsdp_checks import MIXED, REQUESTS, Model

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, astuple, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
@@ -78,7 +78,8 @@ def unit_rows(fsdp: FSDPPlan, parameters: Iterable[tuple[str, ParameterRow]]) ->
         reduced = own.reduced * _itemsize(reduce_dtype) if own.reduced else 0
         fqn = unit.fqn or "<root>"
         rows.append(UnitRow(fqn, 1, unit.mesh, own.dtype, param_dtype, reduce_dtype, own.shard_bytes, gathered, reduced))
-    alike = index_groups([(row.fqn, astuple(row)[2:]) for row in rows])
+    # Alike: every field but the name and the count (shallow: astuple deep-copies each row).
+    alike = index_groups([(row.fqn, tuple(getattr(row, field.name) for field in fields(row)[2:])) for row in rows])
     return tuple(replace(rows[members[0]], fqn=fqn or rows[members[0]].fqn, count=len(members)) for fqn, members in alike)
 
 

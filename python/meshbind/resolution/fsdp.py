@@ -81,6 +81,13 @@ class FSDPPlan:
             "mixed_precision": None if self.policy is None else policy_fields(self.policy),
         }
 
+    def with_policy(self, policy: MixedPrecisionPolicy | None) -> FSDPPlan:
+        """The same units under another plan-wide policy; a unit with a policy of its own keeps it.
+        No problem of the units depends on the plan's policy, so the plan a ``FullyShard`` of other
+        dtypes resolves to is this one's ``with_policy``."""
+        units = tuple(unit if unit.policy != self.policy else dataclasses.replace(unit, policy=policy) for unit in self.units)
+        return dataclasses.replace(self, units=units, policy=policy)
+
     def describe(self) -> str:
         """One line: the units in the order ``fully_shard`` takes them, and who chose them."""
         grouped = index_groups([(unit.fqn or "<root>", unit.mesh) for unit in self.units])

@@ -22,6 +22,7 @@ from meshbind.pipeline import Pipeline, PipelineStages, split_stages
 from meshbind.pipeline.schedules import schedule_named
 from meshbind.report import plan_report
 from meshbind.resolution import ParallelPlan, resolve_plan
+from meshbind.resolution.fsdp import mixed_precision_policy
 from meshbind.routing import Routing
 from meshbind.search.result import CANNOT_BE_TRACED, STATE_TOO_LARGE, Candidate, LayoutSearch
 from meshbind.search.space import REDUCE_DTYPE, Choices, Layout, microbatch_choices, worlds
@@ -124,17 +125,19 @@ def _nearest_usable(rules: _Rules, gpus: int, expert_parallel: bool, device_memo
 
 
 class _Rules:
-    """The rules ``meshbind check`` applies to a layout, each plan resolved once per world and
-    precision and each report counted once per split."""
+    """The rules ``meshbind check`` applies to a layout: each plan resolved once per world, each
+    split made once per pipeline (``pp``, schedule, microbatches) and each state counted once per
+    world and stage count."""
 
     def __init__(
         self, model: nn.Module, requests: Any, choices: Choices, cluster: Cluster, global_batch: int, seq_len: int, optimizer: str
     ) -> None:
         self.model, self.requests, self.choices, self.cluster = model, requests, choices, cluster
         self.global_batch, self.seq_len, self.optimizer = global_batch, seq_len, optimizer
+        self.resolved: dict[World, ParallelPlan | tuple[str, str]] = {}
         self.plans: dict[tuple[World, str], ParallelPlan] = {}
-        self.splits: dict[tuple[World, str, int], PipelineStages] = {}
-        self.states: dict[tuple[World, str, int], int] = {}
+        self.splits: dict[tuple[int, str, int], PipelineStages | tuple[str, str]] = {}
+        self.states: dict[tuple[World, int], int] = {}
 
     def local_batch(self, world: World) -> int:
         return self.global_batch // (world.dp_replicate * world.dp_shard)
@@ -180,18 +183,24 @@ class _Rules:
         return None
 
     def _plan(self, world: World, dtype: str) -> ParallelPlan | tuple[str, str]:
-        key = (world, dtype)
-        if key not in self.plans:
+        """The world's plan at ``dtype``, or why it is refused. Resolved once per world: neither
+        its problems nor its units depend on the precision, only the units' policy does."""
+        if world not in self.resolved:
             units = FullyShard(None, param_dtype=_dtype(dtype), reduce_dtype=_dtype(REDUCE_DTYPE))
             try:
                 plan = resolve_plan(self.model, self.requests, LayoutContext(world.axis_sizes()), fully_shard=units, index=True)
+                self.resolved[world] = _idle_axis(plan, world) or plan
             except PlanError as error:
                 first = error.problems[0]
-                return f"plan: {first.code}", first.line()
-            idle = _idle_axis(plan, world)
-            if idle is not None:
-                return idle
-            self.plans[key] = plan
+                self.resolved[world] = (f"plan: {first.code}", first.line())
+        resolved = self.resolved[world]
+        if isinstance(resolved, tuple):
+            return resolved
+        key = (world, dtype)
+        if key not in self.plans:
+            assert resolved.fsdp is not None
+            policy = mixed_precision_policy(FullyShard(None, param_dtype=_dtype(dtype), reduce_dtype=_dtype(REDUCE_DTYPE)))
+            self.plans[key] = replace(resolved, fsdp=resolved.fsdp.with_policy(policy))
         return self.plans[key]
 
     def _pipelines(self, world: World, plan: ParallelPlan) -> Iterator[tuple[str | None, int | None, tuple[str, str] | None]]:
@@ -213,14 +222,15 @@ class _Rules:
                 "microbatches over the local batch",
                 f"a local batch of {local} does not split into {microbatches} microbatches",
             )
-        try:
+        key = (world.pp, schedule, microbatches)
+        if key not in self.splits:  # the split reads the model, not the world's other axes
             assert plan.index is not None
-            self.splits[(world, schedule, microbatches)] = split_stages(
-                plan.index, world.pp, Pipeline(schedule, microbatches=microbatches)
-            )
-        except PipelineError as error:
-            return "pipeline", error.problems[0]
-        return None
+            try:
+                self.splits[key] = split_stages(plan.index, world.pp, Pipeline(schedule, microbatches=microbatches))
+            except PipelineError as error:
+                self.splits[key] = ("pipeline", error.problems[0])
+        found = self.splits[key]
+        return found if isinstance(found, tuple) else None
 
     def plan(self, layout: Layout) -> ParallelPlan:
         return self.plans[(layout.world, layout.param_dtype)]
@@ -228,16 +238,19 @@ class _Rules:
     def stages(self, layout: Layout) -> PipelineStages | None:
         if layout.schedule is None or layout.microbatches is None:
             return None
-        return self.splits[(layout.world, layout.schedule, layout.microbatches)]
+        split = self.splits[(layout.world.pp, layout.schedule, layout.microbatches)]
+        assert not isinstance(split, tuple)  # a valid layout's split
+        return split
 
     def pipeline(self, layout: Layout) -> Pipeline | None:
         return None if layout.schedule is None else Pipeline(layout.schedule, microbatches=layout.microbatches)
 
     def state_bytes(self, layout: Layout) -> int:
         """The report's fullest rank: parameters, gradients and optimizer state (the stages' split
-        does not depend on the microbatches)."""
+        does not depend on the microbatches, and the state not on the units' precision: FSDP2
+        keeps the sharded parameters, their gradients and the optimizer's in the parameters' dtype)."""
         stages = self.stages(layout)
-        key = (layout.world, layout.param_dtype, 0 if stages is None else len(stages.stages))
+        key = (layout.world, 0 if stages is None else len(stages.stages))
         if key not in self.states:
             report = plan_report(self.model, self.plan(layout), optimizer=self.optimizer, pipeline=stages)
             self.states[key] = report.totals()["total_bytes_per_rank"]
