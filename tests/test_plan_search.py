@@ -190,3 +190,34 @@ def test_layouts_are_traced_likeliest_to_rank_first_first() -> None:
         candidate("fp32", 1, "none", 1, 1),
     ]
     assert sorted(reversed(expected), key=_likely_fastest_first) == expected
+
+
+def test_the_rules_pass_dealt_among_forked_children_is_the_one_a_single_process_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each share of the worlds is checked in a forked child and the answers put back in the
+    worlds' order; three shares (more than the worlds' count divides evenly) against one process."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from meshbind import GPUS, Cluster, forks
+    from meshbind.interop.hf_plans import from_hf_plan
+    from meshbind.search import Choices, plan_layouts
+    from meshbind.search import search as search_module
+
+    config = AutoConfig.for_model(**TINY_LLAMA)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    def rules_pass() -> list[tuple[str, int | None]]:
+        found = plan_layouts(
+            model, from_hf_plan(model), build=lambda: model, gpus=8, cluster=Cluster(GPUS["H100-SXM"]),
+            device_memory=2**20, global_batch=16, seq_len=64, choices=Choices(checkpointing=["none", "full"]), trace=False,
+        )  # fmt: skip
+        return [(json.dumps(c.to_dict(), sort_keys=True), c.state_bytes) for c in found.candidates]
+
+    monkeypatch.setattr(search_module, "usable_cores", lambda: 3)
+    dealt = rules_pass()
+    monkeypatch.setattr(search_module, "usable_cores", lambda: 1)
+    monkeypatch.setattr(forks, "usable_cores", lambda: 1)
+    alone = rules_pass()
+    assert dealt == alone
+    assert {c[0].count('"refused": null') for c in alone} == {0, 1} and any(state for _, state in alone)

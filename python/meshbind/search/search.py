@@ -14,7 +14,7 @@ from torch import nn
 
 from meshbind.comms.with_memory import step_memory_and_comms
 from meshbind.errors import PipelineError, PlanError, StepMemoryError
-from meshbind.forks import in_forks
+from meshbind.forks import in_forks, usable_cores
 from meshbind.fsdp_request import FullyShard
 from meshbind.memory.trace import step_memory, step_size_problem
 from meshbind.names import DTYPE_NAMES, ActivationCheckpointing, Optimizer
@@ -73,7 +73,7 @@ def plan_layouts(
     if wanted.expert_parallel is None:
         wanted = replace(wanted, expert_parallel=any(fqn.rpartition(".")[2] == "experts" for fqn, _ in model.named_modules()))
     rules = _Rules(model, requests, wanted, cluster, global_batch, seq_len, optimizer)
-    candidates = [c for world in worlds(gpus, bool(wanted.expert_parallel)) for c in rules.stated(world, device_memory)]
+    candidates = _checked_by_the_rules(rules, list(worlds(gpus, bool(wanted.expert_parallel))), device_memory)
     passed = any(c.rule in (None, STATE_TOO_LARGE) for c in candidates)
     nearest = None if passed else _nearest_usable(rules, gpus, bool(wanted.expert_parallel), device_memory)
     fitting = [position for position, c in enumerate(candidates) if c.rule is None]
@@ -109,6 +109,20 @@ def plan_layouts(
         interrupted,
         nearest=nearest,
     )
+
+
+def _checked_by_the_rules(rules: _Rules, all_worlds: list[World], device_memory: int) -> list[Candidate]:
+    """Every candidate of ``all_worlds``, in their order. The worlds are dealt among the cores, each
+    share checked in a forked child (a world's rules read no other world's); the plans and splits
+    the children made are made again here for the layouts traced."""
+    shares = max(1, min(usable_cores(), len(all_worlds)))
+    dealt = [all_worlds[share::shares] for share in range(shares)]
+    checked = in_forks(
+        lambda share: [list(rules.stated(world, device_memory)) for world in share],
+        dealt,
+        lambda share: f"checking the rules of {len(share)} worlds",
+    )
+    return [c for position in range(len(all_worlds)) for c in checked[position % shares][position // shares]]
 
 
 def _nearest_usable(rules: _Rules, gpus: int, expert_parallel: bool, device_memory: int) -> Candidate | None:
@@ -222,23 +236,29 @@ class _Rules:
                 "microbatches over the local batch",
                 f"a local batch of {local} does not split into {microbatches} microbatches",
             )
-        key = (world.pp, schedule, microbatches)
+        found = self._split(world.pp, schedule, microbatches, plan)
+        return found if isinstance(found, tuple) else None
+
+    def _split(self, pp: int, schedule: str, microbatches: int, plan: ParallelPlan) -> PipelineStages | tuple[str, str]:
+        key = (pp, schedule, microbatches)
         if key not in self.splits:  # the split reads the model, not the world's other axes
             assert plan.index is not None
             try:
-                self.splits[key] = split_stages(plan.index, world.pp, Pipeline(schedule, microbatches=microbatches))
+                self.splits[key] = split_stages(plan.index, pp, Pipeline(schedule, microbatches=microbatches))
             except PipelineError as error:
                 self.splits[key] = ("pipeline", error.problems[0])
-        found = self.splits[key]
-        return found if isinstance(found, tuple) else None
+        return self.splits[key]
 
     def plan(self, layout: Layout) -> ParallelPlan:
-        return self.plans[(layout.world, layout.param_dtype)]
+        """A valid layout's plan (resolved here if a forked child checked its world)."""
+        plan = self._plan(layout.world, layout.param_dtype)
+        assert not isinstance(plan, tuple)
+        return plan
 
     def stages(self, layout: Layout) -> PipelineStages | None:
         if layout.schedule is None or layout.microbatches is None:
             return None
-        split = self.splits[(layout.world.pp, layout.schedule, layout.microbatches)]
+        split = self._split(layout.world.pp, layout.schedule, layout.microbatches, self.plan(layout))
         assert not isinstance(split, tuple)  # a valid layout's split
         return split
 
