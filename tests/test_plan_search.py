@@ -207,15 +207,21 @@ def test_the_rules_pass_dealt_among_forked_children_is_the_one_a_single_process_
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
+    heard: list[tuple[str, int, int]] = []
+
     def rules_pass() -> list[tuple[str, int | None]]:
         found = plan_layouts(
             model, from_hf_plan(model), build=lambda: model, gpus=8, cluster=Cluster(GPUS["H100-SXM"]),
             device_memory=2**20, global_batch=16, seq_len=64, choices=Choices(checkpointing=["none", "full"]), trace=False,
+            progress=lambda *told: heard.append(told),
         )  # fmt: skip
         return [(json.dumps(c.to_dict(), sort_keys=True), c.state_bytes) for c in found.candidates]
 
     monkeypatch.setattr(search_module, "usable_cores", lambda: 3)
     dealt = rules_pass()
+    worlds = math.comb(3 + 4, 4)  # every ordered split of 2 * 2 * 2 GPUs over five axes
+    assert len(heard) == 3 * search_module.SHARES_PER_CORE and heard[-1] == ("checking the rules", worlds, worlds)
+    assert [done for _, done, _ in heard] == sorted(done for _, done, _ in heard)  # the bar moves as each share answers
     monkeypatch.setattr(search_module, "usable_cores", lambda: 1)
     monkeypatch.setattr(forks, "usable_cores", lambda: 1)
     alone = rules_pass()

@@ -17,6 +17,7 @@ from meshbind.errors import PipelineError, PlanError, StepMemoryError
 from meshbind.forks import in_forks, usable_cores
 from meshbind.fsdp_request import FullyShard
 from meshbind.memory.trace import step_memory, step_size_problem
+from meshbind.model_index import ModelIndex
 from meshbind.names import DTYPE_NAMES, ActivationCheckpointing, Optimizer
 from meshbind.pipeline import Pipeline, PipelineStages, split_stages
 from meshbind.pipeline.schedules import schedule_named
@@ -73,7 +74,7 @@ def plan_layouts(
     if wanted.expert_parallel is None:
         wanted = replace(wanted, expert_parallel=any(fqn.rpartition(".")[2] == "experts" for fqn, _ in model.named_modules()))
     rules = _Rules(model, requests, wanted, cluster, global_batch, seq_len, optimizer)
-    candidates = _checked_by_the_rules(rules, list(worlds(gpus, bool(wanted.expert_parallel))), device_memory)
+    candidates = _checked_by_the_rules(rules, list(worlds(gpus, bool(wanted.expert_parallel))), device_memory, progress)
     passed = any(c.rule in (None, STATE_TOO_LARGE) for c in candidates)
     nearest = None if passed else _nearest_usable(rules, gpus, bool(wanted.expert_parallel), device_memory)
     fitting = [position for position, c in enumerate(candidates) if c.rule is None]
@@ -111,18 +112,35 @@ def plan_layouts(
     )
 
 
-def _checked_by_the_rules(rules: _Rules, all_worlds: list[World], device_memory: int) -> list[Candidate]:
-    """Every candidate of ``all_worlds``, in their order. The worlds are dealt among the cores, each
-    share checked in a forked child (a world's rules read no other world's); the plans and splits
-    the children made are made again here for the layouts traced."""
-    shares = max(1, min(usable_cores(), len(all_worlds)))
+SHARES_PER_CORE = 4
+"""The rules pass deals its worlds into this many shares a core: enough for its progress to move."""
+
+
+def _checked_by_the_rules(
+    rules: _Rules, all_worlds: list[World], device_memory: int, progress: Progress | None
+) -> list[Candidate]:
+    """Every candidate of ``all_worlds``, in their order. The pipelines' splits are made here
+    first; then the worlds are dealt into shares, each checked in a forked child (a world's
+    rules read no other world's). The plans the children resolved are resolved again here for
+    the layouts traced."""
+    rules.split_every_pipeline(all_worlds)
+    shares = max(1, min(SHARES_PER_CORE * usable_cores(), len(all_worlds)))
     dealt = [all_worlds[share::shares] for share in range(shares)]
-    checked = in_forks(
+    checked = 0
+
+    def answered(position: int, share: list[list[Candidate]]) -> None:
+        nonlocal checked
+        checked += len(share)
+        if progress is not None:
+            progress("checking the rules", checked, len(all_worlds))
+
+    answers = in_forks(
         lambda share: [list(rules.stated(world, device_memory)) for world in share],
         dealt,
         lambda share: f"checking the rules of {len(share)} worlds",
+        answered,
     )
-    return [c for position in range(len(all_worlds)) for c in checked[position % shares][position // shares]]
+    return [c for position in range(len(all_worlds)) for c in answers[position % shares][position // shares]]
 
 
 def _nearest_usable(rules: _Rules, gpus: int, expert_parallel: bool, device_memory: int) -> Candidate | None:
@@ -147,6 +165,7 @@ class _Rules:
         self, model: nn.Module, requests: Any, choices: Choices, cluster: Cluster, global_batch: int, seq_len: int, optimizer: str
     ) -> None:
         self.model, self.requests, self.choices, self.cluster = model, requests, choices, cluster
+        self.index = ModelIndex.of(model)
         self.global_batch, self.seq_len, self.optimizer = global_batch, seq_len, optimizer
         self.resolved: dict[World, ParallelPlan | tuple[str, str]] = {}
         self.plans: dict[tuple[World, str], ParallelPlan] = {}
@@ -167,7 +186,7 @@ class _Rules:
             if isinstance(plan, tuple):
                 yield Candidate(world, None, *plan)
                 continue
-            for schedule, microbatches, problem in self._pipelines(world, plan):
+            for schedule, microbatches, problem in self._pipelines(world):
                 for checkpointing in self.choices.checkpointing or ():
                     layout = Layout(world, schedule, microbatches, checkpointing, dtype)  # type: ignore[arg-type]
                     yield Candidate(world, layout, *(problem or _checkpointing_problem(layout) or (None, None)))
@@ -217,7 +236,14 @@ class _Rules:
             self.plans[key] = replace(resolved, fsdp=resolved.fsdp.with_policy(policy))
         return self.plans[key]
 
-    def _pipelines(self, world: World, plan: ParallelPlan) -> Iterator[tuple[str | None, int | None, tuple[str, str] | None]]:
+    def split_every_pipeline(self, all_worlds: list[World]) -> None:
+        """Every split the worlds' layouts ask for, made once, before the worlds are dealt out."""
+        for world in all_worlds:
+            if self._world_refusal(world) is None:
+                for _ in self._pipelines(world):
+                    pass
+
+    def _pipelines(self, world: World) -> Iterator[tuple[str | None, int | None, tuple[str, str] | None]]:
         """Each schedule and microbatch count under ``pp`` above 1, with the problem that refuses it."""
         if world.pp == 1:
             yield None, None, None
@@ -226,25 +252,22 @@ class _Rules:
         for schedule in self.choices.schedules or ():
             stages = world.pp * (1 if schedule in ("GPipe", "1F1B") else 2)
             for microbatches in microbatch_choices(self.choices, stages, local):
-                yield schedule, microbatches, self._split_problem(world, plan, schedule, microbatches, local)
+                yield schedule, microbatches, self._split_problem(world, schedule, microbatches, local)
 
-    def _split_problem(
-        self, world: World, plan: ParallelPlan, schedule: str, microbatches: int, local: int
-    ) -> tuple[str, str] | None:
+    def _split_problem(self, world: World, schedule: str, microbatches: int, local: int) -> tuple[str, str] | None:
         if local % microbatches:
             return (
                 "microbatches over the local batch",
                 f"a local batch of {local} does not split into {microbatches} microbatches",
             )
-        found = self._split(world.pp, schedule, microbatches, plan)
+        found = self._split(world.pp, schedule, microbatches)
         return found if isinstance(found, tuple) else None
 
-    def _split(self, pp: int, schedule: str, microbatches: int, plan: ParallelPlan) -> PipelineStages | tuple[str, str]:
+    def _split(self, pp: int, schedule: str, microbatches: int) -> PipelineStages | tuple[str, str]:
         key = (pp, schedule, microbatches)
         if key not in self.splits:  # the split reads the model, not the world's other axes
-            assert plan.index is not None
             try:
-                self.splits[key] = split_stages(plan.index, pp, Pipeline(schedule, microbatches=microbatches))
+                self.splits[key] = split_stages(self.index, pp, Pipeline(schedule, microbatches=microbatches))
             except PipelineError as error:
                 self.splits[key] = ("pipeline", error.problems[0])
         return self.splits[key]
@@ -258,7 +281,7 @@ class _Rules:
     def stages(self, layout: Layout) -> PipelineStages | None:
         if layout.schedule is None or layout.microbatches is None:
             return None
-        split = self._split(layout.world.pp, layout.schedule, layout.microbatches, self.plan(layout))
+        split = self._split(layout.world.pp, layout.schedule, layout.microbatches)
         assert not isinstance(split, tuple)  # a valid layout's split
         return split
 
