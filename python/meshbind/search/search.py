@@ -219,9 +219,9 @@ class _Rules:
         """The world's plan at ``dtype``, or why it is refused. Resolved once per world: neither
         its problems nor its units depend on the precision, only the units' policy does."""
         if world not in self.resolved:
-            units = FullyShard(None, param_dtype=_dtype(dtype), reduce_dtype=_dtype(REDUCE_DTYPE))
             try:
-                plan = resolve_plan(self.model, self.requests, LayoutContext(world.axis_sizes()), fully_shard=units, index=True)
+                context = LayoutContext(world.axis_sizes())
+                plan = resolve_plan(self.model, self.requests, context, fully_shard=_units(dtype), index=True)
                 self.resolved[world] = _idle_axis(plan, world) or plan
             except PlanError as error:
                 first = error.problems[0]
@@ -232,8 +232,7 @@ class _Rules:
         key = (world, dtype)
         if key not in self.plans:
             assert resolved.fsdp is not None
-            policy = mixed_precision_policy(FullyShard(None, param_dtype=_dtype(dtype), reduce_dtype=_dtype(REDUCE_DTYPE)))
-            self.plans[key] = replace(resolved, fsdp=resolved.fsdp.with_policy(policy))
+            self.plans[key] = replace(resolved, fsdp=resolved.fsdp.with_policy(mixed_precision_policy(_units(dtype))))
         return self.plans[key]
 
     def split_every_pipeline(self, all_worlds: list[World]) -> None:
@@ -330,6 +329,11 @@ def _checkpointing_problem(layout: Layout) -> tuple[str, str] | None:
 def _tracing(candidate: Candidate) -> str:
     assert candidate.layout is not None
     return f"tracing {candidate.layout.text()}"
+
+
+def _units(dtype: str) -> FullyShard:
+    """torchtitan's default FSDP units, computing in ``dtype`` and reducing in float32."""
+    return FullyShard(None, param_dtype=_dtype(dtype), reduce_dtype=_dtype(REDUCE_DTYPE))
 
 
 def _dtype(name: str) -> torch.dtype:
