@@ -8,7 +8,7 @@
 - DeepSeek-V3 671B at PP 16 · EP 64 on 2,048 GPUs under DualPipeV (FSDP 128 standing in for its
   ZeRO-1, 32 sequences of 4096 per data-parallel rank).
 
-    python benches/layout_search.py [--runs 8b 405b dsv3] [--full]
+    python benches/layout_search.py [--runs 8b-8 8b-128 405b-1f1b 405b-interleaved dsv3] [--full]
 
 For each: the search's rules pass over every layout of the GPU count (each world, schedule,
 microbatches, checkpointing, bf16/fp32 precision: refused by check's rules, or its state counted
@@ -22,6 +22,7 @@ shown: at these sizes that takes hours on this machine.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,23 +81,21 @@ class Run:
 
 
 RUNS = {
-    "8b": [
-        Run(f"Llama 3.1 8B, FSDP {gpus}", builder(LLAMA_3_1_8B), gpus, {"dp_shard": gpus}, 2, 8192)
-        for gpus in (8, 128)
-    ],
-    "405b": [
-        Run(f"Llama 3.1 405B, FSDP 8 · TP 8 · PP 8, {schedule}", builder(LLAMA_3_1_405B), 512,
-            {"pp": 8, "dp_shard": 8, "tp": 8}, 16, 8192, schedule, "full")
-        for schedule in ("1F1B", "Interleaved1F1B")
-    ],
-    "dsv3": [
-        Run("DeepSeek-V3 671B, PP 16 · EP 64 · FSDP 128, DualPipeV", lambda: published_model("deepseek_v3"), 2048,
-            {"pp": 16, "dp_shard": 128, "ep": 64}, 32, 4096, "DualPipeV", "none"),
-    ],
+    "8b-8": Run("Llama 3.1 8B, FSDP 8", builder(LLAMA_3_1_8B), 8, {"dp_shard": 8}, 2, 8192),
+    "8b-128": Run("Llama 3.1 8B, FSDP 128", builder(LLAMA_3_1_8B), 128, {"dp_shard": 128}, 2, 8192),
+    "405b-1f1b": Run("Llama 3.1 405B, FSDP 8 · TP 8 · PP 8, 1F1B", builder(LLAMA_3_1_405B), 512,
+                     {"pp": 8, "dp_shard": 8, "tp": 8}, 16, 8192, "1F1B", "full"),
+    "405b-interleaved": Run("Llama 3.1 405B, FSDP 8 · TP 8 · PP 8, Interleaved1F1B", builder(LLAMA_3_1_405B), 512,
+                            {"pp": 8, "dp_shard": 8, "tp": 8}, 16, 8192, "Interleaved1F1B", "full"),
+    "dsv3": Run("DeepSeek-V3 671B, PP 16 · EP 64 · FSDP 128, DualPipeV", lambda: published_model("deepseek_v3"), 2048,
+                {"pp": 16, "dp_shard": 128, "ep": 64}, 32, 4096, "DualPipeV", "none"),
 }  # fmt: skip
 
 
 def search(run: Run, model: Any, trace: bool, schedules: list[str] | None = None) -> LayoutSearch:
+    def progress(what: str, done: int, total: int) -> None:
+        print(f"\r{run.name}: {what} {done:,} of {total:,}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
     return plan_layouts(
         model,
         from_hf_plan(model),
@@ -108,6 +107,7 @@ def search(run: Run, model: Any, trace: bool, schedules: list[str] | None = None
         seq_len=run.seq_len,
         choices=Choices(schedules, param_dtypes=["bf16", "fp32"]),
         trace=trace,
+        progress=progress if trace else None,
     )
 
 
@@ -120,7 +120,7 @@ def main() -> None:
     columns += ["peak", "fits", "tokens/s/GPU", "traced in", "rank"]
     print("| " + " | ".join(columns) + " |")
     print("|---" * len(columns) + "|")
-    for run in (run for name in args.runs for run in RUNS[name]):
+    for run in (RUNS[name] for name in args.runs):
         with torch.device("meta"):
             model = run.build()
         rules = search(run, model, trace=False)
@@ -135,6 +135,8 @@ def main() -> None:
         if traced is not None:
             position = next((n for n, c in enumerate(traced.ranked, 1) if run.published(c)), None)
             rank = f"{position} of {len(traced.ranked)}" if position else "not ranked"
+            rank += f" (searched in {traced.seconds / 60:.0f} min)"
+            print(traced.text(), file=sys.stderr, flush=True)
         figures = "| — | — | — | — "
         if own is not None:
             memory, timed = own
