@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -38,10 +39,17 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def search(config: str) -> dict:
+def page(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("page") / "plan.html"
+
+
+@pytest.fixture(scope="module")
+def search(config: str, page: Path) -> dict:
+    """The search's JSON; its page written to ``page`` by the same run."""
     done = meshbind(
         "plan", "--hf-config", config, "--gpus", "4", "--gpu", "H100-SXM", "--device-memory", "80GiB",
         "--global-batch", "8", "--seq-len", "64", "--pp-schedule", "1F1B", "--activation-checkpointing", "none", "--json",
+        "--html", str(page),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -73,6 +81,48 @@ def test_a_listed_layout_gives_the_figures_check_gives(search: dict) -> None:
         assert answer["memory"]["peak_bytes"] == listed["peak_bytes"]
         assert answer["step_time"]["tokens_per_second_per_gpu"] == listed["tokens_per_second_per_gpu"]
         assert answer["step_time"]["step_s"] == listed["step_s"]
+
+
+def test_the_front_is_every_layout_that_fits_no_other_beats_on_both(search: dict) -> None:
+    candidates = search["candidates"]
+    ranked = [candidates[i] for i in search["ranked"]]
+    front = [candidates[i] for i in search["front"]]
+
+    def figures(c: dict) -> tuple[int, float]:
+        return c["peak_bytes"], c["tokens_per_second_per_gpu"]
+
+    def beats(one: dict, other: dict) -> bool:
+        (peak, speed), (other_peak, other_speed) = figures(one), figures(other)
+        return peak <= other_peak and speed >= other_speed and (peak, speed) != (other_peak, other_speed)
+
+    assert front and len(front) < len(ranked)  # some layouts are beaten here: the test tells them apart
+    assert [figures(c) for c in front] == sorted(figures(c) for c in front)  # least memory first
+    for candidate in ranked:
+        if candidate in front:
+            assert not any(beats(other, candidate) for other in ranked)
+        else:  # beaten, or the same figures as one on the front
+            assert any(beats(f, candidate) or figures(f) == figures(candidate) for f in front)
+
+
+def test_the_page_draws_each_layout_that_fits_and_marks_the_front(search: dict, page: Path) -> None:
+    from browser_pages import opened_page
+    from selenium.webdriver.common.by import By
+
+    candidates = search["candidates"]
+    front_ranks = {search["ranked"].index(i) + 1 for i in search["front"]}
+    with opened_page(page) as driver:
+        points = driver.find_elements(By.CSS_SELECTOR, "#front circle.point")
+        assert len(points) == len(search["ranked"])
+        marked = {int(p.get_attribute("data-rank")) for p in points if "front" in p.get_attribute("class").split()}
+        assert marked == front_ranks
+        rows = driver.find_elements(By.CSS_SELECTOR, "#ranked tbody tr")
+        assert len(rows) == min(10, len(search["ranked"]))
+        first = candidates[search["ranked"][0]]
+        assert rows[0].find_element(By.TAG_NAME, "code").text == search["commands"][0]
+        assert f"{first['tokens_per_second_per_gpu']:,.0f}" in rows[0].text
+        left_out = {row.find_elements(By.TAG_NAME, "td")[1].text: row.find_elements(By.TAG_NAME, "td")[0].text
+                    for row in driver.find_elements(By.CSS_SELECTOR, "#left-out tr")}  # fmt: skip
+        assert left_out == {rule: f"{count:,}" for rule, count in search["refusals"].items()}
 
 
 def test_without_tracing_the_same_layouts_pass_the_rules_with_their_state(search: dict) -> None:

@@ -19,19 +19,20 @@ from meshbind.report import PlanReport
 from meshbind.steptime.result import StepTime
 
 
-def _asset(name: str) -> str:
+def page_asset(name: str) -> str:
+    """A file of the pages' style or script, shipped in the package."""
     return resources.files("meshbind").joinpath(name).read_text(encoding="utf-8")
 
 
 def report_page(report: PlanReport, title: str, memory: StepMemory | None = None, timed: StepTime | None = None) -> str:
     """The page: the report's JSON (and the step memory's and step time's, when traced), inline
     style and script, nothing fetched."""
-    data = _embedded(report.to_dict())
-    memory_data = _embedded(memory.to_dict() if memory is not None else None)
-    time_data = _embedded(timed.to_dict() if timed is not None else None)
+    data = embedded_json(report.to_dict())
+    memory_data = embedded_json(memory.to_dict() if memory is not None else None)
+    time_data = embedded_json(timed.to_dict() if timed is not None else None)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>{_asset("report_page.css")}</style></head>
+<style>{page_asset("report_page.css")}</style></head>
 <body>
 <h1>{html.escape(title)}</h1>
 <h2>Totals</h2><table id="totals"></table>
@@ -43,10 +44,11 @@ def report_page(report: PlanReport, title: str, memory: StepMemory | None = None
 <script type="application/json" id="report-data">{data}</script>
 <script type="application/json" id="memory-data">{memory_data}</script>
 <script type="application/json" id="time-data">{time_data}</script>
-<script>{_asset("report_page.js")}</script>
+<script>{page_asset("report_page.js")}</script>
 </body></html>
 """
 
 
-def _embedded(value: object) -> str:
+def embedded_json(value: object) -> str:
+    """``value`` as JSON that can sit inside a ``<script>`` element."""
     return json.dumps(value).replace("</", "<\\/")  # no "</script>" inside the data

@@ -253,3 +253,6 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:  # type: ig
     )
     tried.add_argument("--top", type=_positive, default=10, metavar="K", help="the layouts listed (default 10)")
     plan.add_argument("--json", action="store_true", help="one JSON object on stdout: every candidate")
+    plan.add_argument(
+        "--html", metavar="PATH", help="write one self-contained page: peak memory against speed, the best layouts, what fell out"
+    )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -14,6 +13,7 @@ from typing import Any, TypeVar
 from meshbind.checkpoints import CheckpointError, Misfit, checkpoint_fit, verified_or_refused
 from meshbind.cli.arguments import UsageError
 from meshbind.cli.models import model_and_plan
+from meshbind.cli.pages import check_writable, write_page
 from meshbind.cli.progress import ProgressBar
 from meshbind.comms.result import StepComms
 from meshbind.errors import PipelineError, PlanError, index_groups
@@ -66,7 +66,7 @@ def check(args: argparse.Namespace) -> int:
     if args.memory or args.comms:
         _check_step_sizes(args)
     if args.html is not None:
-        _check_writable(args.html, "--html")
+        check_writable(args.html, "--html")
     model, requests = model_and_plan(args)
     if args.memory or args.comms:
         _check_positions(args)
@@ -107,12 +107,8 @@ def check(args: argparse.Namespace) -> int:
     cluster = Cluster(args.gpu, args.gpus_per_node, args.inter_node) if args.step_time else None
     timed = step_time(comms, cluster) if comms is not None and cluster is not None else None
     if args.html:
-        try:
-            with open(args.html, "w", encoding="utf-8") as page:
-                title = f"meshbind plan report: {type(model).__name__}"
-                page.write(report_page(report, title, memory, timed))  # type: ignore[arg-type]
-        except OSError as error:
-            raise UsageError(f"--html {args.html}: cannot be written ({error.strerror})") from None
+        title = f"meshbind plan report: {type(model).__name__}"
+        write_page(args.html, report_page(report, title, memory, timed))  # type: ignore[arg-type]
     if args.json:
         result: dict[str, Any] = {"ok": not misfits, "problems": [], "plan": plan.to_dict(), "seconds": elapsed}
         if report is not None:
@@ -295,16 +291,3 @@ def _misfit_text(misfits: Sequence[Misfit], directory: str) -> str:
         count = f"{len(members)} keys " if len(members) > 1 else ""
         lines.append(f"  {first.kind:<10} {count}{key!r}: {first.reason}")
     return "\n".join(lines)
-
-
-def _check_writable(path: str, flag: str) -> None:
-    """An output path is checked before any work: its folder must exist and be writable."""
-    if not path:
-        raise UsageError(f"{flag} '': an empty path names no file")
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a directory, not a file to write")
-    if not os.path.isdir(folder):
-        raise UsageError(f"{flag} {path}: the directory {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"{flag} {path}: the directory {folder} is not writable")

@@ -9,11 +9,13 @@ import shlex
 import sys
 
 from meshbind.cli.models import model_and_plan
+from meshbind.cli.pages import check_writable, write_page
 from meshbind.cli.progress import ProgressBar
 from meshbind.routing import Routing
 from meshbind.search import Choices, LayoutSearch, plan_layouts
 from meshbind.search.result import CANNOT_BE_TRACED
 from meshbind.search.space import PRECISION_CHOICES, REDUCE_DTYPE, Layout
+from meshbind.search_page import search_page
 from meshbind.steptime.cluster import GIGA, Cluster
 from meshbind.units import size_text
 
@@ -24,6 +26,8 @@ def plan(args: argparse.Namespace) -> int:
     # Every precision keeps float32 shards, so a transformers model is built in float32 (as check
     # builds it under --param-dtype).
     args.param_dtype = args.param_dtype or list(PRECISION_CHOICES)
+    if args.html is not None:
+        check_writable(args.html, "--html")
     model, requests = model_and_plan(args)
     choices = Choices(args.pp_schedule, args.pp_microbatches, args.activation_checkpointing, args.param_dtype)
     cluster = Cluster(args.gpu, args.gpus_per_node, args.inter_node)
@@ -44,6 +48,8 @@ def plan(args: argparse.Namespace) -> int:
     )
     commands = tuple(_check_command(args, c.layout, args.global_batch) for c in search.ranked if c.layout is not None)
     search = LayoutSearch(**{**search.__dict__, "commands": commands})
+    if args.html is not None:
+        write_page(args.html, search_page(search, f"meshbind plan: {type(model).__name__}", args.top))
     if args.json:
         print(json.dumps(search.to_dict()))
     else:

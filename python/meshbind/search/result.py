@@ -89,6 +89,18 @@ class LayoutSearch:
         fitting = [c for c in self.candidates if c.ranked]
         return sorted(fitting, key=lambda c: -c.time.tokens_per_second_per_gpu)  # type: ignore[union-attr]
 
+    def front(self) -> list[Candidate]:
+        """The ranked layouts no other beats on both counts: none that fits needs less memory and
+        runs at least as fast, or as little memory and runs faster. Least memory first."""
+        front: list[Candidate] = []
+        # Ascending peak, the fastest first among equal peaks: a layout is on the front when it is
+        # faster than every one before it.
+        for candidate in sorted(self.ranked, key=lambda c: (c.memory.peak_bytes, -c.time.tokens_per_second_per_gpu)):  # type: ignore[union-attr]
+            assert candidate.time is not None
+            if not front or candidate.time.tokens_per_second_per_gpu > front[-1].time.tokens_per_second_per_gpu:  # type: ignore[union-attr]
+                front.append(candidate)
+        return front
+
     def refusals(self) -> Counter[str]:
         """How many candidates each rule refused, and how many did not fit."""
         counts: Counter[str] = Counter()
@@ -105,6 +117,8 @@ class LayoutSearch:
         return min(traced, key=lambda c: c.memory.peak_bytes, default=None)  # type: ignore[union-attr]
 
     def to_dict(self) -> dict[str, Any]:
+        # Positions by identity: a candidate's equality compares its whole trace.
+        position = {id(c): n for n, c in enumerate(self.candidates)}
         return {
             "gpus": self.gpus,
             "cluster": self.cluster.to_dict(),
@@ -113,20 +127,25 @@ class LayoutSearch:
             "seq_len": self.seq_len,
             "seconds": self.seconds,
             "interrupted": self.interrupted,
-            "ranked": [self.candidates.index(c) for c in self.ranked],
+            "ranked": [position[id(c)] for c in self.ranked],
+            "front": [position[id(c)] for c in self.front()],
             "commands": list(self.commands),
             "refusals": dict(self.refusals()),
             "nearest": None if self.nearest is None else self.nearest.to_dict(),
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
+    def heading(self) -> str:
+        """The cluster, the work and how many layouts fit, in a line."""
+        return (
+            f"{self.gpus:,} x {self.cluster.gpu.name} ({size_text(self.device_memory)} each), global batch {self.global_batch} "
+            f"x seq {self.seq_len}: {len(self.candidates):,} candidates, {sum(c.ranked for c in self.candidates):,} fit"
+            + (" (interrupted: the best found so far)" if self.interrupted else "")
+        )
+
     def text(self, top: int = 10) -> str:
         ranked = self.ranked
-        lines = [
-            f"{self.gpus:,} x {self.cluster.gpu.name} ({size_text(self.device_memory)} each), global batch {self.global_batch} "
-            f"x seq {self.seq_len}: {len(self.candidates):,} candidates, {len(ranked):,} fit"
-            + (" (interrupted: the best found so far)" if self.interrupted else "")
-        ]
+        lines = [self.heading()]
         if ranked:
             lines.append(f"  {'#':>3}  {'tokens/s/GPU':>12}  {'MFU':>6}  {'step':>9}  {'peak':>10}  layout")
             for number, candidate in enumerate(ranked[:top], 1):
