@@ -199,6 +199,11 @@ def test_bad_flags_exit_2_naming_them(config: str) -> None:
     done = meshbind("plan", "--hf-config", config, "--gpus", "2", "--gpu", "H100-SXM", "--device-memory", "80GiB",
                     "--global-batch", "2", "--seq-len", "32", "--pp-schedule", "Nope")  # fmt: skip
     assert done.returncode == 2 and "Nope" in done.stderr
+    done = meshbind("plan", "--hf-config", config, "--gpus", "2", "--gpu", "H100-SXM", "--device-memory", "80GiB",
+                    "--global-batch", "2", "--seq-len", "32", "--html", "/no/such/folder/plan.html")  # fmt: skip
+    assert done.returncode == 2
+    assert "--html /no/such/folder/plan.html: the directory /no/such/folder does not exist" in done.stderr
+    assert "checking the rules" not in done.stderr  # refused before any search
 
 
 def test_ctrl_c_prints_the_best_found_so_far(config: str) -> None:

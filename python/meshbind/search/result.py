@@ -91,7 +91,8 @@ class LayoutSearch:
 
     def front(self) -> list[Candidate]:
         """The ranked layouts no other beats on both counts: none that fits needs less memory and
-        runs at least as fast, or as little memory and runs faster. Least memory first."""
+        runs at least as fast, or as little memory and runs faster (of two with the same figures,
+        the one ranked first stands for both). Least memory first."""
         front: list[Candidate] = []
         # Ascending peak, the fastest first among equal peaks: a layout is on the front when it is
         # faster than every one before it.
