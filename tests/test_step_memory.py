@@ -17,7 +17,7 @@ from step_memory_checks import DEMO_UNITS, demo_units, hf_transformer, traced
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from meshbind import FullyShard, LayoutContext, Routing, StepMemory, StepMemoryError, UnitPrecision
+from meshbind import FullyShard, LayoutContext, Routing, StepMemory, StepMemoryError, UnitPrecision, resolve_plan
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
 from meshbind.units import parse_bytes
@@ -799,3 +799,80 @@ def test_a_graph_a_split_backward_kept_is_freed_once_let_go_of_and_the_backward_
     finally:
         gc.enable()
     assert sorted(ended) == ["Linear", "Linear", "Sequential", "Tanh"]
+
+
+def _without_seconds(answer: Any) -> Any:
+    if isinstance(answer, dict):
+        return {key: _without_seconds(value) for key, value in answer.items() if key != "seconds"}
+    if isinstance(answer, list):
+        return [_without_seconds(value) for value in answer]
+    return answer
+
+
+class WideBlocks(nn.Module):
+    """Wide layers over two tokens: the parameters outweigh the activations, so a step's peak falls
+    in the optimizer's step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 512)
+        self.blocks = nn.ModuleList([nn.Linear(512, 512) for _ in range(16)])
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x.float().pow(2).mean()
+
+
+@pytest.mark.parametrize(
+    ("build", "axes", "schedule", "optimizer"),
+    [
+        (WideBlocks, {"dp_shard": 2}, None, "adam"),
+        (WideBlocks, {"dp_shard": 2}, None, "sgd-momentum"),
+        (lambda: MoETransformer(TransformerConfig(layers=4, experts=4)), {"pp": 2, "dp_shard": 2, "cp": 1, "tp": 2, "ep": 1},
+         "Interleaved1F1B", "adam"),
+    ],
+)  # fmt: skip
+def test_a_trace_steps_the_local_shards_and_counts_what_torchs_dtensor_step_counts(
+    build: Any, axes: dict[str, int], schedule: str | None, optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA trace's foreach optimizer steps the DTensor parameters' local shards; torch's own
+    foreach step over the DTensors makes the same bytes and the same collectives, whether the peak
+    falls in the optimizer's step (the wide blocks) or not (the pipeline)."""
+    from meshbind import forks
+    from meshbind.comms.with_memory import step_memory_and_comms
+    from meshbind.memory import fake_step, pipelined, step
+    from meshbind.pipeline import Pipeline
+
+    monkeypatch.setattr(forks, "_in_a_child", True)  # traced here, where the optimizers made are seen
+    with torch.device("meta"):
+        model = build()
+    requests = [loss_head_request()] if schedule else []
+    units = FullyShard(("blocks.*.moe", "blocks.*") if schedule else ("blocks.*",))
+    plan = resolve_plan(model, requests, LayoutContext(axes), fully_shard=units, index=True)
+    original = step.make_optimizer
+
+    def answer(on_local_shards: bool) -> tuple[Any, list[str]]:
+        made: list[str] = []
+
+        def make(model: nn.Module, name: Any, device: Any, **asked: Any) -> Any:  # what the trace asks, overruled
+            optimizer = original(model, name, device, on_local_shards=on_local_shards)
+            made.append(type(optimizer).__name__)
+            return optimizer
+
+        monkeypatch.setattr(fake_step, "make_optimizer", make)
+        monkeypatch.setattr(pipelined, "make_optimizer", make)
+        memory, comms = step_memory_and_comms(
+            build, plan, batch=4 if schedule else 1, seq_len=16 if schedule else 2, optimizer=optimizer, device="cuda",
+            pipeline=Pipeline(schedule, microbatches=4) if schedule else None, alike_layers=False,
+        )  # fmt: skip
+        return _without_seconds({"memory": memory.to_dict(), "comms": comms.to_dict()}), made
+
+    on_shards, made_on_shards = answer(True)
+    on_dtensors, made_on_dtensors = answer(False)
+    assert made_on_shards and all(name.endswith("OnLocalShards") for name in made_on_shards)
+    assert made_on_dtensors and not any(name.endswith("OnLocalShards") for name in made_on_dtensors)
+    if optimizer == "adam" and not schedule:  # the case that tells the optimizers' steps apart
+        assert [c["peak_phase"] for c in on_shards["memory"]["rank_classes"]] == ["optimizer step"]
+    assert on_shards == on_dtensors

@@ -52,7 +52,7 @@ def run_fake_step(
         step_inputs = inputs or default_inputs(model)
         with FakeTensorMode(allow_non_fake_inputs=True), assuming(settings.routing), on_device(), real_step_masks():
             model.to_empty(device="cpu")
-            optimizer = make_optimizer(model, settings.optimizer, settings.device)
+            optimizer = make_optimizer(model, settings.optimizer, settings.device, on_local_shards=True)
             make_optimizer_state(optimizer)
             args, kwargs = step_inputs(settings.batch, settings.seq_len)
             with watch(model, optimizer, (args, kwargs), mesh_context):

@@ -218,7 +218,7 @@ def run_pipelined_fake_step(
             models = [part.model for part in parts]
             for model in models:
                 model.to_empty(device=TRACED_DEVICE)
-            optimizer = make_optimizer(nn.ModuleList(models), settings.optimizer, settings.device)
+            optimizer = make_optimizer(nn.ModuleList(models), settings.optimizer, settings.device, on_local_shards=True)
             make_optimizer_state(optimizer)
             last = next((part.model for part in parts if part.stage == count - 1), None)
             schedule = pipeline_schedule(
