@@ -249,12 +249,14 @@ def test_layouts_are_traced_likeliest_to_rank_first_first() -> None:
 
 def test_the_rules_pass_dealt_among_forked_children_is_the_one_a_single_process_makes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each share of the worlds is checked in a forked child and the answers put back in the
-    worlds' order; three shares (more than the worlds' count divides evenly) against one process."""
+    worlds' order, after torch's schedule orders were made in forked children too; three shares
+    (more than the worlds' count divides evenly) against one process."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from meshbind import GPUS, Cluster, forks
     from meshbind.interop.hf_plans import from_hf_plan
+    from meshbind.pipeline import schedules
     from meshbind.search import Choices, plan_layouts
     from meshbind.search import search as search_module
 
@@ -272,11 +274,16 @@ def test_the_rules_pass_dealt_among_forked_children_is_the_one_a_single_process_
         )  # fmt: skip
         return [(json.dumps(c.to_dict(), sort_keys=True), c.state_bytes) for c in found.candidates]
 
+    monkeypatch.setattr(schedules, "_ORDERS", {})  # torch's schedule orders made afresh, in the children
     monkeypatch.setattr(search_module, "usable_cores", lambda: 3)
     dealt = rules_pass()
+    made_side_by_side = dict(schedules._ORDERS)
+    assert made_side_by_side  # made in the children and kept here, each as this process makes it
+    assert made_side_by_side == {key: schedules._torchs_order(*key) for key in made_side_by_side}
     worlds = math.comb(3 + 4, 4)  # every ordered split of 2 * 2 * 2 GPUs over five axes
     assert len(heard) == 3 * search_module.SHARES_PER_CORE and heard[-1] == ("checking the rules", worlds, worlds)
     assert [done for _, done, _ in heard] == sorted(done for _, done, _ in heard)  # the bar moves as each share answers
+    monkeypatch.setattr(schedules, "_ORDERS", {})  # and afresh here
     monkeypatch.setattr(search_module, "usable_cores", lambda: 1)
     monkeypatch.setattr(forks, "usable_cores", lambda: 1)
     alone = rules_pass()

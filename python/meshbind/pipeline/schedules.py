@@ -10,13 +10,13 @@ Single-stage schedules (``GPipe``, ``1F1B``) run one stage per rank; the others 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
+from meshbind.forks import in_forks
 from meshbind.names import ActivationCheckpointing, Checkpointing
 
 
@@ -181,8 +181,44 @@ def in_flight(order: RunOrder, stages: int) -> tuple[int, ...]:
     return tuple(most[stage] for stage in range(stages))
 
 
-@functools.cache  # torch builds each order over stand-in stages, slowly; the same order is asked for per world
+OrderKey = tuple[Schedule, int, int, int]
+"""A schedule, ``pp``, the stages and the microbatches: what an order is a pure function of."""
+_ORDERS: dict[OrderKey, RunOrder] = {}
+"""Each order made in this process (torch builds each over stand-in stages, slowly; a search asks
+for the same order per world)."""
+
+
 def run_order(schedule: Schedule, pp: int, stages: int, microbatches: int) -> RunOrder:
+    """``_torchs_order``, made once a process."""
+    key = (schedule, pp, stages, microbatches)
+    if key not in _ORDERS:
+        _ORDERS[key] = _torchs_order(*key)
+    return _ORDERS[key]
+
+
+def run_orders_side_by_side(keys: Iterable[OrderKey], shares: int) -> None:
+    """The orders of ``keys`` not made yet, made in up to ``shares`` forked children side by side
+    and kept here, so that ``run_order`` answers them at once. An order torch refuses is left for
+    ``run_order`` to meet again, where its caller answers the refusal."""
+    import torch.distributed.pipelining._schedule_visualizer  # noqa: F401  # imported once here, not in each child
+
+    missing = [key for key in dict.fromkeys(keys) if key not in _ORDERS]
+    dealt = [missing[share::shares] for share in range(min(shares, len(missing)))]
+    answers = in_forks(
+        lambda share: [_order_or_none(key) for key in share], dealt, lambda share: f"ordering {len(share)} schedules"
+    )
+    for share, orders in zip(dealt, answers, strict=True):
+        _ORDERS.update((key, order) for key, order in zip(share, orders, strict=True) if order is not None)
+
+
+def _order_or_none(key: OrderKey) -> RunOrder | None:
+    try:
+        return _torchs_order(*key)
+    except ValueError:  # torch's refusal, answered where run_order meets it
+        return None
+
+
+def _torchs_order(schedule: Schedule, pp: int, stages: int, microbatches: int) -> RunOrder:
     """Each pipeline rank's actions in the order torch runs them, each as the stage actions it runs
     (DualPipeV's overlapped forward and backward as both). A multi-stage schedule runs its
     ``pipeline_order``; torch's single-stage 1F1B runs its own loop (``Schedule1F1B._step_microbatches``:

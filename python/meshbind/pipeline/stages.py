@@ -117,9 +117,10 @@ def stages_text(stages: Sequence[int]) -> str:
     return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
 
 
-def split_stages(index: ModelIndex, pp: int, pipeline: Pipeline) -> PipelineStages:
+def split_stages(index: ModelIndex, pp: int, pipeline: Pipeline, *, check_order: bool = True) -> PipelineStages:
     """The stages of the indexed model over ``pp`` ranks, or a ``PipelineError`` listing every
-    problem (the schedule's needs, too few blocks, a module no stage or two stages hold)."""
+    problem (the schedule's needs, too few blocks, a module no stage or two stages hold). Without
+    ``check_order`` torch's own checks of the schedule wait for ``order_checked``."""
     problems: list[str] = []
     schedule = schedule_named(pipeline.schedule, "the pipeline schedule")
     for name in ("layers_per_stage", "microbatches"):
@@ -144,8 +145,14 @@ def split_stages(index: ModelIndex, pp: int, pipeline: Pipeline) -> PipelineStag
     if problems:
         raise PipelineError(problems)
     split = PipelineStages(pp, schedule, microbatches, stages, parts.everywhere)
+    return order_checked(split) if check_order else split
+
+
+def order_checked(split: PipelineStages) -> PipelineStages:
+    """``split``, once torch's own checks of its schedule pass (building its order), before
+    anything is built; a ``PipelineError`` naming torch's refusal otherwise."""
     try:
-        _ = split.order  # torch's own checks of the schedule, before anything is built
+        _ = split.order
     except ValueError as error:
         raise PipelineError([str(error)]) from None
     return split

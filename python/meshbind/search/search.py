@@ -20,7 +20,8 @@ from meshbind.memory.trace import step_memory, step_size_problem
 from meshbind.model_index import ModelIndex
 from meshbind.names import DTYPE_NAMES, ActivationCheckpointing, Optimizer
 from meshbind.pipeline import Pipeline, PipelineStages, split_stages
-from meshbind.pipeline.schedules import schedule_named
+from meshbind.pipeline.schedules import run_orders_side_by_side, schedule_named
+from meshbind.pipeline.stages import order_checked
 from meshbind.report import plan_report
 from meshbind.resolution import ParallelPlan, resolve_plan
 from meshbind.resolution.fsdp import mixed_precision_policy
@@ -123,7 +124,7 @@ def _checked_by_the_rules(
     first; then the worlds are dealt into shares, each checked in a forked child (a world's
     rules read no other world's). The plans the children resolved are resolved again here for
     the layouts traced."""
-    rules.split_every_pipeline(all_worlds)
+    rules.split_every_pipeline(all_worlds, usable_cores())
     shares = max(1, min(SHARES_PER_CORE * usable_cores(), len(all_worlds)))
     dealt = [all_worlds[share::shares] for share in range(shares)]
     checked = 0
@@ -170,6 +171,8 @@ class _Rules:
         self.resolved: dict[World, ParallelPlan | tuple[str, str]] = {}
         self.plans: dict[tuple[World, str], ParallelPlan] = {}
         self.splits: dict[tuple[int, str, int], PipelineStages | tuple[str, str]] = {}
+        self.ordered = True
+        """Whether a split made now checks torch's schedule order at once (``split_every_pipeline`` defers it)."""
         self.states: dict[tuple[World, int], int] = {}
 
     def local_batch(self, world: World) -> int:
@@ -235,12 +238,23 @@ class _Rules:
             self.plans[key] = replace(resolved, fsdp=resolved.fsdp.with_policy(mixed_precision_policy(_units(dtype))))
         return self.plans[key]
 
-    def split_every_pipeline(self, all_worlds: list[World]) -> None:
-        """Every split the worlds' layouts ask for, made once, before the worlds are dealt out."""
-        for world in all_worlds:
-            if self._world_refusal(world) is None:
-                for _ in self._pipelines(world):
-                    pass
+    def split_every_pipeline(self, all_worlds: list[World], shares: int) -> None:
+        """Every split the worlds' layouts ask for, made once, before the worlds are dealt out:
+        first without torch's schedule orders, then the orders of those made (the slow part) in
+        ``shares`` forked children side by side, then each split's order checked."""
+        self.ordered = False
+        try:
+            for world in all_worlds:
+                if self._world_refusal(world) is None:
+                    for _ in self._pipelines(world):
+                        pass
+        finally:
+            self.ordered = True
+        made = [split for split in self.splits.values() if isinstance(split, PipelineStages)]
+        run_orders_side_by_side(((s.schedule, s.pp, len(s.stages), s.microbatches) for s in made), shares)
+        for key, split in self.splits.items():
+            if isinstance(split, PipelineStages):
+                self.splits[key] = _order_checked_or_refused(split)
 
     def _pipelines(self, world: World) -> Iterator[tuple[str | None, int | None, tuple[str, str] | None]]:
         """Each schedule and microbatch count under ``pp`` above 1, with the problem that refuses it."""
@@ -266,7 +280,8 @@ class _Rules:
         key = (pp, schedule, microbatches)
         if key not in self.splits:  # the split reads the model, not the world's other axes
             try:
-                self.splits[key] = split_stages(self.index, pp, Pipeline(schedule, microbatches=microbatches))
+                pipeline = Pipeline(schedule, microbatches=microbatches)
+                self.splits[key] = split_stages(self.index, pp, pipeline, check_order=self.ordered)
             except PipelineError as error:
                 self.splits[key] = ("pipeline", error.problems[0])
         return self.splits[key]
@@ -305,6 +320,13 @@ _RECOMPUTED = {
     ActivationCheckpointing.SELECTIVE_LAYER: 1,
     ActivationCheckpointing.FULL: 2,
 }
+
+
+def _order_checked_or_refused(split: PipelineStages) -> PipelineStages | tuple[str, str]:
+    try:
+        return order_checked(split)
+    except PipelineError as error:
+        return ("pipeline", error.problems[0])
 
 
 def _likely_fastest_first(candidate: Candidate) -> tuple[int, ...]:
