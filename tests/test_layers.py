@@ -49,6 +49,7 @@ LAYERS: dict[str, int] = {
     # what reads a resolved plan and an applied model
     "meshbind.report": 4,
     "meshbind.report_page": 4,
+    "meshbind.search_page": 4,
     "meshbind.memory": 4,
     "meshbind.comms": 4,
     "meshbind.steptime": 4,

@@ -258,7 +258,7 @@ def test_the_rules_pass_dealt_among_forked_children_is_the_one_a_single_process_
     from meshbind.interop.hf_plans import from_hf_plan
     from meshbind.pipeline import schedules
     from meshbind.search import Choices, plan_layouts
-    from meshbind.search import search as search_module
+    from meshbind.search import rules as search_module
 
     config = AutoConfig.for_model(**TINY_LLAMA)
     with torch.device("meta"):
