@@ -33,6 +33,17 @@ def raised(call):
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="forks run side by side on two cores or more")
 
 
+def test_items_are_dealt_in_turn_into_shares_none_empty() -> None:
+    from meshbind.forks import dealt
+
+    items = list(range(10))
+    for shares in (1, 3, 4, 10, 25):
+        shared = dealt(items, shares)
+        assert len(shared) == min(shares, len(items)) and all(shared)
+        assert all(shared[i % len(shared)][i // len(shared)] == item for i, item in enumerate(items))
+    assert dealt([], 4) == []
+
+
 @needs_two_cores
 def test_pieces_answer_in_order_from_forked_children() -> None:
     done = run_fresh(

@@ -35,6 +35,13 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def dealt(items: Sequence[Item], shares: int) -> list[list[Item]]:
+    """``items`` dealt in turn into at most ``shares`` shares, none empty: item ``i`` is in share
+    ``i % len(result)`` at ``i // len(result)``."""
+    count = max(1, min(shares, len(items)))
+    return [list(items[share::count]) for share in range(count)] if items else []
+
+
 def in_forks(
     work: Callable[[Item], Result],
     items: Sequence[Item],

@@ -7,6 +7,7 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import replace
 
 from meshbind.cli.models import model_and_plan
 from meshbind.cli.pages import check_writable, write_page
@@ -47,7 +48,7 @@ def plan(args: argparse.Namespace) -> int:
         progress=ProgressBar(),
     )
     commands = tuple(_check_command(args, c.layout, args.global_batch) for c in search.ranked if c.layout is not None)
-    search = LayoutSearch(**{**search.__dict__, "commands": commands})
+    search = replace(search, commands=commands)
     if args.html is not None:
         write_page(args.html, search_page(search, f"meshbind plan: {type(model).__name__}", args.top))
     if args.json:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
-from meshbind.forks import in_forks
+from meshbind.forks import dealt, in_forks
 from meshbind.names import ActivationCheckpointing, Checkpointing
 
 
@@ -203,11 +203,11 @@ def run_orders_side_by_side(keys: Iterable[OrderKey], shares: int) -> None:
     import torch.distributed.pipelining._schedule_visualizer  # noqa: F401  # imported once here, not in each child
 
     missing = [key for key in dict.fromkeys(keys) if key not in _ORDERS]
-    dealt = [missing[share::shares] for share in range(min(shares, len(missing)))]
+    shared = dealt(missing, shares)
     answers = in_forks(
-        lambda share: [_order_or_none(key) for key in share], dealt, lambda share: f"ordering {len(share)} schedules"
+        lambda share: [_order_or_none(key) for key in share], shared, lambda share: f"ordering {len(share)} schedules"
     )
-    for share, orders in zip(dealt, answers, strict=True):
+    for share, orders in zip(shared, answers, strict=True):
         _ORDERS.update((key, order) for key, order in zip(share, orders, strict=True) if order is not None)
 
 

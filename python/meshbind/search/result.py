@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from meshbind.memory.result import StepMemory
@@ -83,9 +84,9 @@ class LayoutSearch:
     """Where no layout of ``gpus`` passes the rules: one of the nearest GPU count that does and
     whose state fits (``None`` otherwise)."""
 
-    @property
+    @cached_property
     def ranked(self) -> list[Candidate]:
-        """The layouts that fit, fastest first (tokens per second per GPU)."""
+        """The layouts that fit, fastest first (tokens per second per GPU); sorted once."""
         fitting = [c for c in self.candidates if c.ranked]
         return sorted(fitting, key=lambda c: -c.time.tokens_per_second_per_gpu)  # type: ignore[union-attr]
 
@@ -140,7 +141,7 @@ class LayoutSearch:
         """The cluster, the work and how many layouts fit, in a line."""
         return (
             f"{self.gpus:,} x {self.cluster.gpu.name} ({size_text(self.device_memory)} each), global batch {self.global_batch} "
-            f"x seq {self.seq_len}: {len(self.candidates):,} candidates, {sum(c.ranked for c in self.candidates):,} fit"
+            f"x seq {self.seq_len}: {len(self.candidates):,} candidates, {len(self.ranked):,} fit"
             + (" (interrupted: the best found so far)" if self.interrupted else "")
         )
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from meshbind.errors import PipelineError, PlanError
-from meshbind.forks import in_forks, usable_cores
+from meshbind.forks import dealt, in_forks, usable_cores
 from meshbind.fsdp_request import FullyShard
 from meshbind.memory.trace import step_size_problem
 from meshbind.model_index import ModelIndex
@@ -42,8 +42,7 @@ def checked_by_the_rules(rules: Rules, all_worlds: list[World], device_memory: i
     rules read no other world's). The plans the children resolved are resolved again here for
     the layouts traced."""
     rules.split_every_pipeline(all_worlds, usable_cores())
-    shares = max(1, min(SHARES_PER_CORE * usable_cores(), len(all_worlds)))
-    dealt = [all_worlds[share::shares] for share in range(shares)]
+    shared = dealt(all_worlds, SHARES_PER_CORE * usable_cores())
     checked = 0
 
     def answered(position: int, share: list[list[Candidate]]) -> None:
@@ -54,11 +53,11 @@ def checked_by_the_rules(rules: Rules, all_worlds: list[World], device_memory: i
 
     answers = in_forks(
         lambda share: [list(rules.stated(world, device_memory)) for world in share],
-        dealt,
+        shared,
         lambda share: f"checking the rules of {len(share)} worlds",
         answered,
     )
-    return [c for position in range(len(all_worlds)) for c in answers[position % shares][position // shares]]
+    return [c for position in range(len(all_worlds)) for c in answers[position % len(shared)][position // len(shared)]]
 
 
 def nearest_usable(rules: Rules, gpus: int, expert_parallel: bool, device_memory: int) -> Candidate | None:
@@ -88,8 +87,6 @@ class Rules:
         self.resolved: dict[World, ParallelPlan | tuple[str, str]] = {}
         self.plans: dict[tuple[World, str], ParallelPlan] = {}
         self.splits: dict[tuple[int, str, int], PipelineStages | tuple[str, str]] = {}
-        self.ordered = True
-        """Whether a split made now checks torch's schedule order at once (``split_every_pipeline`` defers it)."""
         self.states: dict[tuple[World, int], int] = {}
 
     def local_batch(self, world: World) -> int:
@@ -159,14 +156,12 @@ class Rules:
         """Every split the worlds' layouts ask for, made once, before the worlds are dealt out:
         first without torch's schedule orders, then the orders of those made (the slow part) in
         ``shares`` forked children side by side, then each split's order checked."""
-        self.ordered = False
-        try:
-            for world in all_worlds:
-                if self._world_refusal(world) is None:
-                    for _ in self._pipelines(world):
-                        pass
-        finally:
-            self.ordered = True
+        for world in all_worlds:
+            if world.pp > 1 and self._world_refusal(world) is None:
+                local = self.local_batch(world)
+                for schedule, microbatches in self._pipeline_choices(world):
+                    if local % microbatches == 0:
+                        self._split(world.pp, schedule, microbatches, check_order=False)
         made = [split for split in self.splits.values() if isinstance(split, PipelineStages)]
         run_orders_side_by_side(((s.schedule, s.pp, len(s.stages), s.microbatches) for s in made), shares)
         for key, split in self.splits.items():
@@ -179,10 +174,14 @@ class Rules:
             yield None, None, None
             return
         local = self.local_batch(world)
+        for schedule, microbatches in self._pipeline_choices(world):
+            yield schedule, microbatches, self._split_problem(world, schedule, microbatches, local)
+
+    def _pipeline_choices(self, world: World) -> Iterator[tuple[str, int]]:
         for schedule in self.choices.schedules or ():
             stages = world.pp * (1 if schedule in ("GPipe", "1F1B") else 2)
-            for microbatches in microbatch_choices(self.choices, stages, local):
-                yield schedule, microbatches, self._split_problem(world, schedule, microbatches, local)
+            for microbatches in microbatch_choices(self.choices, stages, self.local_batch(world)):
+                yield schedule, microbatches
 
     def _split_problem(self, world: World, schedule: str, microbatches: int, local: int) -> tuple[str, str] | None:
         if local % microbatches:
@@ -193,12 +192,14 @@ class Rules:
         found = self._split(world.pp, schedule, microbatches)
         return found if isinstance(found, tuple) else None
 
-    def _split(self, pp: int, schedule: str, microbatches: int) -> PipelineStages | tuple[str, str]:
+    def _split(self, pp: int, schedule: str, microbatches: int, check_order: bool = True) -> PipelineStages | tuple[str, str]:
+        """The split of ``pp`` stages, made once; without ``check_order`` torch's order waits for
+        ``split_every_pipeline`` to make it side by side."""
         key = (pp, schedule, microbatches)
         if key not in self.splits:  # the split reads the model, not the world's other axes
             try:
                 pipeline = Pipeline(schedule, microbatches=microbatches)
-                self.splits[key] = split_stages(self.index, pp, pipeline, check_order=self.ordered)
+                self.splits[key] = split_stages(self.index, pp, pipeline, check_order=check_order)
             except PipelineError as error:
                 self.splits[key] = ("pipeline", error.problems[0])
         return self.splits[key]
