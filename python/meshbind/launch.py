@@ -1,11 +1,11 @@
 """Run a function on every rank of a local gloo world and collect what each rank returns.
 
-Ranks start from a forkserver that imported torch once, so a world starts in seconds rather than
-paying torch's import per rank. A rank that raises fails the run with its traceback (a meshbind
-refusal with its message alone, once for every rank that made it), one that
-dies fails it at once with its exit code (the other ranks are killed), and collectives time out
-after ``timeout`` seconds instead of hanging. ``meshbind demo`` and the multi-process tests both
-start their worlds here.
+Ranks start from a forkserver that imported torch and its distributed packages once
+(``PRELOADED``), so a world starts in seconds rather than paying those imports per rank. A rank
+that raises fails the run with its traceback (a meshbind refusal with its message alone, once for
+every rank that made it), one that dies fails it at once with its exit code (the other ranks are
+killed), and collectives time out after ``timeout`` seconds instead of hanging. ``meshbind demo``
+and the multi-process tests both start their worlds here.
 """
 
 from __future__ import annotations
@@ -25,6 +25,17 @@ from collections.abc import Iterator
 from typing import Any
 
 from meshbind.errors import MeshbindError
+
+PRELOADED = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "meshbind",
+)
+"""Imported once by the forkserver the ranks fork from, not again by each rank: every meshbind rank
+runs DTensor and FSDP2, and pipelining (which brings ``torch._dynamo``) is the slowest import of all."""
 
 
 def free_port() -> int:
@@ -108,7 +119,7 @@ def run_local_world(world_size: int, target: str, *args: Any, timeout: float = 1
     results, by rank. Raises ``RuntimeError`` with what every failing rank raised: a meshbind
     refusal (``MeshbindError``) as its message, anything else with its traceback."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "meshbind"])
+    context.set_forkserver_preload(list(PRELOADED))
     results = context.Queue()
     port = free_port()
     processes = [
