@@ -179,7 +179,7 @@ class Rules:
 
     def _pipeline_choices(self, world: World) -> Iterator[tuple[str, int]]:
         for schedule in self.choices.schedules or ():
-            stages = world.pp * (1 if schedule in ("GPipe", "1F1B") else 2)
+            stages = world.pp * schedule_named(schedule, "a pipeline schedule").default_stages_per_rank()
             for microbatches in microbatch_choices(self.choices, stages, self.local_batch(world)):
                 yield schedule, microbatches
 
