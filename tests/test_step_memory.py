@@ -673,7 +673,20 @@ def test_the_truth_is_not_raised_by_a_buffer_another_thread_frees_late() -> None
         worker.join()
 
     assert lowest_step_added(step) == 2**22
-    assert len(steps) > 1
+    assert len(steps) == 3  # the first two disagree: a third decides
+
+
+def test_the_truth_stops_at_two_steps_that_agree() -> None:
+    from step_memory_truth import count_every_thread, lowest_step_added
+
+    count_every_thread()
+    sizes = iter([2**20, 2**20, 2**18])  # a third step would read lower
+
+    def step() -> None:
+        held = torch.empty(next(sizes))
+        del held
+
+    assert lowest_step_added(step) == 2**22
 
 
 def test_a_world_of_a_million_ranks_is_traced_from_the_ranks_own_groups_and_chunks() -> None:
