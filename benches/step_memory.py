@@ -58,14 +58,14 @@ class Config:
     build: Callable[[], nn.Module]
     requests: Callable[[nn.Module], Any]
     truth: Callable[[str], tuple[str, tuple[Any, ...]]]
-    """Checkpointing → the measuring function and its arguments on every rank."""
+    """Checkpointing → the measuring function and its arguments on every rank (one peak in a list)."""
 
 
 def _demo(axes: dict[str, int], batch: int) -> Config:
     units = DEMO_UNITS.units if axes.get("dp_shard", 1) > 1 else ()
 
     def truth(checkpointing: str) -> tuple[str, tuple[Any, ...]]:
-        return "step_memory_checks:demo_step_peak", (axes, 2, 8, batch, SEQ_LEN, checkpointing)
+        return "step_memory_checks:demo_step_peaks", (axes, 2, 8, batch, SEQ_LEN, [checkpointing])
 
     return Config(
         f"demo {LayoutContext(axes).world.text()}",
@@ -83,7 +83,7 @@ def _hf(name: str, axes: dict[str, int], units: tuple[str, ...]) -> Config:
     from meshbind.interop.hf_plans import from_hf_plan
 
     def truth(checkpointing: str) -> tuple[str, tuple[Any, ...]]:
-        return "step_memory_checks:hf_step_peak", (name, axes, FullyShard(units) if units else None, 2, 64, checkpointing)
+        return "step_memory_checks:hf_step_peaks", (name, axes, FullyShard(units) if units else None, 2, 64, [checkpointing])
 
     return Config(
         f"{name} {LayoutContext(axes).world.text()}",
@@ -154,7 +154,7 @@ def run(config: Config, checkpointing: str) -> dict[str, int]:
         device="cpu",
     ).peak_bytes
     target, arguments = config.truth(checkpointing)
-    measured = max(run_local_world(LayoutContext(config.axes).world.size, target, *arguments, timeout=300))
+    measured = max(peaks[0] for peaks in run_local_world(LayoutContext(config.axes).world.size, target, *arguments, timeout=300))
     megatron, deepspeed = anchors(config, checkpointing)
     return {"measured": measured, "meshbind": estimate, "megatron": megatron, "deepspeed": deepspeed}
 

@@ -73,24 +73,28 @@ def balanced_route(layer: MoELayer) -> Any:
     return route
 
 
-def demo_step_peak(
+def demo_step_peaks(
     axes: dict[str, int],
     layers: int,
     experts: int,
     batch_per_rank: int,
     seq_len: int,
-    checkpointing: str,
+    checkpointing: list[str],
     optimizer_name: str = "adam",
     dtype: str = "float32",
     param_dtype: str | None = None,
-) -> int:
+) -> list[int]:
     """This rank's measured peak of one demo training step (the optimizer's state made by a first
-    step); with ``param_dtype``, FSDP2 mixed precision (gradients reduced in float32)."""
+    step) under each of ``checkpointing`` in turn, on one world; with ``param_dtype``, FSDP2 mixed
+    precision (gradients reduced in float32)."""
     count_every_thread()  # before anything the step may free exists
-    model, optimizer, inputs = planned_demo(
-        axes, layers, experts, batch_per_rank, seq_len, checkpointing, optimizer_name, dtype, param_dtype
-    )
-    return measured_step_peak(model, optimizer, inputs, {})
+    peaks = []
+    for mode in checkpointing:
+        model, optimizer, inputs = planned_demo(
+            axes, layers, experts, batch_per_rank, seq_len, mode, optimizer_name, dtype, param_dtype
+        )
+        peaks.append(measured_step_peak(model, optimizer, inputs, {}))
+    return peaks
 
 
 def planned_demo(
@@ -195,13 +199,17 @@ class PipelinedDemoWorld:
         return first_step_again(schedule, optimizer, given, wanted), models, optimizer, (given, wanted)
 
 
-def hf_step_peak(
-    name: str, axes: dict[str, int], fully_shard: FullyShard | None, batch_per_rank: int, seq_len: int, checkpointing: str
-) -> int:
-    """This rank's measured peak of one step of a small transformers model under its own plans."""
+def hf_step_peaks(
+    name: str, axes: dict[str, int], fully_shard: FullyShard | None, batch_per_rank: int, seq_len: int, checkpointing: list[str]
+) -> list[int]:
+    """This rank's measured peak of one step of a small transformers model under its own plans,
+    under each of ``checkpointing`` in turn, on one world."""
     count_every_thread()
-    model, optimizer, kwargs = planned_hf(name, axes, fully_shard, batch_per_rank, seq_len, checkpointing)
-    return measured_step_peak(model, optimizer, (), kwargs)
+    peaks = []
+    for mode in checkpointing:
+        model, optimizer, kwargs = planned_hf(name, axes, fully_shard, batch_per_rank, seq_len, mode)
+        peaks.append(measured_step_peak(model, optimizer, (), kwargs))
+    return peaks
 
 
 def planned_hf(

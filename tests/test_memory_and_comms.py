@@ -50,7 +50,7 @@ CASES = {
     "1F1B, alike ranks": (lambda: _demo({**DEMO_PIPELINED, "pp": 4}, layers=6), {}, Pipeline("1F1B", 8)),
     # both alone put the second rank together from the third's actions
     "Interleaved1F1B, ranks put together": (
-        lambda: _demo({**DEMO_PIPELINED, "pp": 4}, layers=18),
+        lambda: _demo({**DEMO_PIPELINED, "pp": 4}, layers=10),
         {"activation_checkpointing": "full"},
         Pipeline("Interleaved1F1B", 8),
     ),
