@@ -225,8 +225,70 @@ def test_ctrl_c_prints_the_best_found_so_far(config: str) -> None:
     finally:
         process.kill()
     assert process.returncode == 130
-    assert "(interrupted: the best found so far)" in out
+    assert re.search(r"\(interrupted: [0-9,]+ left untraced; the best found so far\)", out)
     assert re.search(r"^ +1 +[0-9,]+ ", out, re.MULTILINE)  # a layout traced before the interrupt is ranked
+
+
+def test_a_time_limit_lists_the_best_traced_by_then(config: str) -> None:
+    done = meshbind("plan", "--hf-config", config, "--gpus", "8", "--gpu", "H100-SXM", "--device-memory", "80GiB",
+                    "--global-batch", "16", "--seq-len", "64", "--time-limit", "10", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["out_of_time"] and found["time_limit"] == 10 and not found["interrupted"]
+    assert found["ranked"] and found["untraced"] > 0  # some traced and ranked, the rest left
+    candidates = found["candidates"]
+    assert found["untraced"] == sum(1 for c in candidates if c["refused"] is None and "peak_bytes" not in c)
+    assert 10 <= found["seconds"] < 10 + 10  # the children stopped at the limit
+
+
+def test_a_time_limit_spent_before_any_trace_says_so(config: str) -> None:
+    done = meshbind("plan", "--hf-config", config, "--gpus", "8", "--gpu", "H100-SXM", "--device-memory", "80GiB",
+                    "--global-batch", "16", "--seq-len", "64", "--time-limit", "0.001")  # fmt: skip
+    assert done.returncode == 1
+    assert re.search(r"stopped by the 0.001 s time limit: [0-9,]+ left untraced", done.stdout)
+    assert re.search(
+        r"the 0.001 s time limit ended the search before it found a layout that fits \([0-9,]+ layouts whose state fits "
+        r"left untraced\): give it more time \(--time-limit\)",
+        done.stderr,
+    )
+    for bad in ("0", "-3", "soon", "inf"):
+        refused = meshbind("plan", "--hf-config", config, "--gpus", "2", "--gpu", "H100-SXM", "--device-memory", "80GiB",
+                           "--global-batch", "2", "--seq-len", "32", "--time-limit", bad)  # fmt: skip
+        assert refused.returncode == 2 and f"--time-limit: a positive number of seconds, got {bad!r}" in refused.stderr
+
+
+def test_a_bad_time_limit_is_refused_before_the_search() -> None:
+    import threading
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from meshbind import GPUS, Cluster
+    from meshbind.interop.hf_plans import from_hf_plan
+    from meshbind.search import plan_layouts
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA), dtype=torch.float32)
+    refused: list[BaseException] = []
+
+    def search(time_limit: object) -> None:
+        try:
+            plan_layouts(
+                model, from_hf_plan(model), build=lambda: model, gpus=2, cluster=Cluster(GPUS["H100-SXM"]),
+                device_memory=2**30, global_batch=2, seq_len=32, time_limit=time_limit,  # type: ignore[arg-type]
+            )  # fmt: skip
+        except ValueError as error:
+            refused.append(error)
+
+    for bad in (-1, "60", True):
+        search(bad)
+    elsewhere = threading.Thread(target=search, args=(60,))
+    elsewhere.start()
+    elsewhere.join()
+    assert [str(error) for error in refused[:3]] == [
+        f"time_limit must be a number of seconds, 0 or more, got {bad!r}" for bad in (-1, "60", True)
+    ]
+    assert "only the main thread receives" in str(refused[3])
 
 
 def test_layouts_are_traced_likeliest_to_rank_first_first() -> None:

@@ -38,6 +38,16 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"a positive number of seconds, got {text!r}")
+    return seconds
+
+
 def _bytes(text: str) -> int:
     try:
         return parse_bytes(text)
@@ -252,6 +262,12 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:  # type: ig
         "--param-dtype", choices=["bf16", "fp32"], action="append", help="FSDP2's compute dtype, reduced in fp32 (default: bf16)"
     )
     tried.add_argument("--top", type=_positive, default=10, metavar="K", help="the layouts listed (default 10)")
+    plan.add_argument(
+        "--time-limit",
+        type=_seconds,
+        metavar="SECONDS",
+        help="stop tracing once the search has run this long and list the best found so far (default: trace every layout)",
+    )
     plan.add_argument("--json", action="store_true", help="one JSON object on stdout: every candidate")
     plan.add_argument(
         "--html", metavar="PATH", help="write one self-contained page: peak memory against speed, the best layouts, what fell out"

@@ -22,8 +22,9 @@ from meshbind.units import size_text
 
 
 def plan(args: argparse.Namespace) -> int:
-    """Exit 0 with a ranked table; 1 when no layout fits (saying what would); 130 after Ctrl-C,
-    with the best found so far."""
+    """Exit 0 with a ranked table (after ``--time-limit``, of the layouts traced by then); 1 when no
+    layout fits (saying what would) or none was traced in time; 130 after Ctrl-C, with the best
+    found so far."""
     # Every precision keeps float32 shards, so a transformers model is built in float32 (as check
     # builds it under --param-dtype).
     args.param_dtype = args.param_dtype or list(PRECISION_CHOICES)
@@ -46,6 +47,7 @@ def plan(args: argparse.Namespace) -> int:
         device=args.device,
         routing=Routing(args.capacity_factor),
         progress=ProgressBar(),
+        time_limit=args.time_limit,
     )
     commands = tuple(_check_command(args, c.layout, args.global_batch) for c in search.ranked if c.layout is not None)
     search = replace(search, commands=commands)
@@ -66,6 +68,12 @@ def plan(args: argparse.Namespace) -> int:
 
 def _nothing_fits(search: LayoutSearch) -> str:
     """Why nothing is ranked, and the nearest thing that would work."""
+    if search.out_of_time:
+        left = f" ({search.untraced():,} layouts whose state fits left untraced)" if search.untraced() else ""
+        return (
+            f"meshbind plan: the {search.time_limit:g} s time limit ended the search before it found a layout that "
+            f"fits{left}: give it more time (--time-limit)"
+        )
     least = search.least_memory()
     if least is not None and least.memory is not None and least.layout is not None:
         return (

@@ -78,6 +78,10 @@ class LayoutSearch:
     seconds: float
     interrupted: bool = False
     """Stopped by Ctrl-C: the candidates traced by then, the rest not yet."""
+    time_limit: float | None = None
+    """The seconds the whole search was given (``None``: no limit)."""
+    out_of_time: bool = False
+    """The time limit stopped the tracing: the candidates traced by then, the rest not yet."""
     commands: tuple[str, ...] = field(default=(), compare=False)
     """``meshbind check`` for each ranked candidate, in rank order (empty from Python)."""
     nearest: Candidate | None = None
@@ -113,6 +117,10 @@ class LayoutSearch:
                 counts[PEAK_TOO_LARGE] += 1
         return counts
 
+    def untraced(self) -> int:
+        """Valid layouts whose state fits that a stopped search did not trace."""
+        return sum(1 for c in self.candidates if c.rule is None and c.memory is None)
+
     def least_memory(self) -> Candidate | None:
         """The traced layout with the smallest peak: what the device would need, when nothing fits."""
         traced = [c for c in self.candidates if c.memory is not None]
@@ -129,6 +137,9 @@ class LayoutSearch:
             "seq_len": self.seq_len,
             "seconds": self.seconds,
             "interrupted": self.interrupted,
+            "time_limit": self.time_limit,
+            "out_of_time": self.out_of_time,
+            "untraced": self.untraced(),
             "ranked": [position[id(c)] for c in self.ranked],
             "front": [position[id(c)] for c in self.front()],
             "commands": list(self.commands),
@@ -141,9 +152,15 @@ class LayoutSearch:
         """The cluster, the work and how many layouts fit, in a line."""
         return (
             f"{self.gpus:,} x {self.cluster.gpu.name} ({size_text(self.device_memory)} each), global batch {self.global_batch} "
-            f"x seq {self.seq_len}: {len(self.candidates):,} candidates, {len(self.ranked):,} fit"
-            + (" (interrupted: the best found so far)" if self.interrupted else "")
+            f"x seq {self.seq_len}: {len(self.candidates):,} candidates, {len(self.ranked):,} fit" + self._stopped()
         )
+
+    def _stopped(self) -> str:
+        """Why a search stopped before tracing every layout, and how far it got."""
+        if not (self.interrupted or self.out_of_time):
+            return ""
+        why = "interrupted" if self.interrupted else f"stopped by the {self.time_limit:g} s time limit"
+        return f" ({why}: {self.untraced():,} left untraced; the best found so far)"
 
     def text(self, top: int = 10) -> str:
         ranked = self.ranked

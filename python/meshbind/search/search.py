@@ -4,8 +4,11 @@ priced exactly as ``meshbind check --memory --comms --step-time`` traces and pri
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -40,6 +43,7 @@ def plan_layouts(
     routing: Routing | None = None,
     progress: Progress | None = None,
     trace: bool = True,
+    time_limit: float | None = None,
 ) -> LayoutSearch:
     """Every layout of ``gpus`` GPUs for ``model`` (on meta) under ``requests`` (meshbind's
     requests or a plan source such as ``from_hf_plan(model)``), ``global_batch`` sequences of
@@ -50,13 +54,20 @@ def plan_layouts(
     traced: its step holds at least that much. Every other valid layout is traced (step memory and
     step collectives from one trace of each step, ``step_memory_and_comms``, as ``meshbind check
     --memory --comms`` traces them) and priced on ``cluster``, so its figures are check's. Ctrl-C
-    stops the tracing and returns what was found so far (``interrupted``). Without ``trace``,
+    stops the tracing and returns what was found so far (``interrupted``); so does the end of
+    ``time_limit`` seconds from the start (``out_of_time``; the rules pass always finishes, as
+    nothing can be listed without it). Without ``trace``,
     nothing is traced: every candidate is refused by a rule, too large by its state, or valid with
     its state counted (and nothing is ranked)."""
     started = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq_len", seq_len), ("device_memory", device_memory)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if time_limit is not None:
+        if isinstance(time_limit, bool) or not isinstance(time_limit, int | float) or not time_limit >= 0:
+            raise ValueError(f"time_limit must be a number of seconds, 0 or more, got {time_limit!r}")
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("time_limit is kept by SIGALRM, which only the main thread receives: search from the main thread")
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
     wanted = (choices or Choices()).checked()
@@ -69,7 +80,7 @@ def plan_layouts(
     fitting = [position for position, c in enumerate(candidates) if c.rule is None]
     to_trace = sorted(fitting, key=lambda p: _likely_fastest_first(candidates[p])) if trace else []
     traced = _Tracer(build, rules, device_memory, device, routing or Routing())
-    interrupted = False
+    interrupted = out_of_time = False
     done = 0
 
     def answered(position: int, found: Candidate) -> None:
@@ -80,14 +91,17 @@ def plan_layouts(
             progress("tracing layouts", done, len(to_trace))
 
     try:
-        if progress is not None and to_trace:
-            progress("tracing layouts", 0, len(to_trace))
-        in_forks(traced.full, [candidates[p] for p in to_trace], _tracing, answered)
-        if trace and not any(c.fits for c in candidates):
-            for position, found in traced.least_memory(candidates):
-                candidates[position] = found
+        with _alarm_after(None if time_limit is None else time_limit - (time.perf_counter() - started)):
+            if progress is not None and to_trace:
+                progress("tracing layouts", 0, len(to_trace))
+            in_forks(traced.full, [candidates[p] for p in to_trace], _tracing, answered)
+            if trace and not any(c.fits for c in candidates):
+                for position, found in traced.least_memory(candidates):
+                    candidates[position] = found
     except KeyboardInterrupt:
         interrupted = True
+    except _OutOfTime:
+        out_of_time = True
     return LayoutSearch(
         gpus,
         cluster,
@@ -97,8 +111,37 @@ def plan_layouts(
         tuple(candidates),
         time.perf_counter() - started,
         interrupted,
+        time_limit=time_limit,
+        out_of_time=out_of_time,
         nearest=nearest,
     )
+
+
+class _OutOfTime(Exception):
+    """Raised in the searching thread when its time limit ends."""
+
+
+@contextmanager
+def _alarm_after(seconds: float | None) -> Iterator[None]:
+    """Raise ``_OutOfTime`` in this (the main) thread once ``seconds`` have passed, wherever it is:
+    a trace running here, or the wait on the forked children, whom ``in_forks`` then stops. A
+    forked child does not inherit the timer (fork(2))."""
+    if seconds is None:
+        yield
+        return
+    if seconds <= 0:
+        raise _OutOfTime
+
+    def ring(signum: int, frame: object) -> None:
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 _RECOMPUTED = {
