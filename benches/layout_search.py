@@ -9,6 +9,7 @@
   ZeRO-1, 32 sequences of 4096 per data-parallel rank).
 
     python benches/layout_search.py [--runs 8b-8 8b-128 405b-1f1b 405b-interleaved dsv3] [--full]
+        [--time-limit SECONDS]
 
 For each: the search's rules pass over every layout of the GPU count (each world, schedule,
 microbatches, checkpointing, bf16/fp32 precision: refused by check's rules, or its state counted
@@ -17,7 +18,10 @@ rules and its state fits 80 GiB; and the published layout traced and priced with
 ``meshbind check --memory --comms --step-time`` makes (peak, fits, tokens/s per GPU). With
 ``--full`` the whole search runs (every valid layout traced) and the published layout's rank is
 shown (a published layout that does not fit is not ranked, and needs no search to say so): at
-these sizes that takes from most of an hour (8B on 8 GPUs) to days on this machine.
+these sizes that takes from most of an hour (8B on 8 GPUs) to days on this machine. With
+``--time-limit`` the search a user would run (every schedule) also runs under that limit, as
+``meshbind plan --time-limit`` does: how many layouts it traced by then, the best of them, and the
+published layout's place among them.
 """
 
 from __future__ import annotations
@@ -93,7 +97,9 @@ RUNS = {
 }  # fmt: skip
 
 
-def search(run: Run, model: Any, trace: bool, schedules: list[str] | None = None) -> LayoutSearch:
+def search(
+    run: Run, model: Any, trace: bool, schedules: list[str] | None = None, time_limit: float | None = None
+) -> LayoutSearch:
     def progress(what: str, done: int, total: int) -> None:
         print(f"\r{run.name}: {what} {done:,} of {total:,}", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
@@ -109,6 +115,7 @@ def search(run: Run, model: Any, trace: bool, schedules: list[str] | None = None
         choices=Choices(schedules, param_dtypes=["bf16", "fp32"]),
         trace=trace,
         progress=progress if trace else None,
+        time_limit=time_limit,
     )
 
 
@@ -116,9 +123,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     parser.add_argument("--full", action="store_true", help="trace every valid layout and rank the published one")
+    parser.add_argument("--time-limit", type=float, metavar="SECONDS", help="also search under this limit (every schedule)")
     args = parser.parse_args()
     columns = ["published layout", "GPUs", "candidates", "valid", "state fits", "rules pass", "passes the rules"]
     columns += ["peak", "fits", "tokens/s/GPU", "traced in", "rank"]
+    columns += [f"in {args.time_limit:g} s: traced, the best, the published's place"] if args.time_limit else []
     print("| " + " | ".join(columns) + " |")
     print("|---" * len(columns) + "|")
     for run in (RUNS[name] for name in args.runs):
@@ -145,12 +154,31 @@ def main() -> None:
             memory, timed = own
             speed = f"{timed.tokens_per_second_per_gpu:,.0f}" if timed is not None else "—"
             figures = f"| {size_text(memory.peak_bytes)} | {'yes' if memory.fits else 'no'} | {speed} | {seconds:.0f} s "
+        limited = "" if args.time_limit is None else f" {_within(run, model, args.time_limit)} |"
         print(
             f"| {run.name} | {run.gpus:,} | {len(rules.candidates):,} | {len(valid):,} "
             f"| {sum(c.state_bytes is not None and c.state_bytes <= DEVICE_MEMORY for c in valid):,} "
-            f"| {rules.seconds:.1f} s | {passes} {figures}| {rank} |",
+            f"| {rules.seconds:.1f} s | {passes} {figures}| {rank} |{limited}",
             flush=True,
         )
+
+
+def _within(run: Run, model: Any, time_limit: float) -> str:
+    """The search a user runs, stopped at ``time_limit``: how far it got, and the published layout's place."""
+    found = search(run, model, trace=True, time_limit=time_limit)
+    traced = sum(1 for c in found.candidates if c.memory is not None)
+    if not found.ranked:
+        return f"{traced:,} traced, none fits"
+    best = found.ranked[0]
+    assert best.time is not None and best.layout is not None
+    published = next((c for c in found.candidates if run.published(c)), None)
+    if published is None or published.memory is None:
+        place = "not traced by then"
+    elif published.fits:
+        place = f"{next(n for n, c in enumerate(found.ranked, 1) if c is published)} of {len(found.ranked)}"
+    else:
+        place = "traced: does not fit"
+    return f"{traced:,} traced; {best.time.tokens_per_second_per_gpu:,.0f} ({best.layout.text()}); {place}"
 
 
 def _traced_alone(run: Run) -> tuple[StepMemory, StepTime | None]:
