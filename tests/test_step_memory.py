@@ -207,9 +207,12 @@ HF_WORLDS = {
         ),
     ),
 }
-HF_CHECKPOINTING = {world: ("none",) for world in HF_WORLDS}
-HF_CHECKPOINTING.update({world: ("none", "full") for world in list(HF_WORLDS)[:2]})
-HF_CHECKPOINTING["llama tp2 dp_shard2"] += SELECTIVE
+HF_CHECKPOINTING = {
+    "llama tp2 dp_shard2": ("none", "full", *SELECTIVE),
+    "qwen3_moe ep2 (balanced routing)": ("none", "full"),
+    "llama dp_shard4 bf16/fp32": ("none",),
+    "qwen3_moe ep2 edp_shard2 bf16/fp32, router fp32": ("none",),
+}
 
 
 @pytest.mark.parametrize("world", list(HF_WORLDS))
