@@ -299,10 +299,11 @@ def test_layouts_are_traced_likeliest_to_rank_first_first() -> None:
         return Candidate(world, layout, state_bytes=state)
 
     expected = [
-        candidate("bf16", 1, "none", 1, 9),
-        candidate("bf16", 1, "none", 2, 5),
-        candidate("bf16", 1, "selective-op", 1, 3),
-        candidate("bf16", 1, "full", 1, 1),
+        candidate("bf16", 1, "none", 1, 3),
+        candidate("bf16", 1, "selective-op", 1, 3),  # the same world's selective twin next
+        candidate("bf16", 1, "none", 2, 2),
+        candidate("bf16", 1, "selective-op", 2, 2),
+        candidate("bf16", 1, "full", 1, 3),  # full recomputation after every other at the same pp
         candidate("bf16", 2, "none", 1, 2),
         candidate("fp32", 1, "none", 1, 1),
     ]

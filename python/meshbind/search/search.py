@@ -153,15 +153,18 @@ _RECOMPUTED = {
 
 
 def _likely_fastest_first(candidate: Candidate) -> tuple[int, ...]:
-    """The order layouts are traced in, so that a search stopped part way (Ctrl-C) holds the ones
-    likeliest to rank first: bf16 before fp32, then fewer pipeline stages (less bubble), less
-    recomputation, fewer ranks splitting each sequence (fewer collectives the step waits on), and
-    the smaller state. It orders the work only: every layout is traced either way."""
+    """The order layouts are traced in, so that a search stopped part way (Ctrl-C, the time limit)
+    holds the ones likeliest to rank first: bf16 before fp32, then fewer pipeline stages (less
+    bubble), full recomputation last, fewer ranks splitting each sequence (fewer collectives the
+    step waits on), the smaller state, and each layout without checkpointing just before its
+    selective twin: where the first does not fit, the second often does. It orders the work only:
+    every layout is traced either way."""
     layout = candidate.layout
     assert layout is not None
     recomputed = _RECOMPUTED[layout.checkpointing.mode]
     world = layout.world
-    return layout.param_dtype != "bf16", world.pp, recomputed, world.tp * world.cp, candidate.state_bytes or 0
+    full = recomputed == _RECOMPUTED[ActivationCheckpointing.FULL]
+    return layout.param_dtype != "bf16", world.pp, full, world.tp * world.cp, candidate.state_bytes or 0, recomputed
 
 
 def _tracing(candidate: Candidate) -> str:
