@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from meshbind.demo import config as demo_config
 from meshbind.names import DTYPE_NAMES, ActivationCheckpointing, Checkpointing, Device, Optimizer
@@ -42,8 +43,8 @@ def _seconds(text: str) -> float:
     try:
         seconds = float(text)
     except ValueError:
-        seconds = -1.0
-    if not seconds > 0 or seconds == float("inf"):
+        seconds = math.nan
+    if not 0 < seconds < math.inf:  # nan, 0, negatives and inf all refused here
         raise argparse.ArgumentTypeError(f"a positive number of seconds, got {text!r}")
     return seconds
 
