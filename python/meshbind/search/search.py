@@ -117,8 +117,9 @@ def plan_layouts(
     )
 
 
-class _OutOfTime(Exception):
-    """Raised in the searching thread when its time limit ends."""
+class _OutOfTime(BaseException):
+    """Raised in the searching thread when its time limit ends; a ``BaseException``, as
+    ``KeyboardInterrupt`` is, so that no ``except Exception`` inside a trace swallows it."""
 
 
 @contextmanager
