@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -27,7 +28,7 @@ from meshbind.names import Checkpointing
 from meshbind.pipeline import Pipeline, pipeline_parts, pipeline_schedule, runnable_stage, stage_loss
 from meshbind.world import DENSE_AXES, EXPERT_AXES
 
-from step_memory_truth import count_every_thread, measured_peak, measured_step_peak
+from step_memory_truth import count_every_thread, lowest_step_added, measured_peak, measured_step_peak
 
 DEMO_UNITS = FullyShard(("blocks.*.moe", "blocks.*"))
 
@@ -352,3 +353,20 @@ def deep_demo() -> MoETransformer:
 
 
 EXPERTS_OF_DEEP_DEMO = 8
+
+
+def uneven_first_steps(growing_rank: int) -> int:
+    """How many steps ``lowest_step_added`` ran on this rank of a world whose every step sums a
+    tensor across the ranks, where only ``growing_rank``'s first two steps add different amounts."""
+    count_every_thread()
+    sizes = iter([2**18, 2**19, 2**19] if dist.get_rank() == growing_rank else [2**18] * 3)
+    steps = []
+
+    def step() -> None:
+        held = torch.ones(next(sizes))
+        dist.all_reduce(held[:1])
+        steps.append(held.numel())
+        del held
+
+    lowest_step_added(step)
+    return len(steps)

@@ -14,7 +14,8 @@ A gloo worker thread can hold the last reference to a collective's buffer a litt
 has dropped its own, when that thread is scheduled late; the buffer then outlives its last use and
 one step in many reads a buffer high. The truth is the lowest peak of up to three identical steps
 (two when the first two agree): the step as its code schedules it, which is what the trace
-estimates.
+estimates. In a process group every rank runs the same number of steps, since a step's collectives
+need all of them: a third runs on every rank when any rank's first two differ.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
@@ -79,9 +81,19 @@ def lowest_step_added(step: Callable[[], None]) -> int:
         gc.collect()
         totals = _step_totals(step)
         added.append(max(totals) - totals[0])
-        if len(added) == 2 and added[0] == added[1]:
+        if len(added) == 2 and _every_rank_agrees(added[0] == added[1]):
             break
     return min(added)
+
+
+def _every_rank_agrees(agrees: bool) -> bool:
+    """``agrees`` on every rank of the default process group (this rank's alone outside one): a
+    rank that ran a step the others skipped would wait on their collectives for ever."""
+    if not dist.is_initialized():
+        return agrees
+    flag = torch.tensor([int(agrees)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _step_totals(step: Callable[[], None]) -> list[int]:

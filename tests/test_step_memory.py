@@ -693,6 +693,12 @@ def test_the_truth_stops_at_two_steps_that_agree() -> None:
     assert lowest_step_added(step) == 2**22
 
 
+def test_in_a_world_every_rank_takes_a_third_step_when_one_rank_needs_it() -> None:
+    """A step's collectives need every rank: a rank whose first two steps differ does not run its
+    third alone (it would wait on the others for ever), the others run theirs with it."""
+    assert run_local_world(2, "step_memory_checks:uneven_first_steps", 1, timeout=60) == [3, 3]
+
+
 def test_a_world_of_a_million_ranks_is_traced_from_the_ranks_own_groups_and_chunks() -> None:
     """Only the traced rank's groups and the parameter chunks it reads are made: a million ranks
     trace in seconds, with FSDP's padding as torch makes it (every rank's chunk as long as the first)."""
