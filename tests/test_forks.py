@@ -140,7 +140,7 @@ def test_after_a_backward_here_the_pieces_run_here() -> None:
 
 PIPELINED = """
 import json, torch
-from meshbind import FullyShard, LayoutContext, resolve_plan, step_comms, step_memory
+from meshbind import FullyShard, LayoutContext, resolve_plan, step_memory_and_comms
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.pipeline import Pipeline
 
@@ -153,8 +153,7 @@ with torch.device("meta"):
 context = LayoutContext({"pp": 4, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1})
 plan = resolve_plan(model, [loss_head_request()], context, fully_shard=FullyShard(("blocks.*.moe", "blocks.*")), index=True)
 pipeline = Pipeline("DualPipeV", microbatches=8)
-comms = step_comms(lambda: MoETransformer(config), plan, batch=8, seq_len=16, pipeline=pipeline)
-memory = step_memory(lambda: MoETransformer(config), plan, batch=8, seq_len=16, pipeline=pipeline, device="cpu")
+memory, comms = step_memory_and_comms(lambda: MoETransformer(config), plan, batch=8, seq_len=16, pipeline=pipeline)
 answer = {
     "collectives": [[c.to_dict() for c in rank_class.collectives] for rank_class in comms.classes],
     "timelines": [[repr(event) for event in rank_class.work.timelines[0].events] for rank_class in comms.classes],

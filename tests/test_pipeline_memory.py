@@ -149,15 +149,14 @@ def test_each_pipeline_rank_is_its_own_class_and_the_peak_names_the_schedules_ac
 def test_a_rank_put_together_from_a_traced_ranks_actions_is_its_whole_trace(
     schedule: str, checkpointing: str, pp: int, dp_shard: int
 ) -> None:
-    """Over 18 blocks (two more than the 16 stages of the largest case) the middle ranks hold alike
-    stages: some are traced, the others put together from their actions (``memory/composed.py``),
-    and every figure of the answer is the one its own whole trace gives: the peak, each kind at it
-    (FSDP's unsharded gradients of a split backward named where they are made), its module, phase
-    and action. Under DualPipeV a wait on a
-    forward's send frees the output on some ranks and not on others (after its backward or before):
-    its twin is one whose microbatch ran the same computations before it."""
+    """Over two blocks more than the schedule's stages the middle ranks hold alike stages: some are
+    traced, the others put together from their actions (``memory/composed.py``), and every figure
+    of the answer is the one its own whole trace gives: the peak, each kind at it (FSDP's unsharded
+    gradients of a split backward named where they are made), its module, phase and action. Under
+    DualPipeV a wait on a forward's send frees the output on some ranks and not on others (after
+    its backward or before): its twin is one whose microbatch ran the same computations before it."""
     axes = {"pp": pp, "dp_replicate": 1, "dp_shard": dp_shard, "cp": 1, "tp": 1, "ep": 1}
-    layers, microbatches = 18, 2 * pp
+    layers, microbatches = 2 * pp + 2, 2 * pp  # two stages a rank
     put, whole = (
         pipelined_demo(axes, schedule, checkpointing, layers, microbatches, alike_layers=alike) for alike in (True, False)
     )
