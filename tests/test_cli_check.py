@@ -341,6 +341,35 @@ def test_slow_layout_providers_show_progress_in_the_command_line_only(
     assert capsys.readouterr().err == ""  # a library call is silent unless asked
 
 
+def test_the_bar_says_how_long_the_rest_of_its_step_takes_at_its_pace(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The time left is the step's own pace (not counting an earlier step) times what is left; a
+    step stopped part way (a time limit, Ctrl-C) still ends its line, one that finished ends its own."""
+    from meshbind.cli import progress
+
+    clock = iter([0.0, 100.0, 130.0, 160.0, 460.0, 0.0, 3.0, 4.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    with progress.ProgressBar() as bar:
+        bar("checking the rules", 10, 10)  # at 100 s: nothing drawn yet, so no closing line either
+        bar("tracing layouts", 0, 40)  # the tracing starts at 130 s
+        bar("tracing layouts", 1, 40)  # 30 s a layout: 39 left
+        bar("tracing layouts", 2, 40)  # 165 s a layout: 38 left, and then stopped
+    err = capsys.readouterr().err
+    assert err.endswith("\033[K\n") and err.count("\n") == 1
+    assert [line.removesuffix("\033[K") for line in err.removesuffix("\n").split("\r") if line] == [
+        "tracing layouts: [" + "." * 30 + "] 0/40 130 s",
+        "tracing layouts: [" + "." * 30 + "] 1/40 160 s, about 20 min left at this pace",
+        "tracing layouts: [#" + "." * 29 + "] 2/40 460 s, about 1 h 44 min left at this pace",
+    ]
+    with progress.ProgressBar() as bar:
+        bar("tracing layouts", 0, 3)
+        bar("tracing layouts", 3, 3)
+    lines = ["tracing layouts: [" + "." * 30 + "] 0/3 3 s", "tracing layouts: [" + "#" * 30 + "] 3/3 4 s"]
+    assert capsys.readouterr().err == "".join(f"\r{line}\033[K" for line in lines) + "\n"
+    assert [progress.duration_text(s) for s in (0.4, 119, 121, 3000, 7170)] == ["0 s", "119 s", "2 min", "50 min", "2 h 0 min"]
+
+
 def test_fsdp_units_are_checked_and_counted_offline(capsys: pytest.CaptureFixture[str]) -> None:
     model = "meshbind.examples.moe_transformer:MoETransformer"
     plan = "meshbind.examples.moe_transformer:loss_head_request"

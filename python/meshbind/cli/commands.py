@@ -72,8 +72,9 @@ def check(args: argparse.Namespace) -> int:
         _check_positions(args)
     started = time.perf_counter()
     try:
-        # One walk of the model: the report and step memory read its index.
-        plan = resolve_plan(model, requests, context, progress=ProgressBar(), fully_shard=fully_shard, index=True)
+        with ProgressBar() as bar:
+            # One walk of the model: the report and step memory read its index.
+            plan = resolve_plan(model, requests, context, progress=bar, fully_shard=fully_shard, index=True)
     except PlanError as error:
         if args.json:
             problems = [p.to_dict() for p in error.problems]

@@ -33,22 +33,23 @@ def plan(args: argparse.Namespace) -> int:
     model, requests = model_and_plan(args)
     choices = Choices(args.pp_schedule, args.pp_microbatches, args.activation_checkpointing, args.param_dtype)
     cluster = Cluster(args.gpu, args.gpus_per_node, args.inter_node)
-    search = plan_layouts(
-        model,
-        requests,
-        build=args.build,
-        gpus=args.gpus,
-        cluster=cluster,
-        device_memory=args.device_memory,
-        global_batch=args.global_batch,
-        seq_len=args.seq_len,
-        optimizer=args.optimizer,
-        choices=choices,
-        device=args.device,
-        routing=Routing(args.capacity_factor),
-        progress=ProgressBar(),
-        time_limit=args.time_limit,
-    )
+    with ProgressBar() as bar:
+        search = plan_layouts(
+            model,
+            requests,
+            build=args.build,
+            gpus=args.gpus,
+            cluster=cluster,
+            device_memory=args.device_memory,
+            global_batch=args.global_batch,
+            seq_len=args.seq_len,
+            optimizer=args.optimizer,
+            choices=choices,
+            device=args.device,
+            routing=Routing(args.capacity_factor),
+            progress=bar,
+            time_limit=args.time_limit,
+        )
     commands = tuple(_check_command(args, c.layout, args.global_batch) for c in search.ranked if c.layout is not None)
     search = replace(search, commands=commands)
     if args.html is not None:
