@@ -348,7 +348,7 @@ def test_the_bar_says_how_long_the_rest_of_its_step_takes_at_its_pace(
     step stopped part way (a time limit, Ctrl-C) still ends its line, one that finished ends its own."""
     from meshbind.cli import progress
 
-    clock = iter([0.0, 100.0, 130.0, 160.0, 460.0, 0.0, 3.0, 4.0])
+    clock = iter([0.0, 100.0, 130.0, 160.0, 460.0, 0.0, 3.0, 4.0, 5.0])
     monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
     with progress.ProgressBar() as bar:
         bar("checking the rules", 10, 10)  # at 100 s: nothing drawn yet, so no closing line either
@@ -356,17 +356,22 @@ def test_the_bar_says_how_long_the_rest_of_its_step_takes_at_its_pace(
         bar("tracing layouts", 1, 40)  # 30 s a layout: 39 left
         bar("tracing layouts", 2, 40)  # 165 s a layout: 38 left, and then stopped
     err = capsys.readouterr().err
-    assert err.endswith("\033[K\n") and err.count("\n") == 1
-    assert [line.removesuffix("\033[K") for line in err.removesuffix("\n").split("\r") if line] == [
+    assert err.endswith("pace\n") and err.count("\n") == 1
+    assert err.removesuffix("\n").split("\r")[1:] == [
         "tracing layouts: [" + "." * 30 + "] 0/40 130 s",
         "tracing layouts: [" + "." * 30 + "] 1/40 160 s, about 20 min left at this pace",
         "tracing layouts: [#" + "." * 29 + "] 2/40 460 s, about 1 h 44 min left at this pace",
     ]
     with progress.ProgressBar() as bar:
-        bar("tracing layouts", 0, 3)
-        bar("tracing layouts", 3, 3)
-    lines = ["tracing layouts: [" + "." * 30 + "] 0/3 3 s", "tracing layouts: [" + "#" * 30 + "] 3/3 4 s"]
-    assert capsys.readouterr().err == "".join(f"\r{line}\033[K" for line in lines) + "\n"
+        bar("checking the rules", 1, 5)  # the first report, with one share done before it
+        bar("checking the rules", 2, 5)  # one share a second since: three left
+        bar("checking the rules", 5, 5)  # shorter than the line before: blanks its end
+    lines = [
+        f"checking the rules: [{'#' * 6}{'.' * 24}] 1/5 3 s",
+        f"checking the rules: [{'#' * 12}{'.' * 18}] 2/5 4 s, about 3 s left at this pace",
+    ]
+    last = "checking the rules: [" + "#" * 30 + "] 5/5 5 s"
+    assert capsys.readouterr().err == f"\r{lines[0]}\r{lines[1]}\r{last.ljust(len(lines[1]))}\n"
     assert [progress.duration_text(s) for s in (0.4, 119, 121, 3000, 7170)] == ["0 s", "119 s", "2 min", "50 min", "2 h 0 min"]
 
 

@@ -8,8 +8,8 @@ import time
 
 class ProgressBar:
     """A bar on stderr for a step that has run two seconds or more (as tqdm users expect), redrawn
-    at most twice a second; nothing for a quick one. Once part of a step is done it says how long
-    the rest would take at the step's pace so far, as tqdm does."""
+    at most twice a second; nothing for a quick one. Once the step has moved it says how long the
+    rest would take at its pace so far, as tqdm does."""
 
     WIDTH = 30
 
@@ -18,12 +18,14 @@ class ProgressBar:
         self.drawn = 0.0
         self.step = ""
         self.step_started = self.started
+        self.step_done = 0
         self.line_open = False
+        self.line_length = 0
 
     def __call__(self, step: str, done: int, total: int) -> None:
         now = time.monotonic()
-        if step != self.step:
-            self.step, self.step_started = step, now
+        if step != self.step:  # the pace counts from the step's first report, what was done by then aside
+            self.step, self.step_started, self.step_done = step, now, done
         finished = done >= total
         if now - self.started < 2.0 or (not finished and now - self.drawn < 0.5) or (finished and not self.drawn):
             return
@@ -33,10 +35,12 @@ class ProgressBar:
         end = "\n" if finished else ""
         self.line_open = not finished
         left = ""
-        if 0 < done < total:
-            left = f", about {duration_text((now - self.step_started) / done * (total - done))} left at this pace"
+        if self.step_done < done < total:
+            pace = (now - self.step_started) / (done - self.step_done)
+            left = f", about {duration_text(pace * (total - done))} left at this pace"
         line = f"{step}: [{bar}] {done:,}/{total:,} {now - self.started:.0f} s{left}"
-        print(f"\r{line}\033[K", end=end, file=sys.stderr, flush=True)  # erases what a longer line left
+        padded, self.line_length = line.ljust(self.line_length), len(line)  # blanks what a longer line left
+        print(f"\r{padded}", end=end, file=sys.stderr, flush=True)
 
     def __enter__(self) -> ProgressBar:
         return self
