@@ -108,3 +108,16 @@ def one_stage_rank_differs() -> str | None:
     except RankMismatchError as error:
         return str(error)
     return None
+
+
+def outputs_kept_by_the_last_stage() -> int:
+    """How many microbatch outputs torch's last stage (here the only one, on a world of one rank)
+    still holds after one ``pipelined_training_step`` under 1F1B."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from meshbind.memory.step import pipelined_training_step
+
+    stage = PipelineStage(torch.nn.Linear(4, 4), 0, 1, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=2, loss_fn=lambda output, target: (output - target).square().mean())
+    pipelined_training_step(schedule, None, torch.randn(2, 4), torch.randn(2, 4))
+    return len(stage.output_chunks)

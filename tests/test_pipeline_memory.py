@@ -124,6 +124,13 @@ def test_a_tp_trace_after_a_pipelined_one_in_the_same_process_keeps_to_its_own_w
     assert answer.peak_bytes > 0
 
 
+def test_the_last_stage_keeps_no_microbatchs_output_as_torchtitans_step_does() -> None:
+    """torchtitan steps the schedule with ``return_outputs=False``, and so does the step both the
+    trace and the truth run (``pipelined_training_step``): torch's default keeps each microbatch's
+    output (a head's logits) on the last stage until the step ends, to merge them."""
+    assert run_local_world(1, "pipeline_checks:outputs_kept_by_the_last_stage", timeout=60) == [0]
+
+
 def test_each_pipeline_rank_is_its_own_class_and_the_peak_names_the_schedules_action() -> None:
     answer = pipelined_demo(axes_of(2), "1F1B")
     assert [(c.first_rank, c.ranks, c.stages) for c in answer.classes] == [(0, 2, (0,)), (2, 2, (1,))]

@@ -158,8 +158,9 @@ def pipelined_training_step(
 ) -> None:
     """One step of torch's pipeline schedule over this rank's stages (the rank of the first stage
     given the batch's inputs, the rank of the last its targets), then the optimizer step, gradients
-    dropped: the pipelined step both the trace and a real measurement run."""
-    schedule.step(*(() if tokens is None else (tokens,)), target=targets)
+    dropped: the pipelined step both the trace and a real measurement run. As torchtitan runs it,
+    the schedule returns no outputs: the last stage keeps no microbatch's logits to merge."""
+    schedule.step(*(() if tokens is None else (tokens,)), target=targets, return_outputs=False)
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
