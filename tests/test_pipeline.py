@@ -114,7 +114,7 @@ def test_microbatches_in_flight_are_read_from_torchs_own_schedule_order() -> Non
     assert split_stages(index, 4, Pipeline("GPipe", microbatches=8)).in_flight == (8, 8, 8, 8)
     interleaved = split_stages(index, 4, Pipeline("Interleaved1F1B", microbatches=8))
     assert len(interleaved.in_flight) == 8 and max(interleaved.in_flight) == 8 and interleaved.in_flight[-1] == 1
-    with pytest.raises(PipelineError, match="torch refuses DualPipeV with 1 microbatches over 8 stages"):
+    with pytest.raises(PipelineError, match="DualPipeV needs at least as many microbatches as stages: 1 microbatches, 8 stages"):
         split_stages(index, 4, Pipeline("DualPipeV", microbatches=1))
 
 
@@ -379,3 +379,38 @@ def test_ranks_to_trace_are_chosen_from_lists_lowered_ahead_and_a_trace_that_ran
     assert answered(orders) == [(0, 0), (1, 1)]  # the two ranks hold unlike stages: each traced
     with pytest.raises(RuntimeError, match="tracing rank 0: torch's runtime ran other lists"):
         answered({rank: ranks[:-1] for rank, ranks in orders.items()})
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "microbatches"), [("Interleaved1F1B", 2, 12), ("DualPipeV", 2, 12), ("ZBVZeroBubble", 4, 16)]
+)
+def test_ranks_are_traced_at_the_fewest_microbatches_that_give_each_a_twin_of_every_action(
+    schedule: str, pp: int, microbatches: int
+) -> None:
+    """The twins of an action do not depend on the microbatches' count: the ranks of a step of many
+    are traced at the fewest whose lists give every rank a twin of each of its actions, and none fewer does."""
+    from dataclasses import replace
+
+    from meshbind.pipeline.alike import stage_signatures
+    from meshbind.pipeline.runtime import RankActions, lowered_orders, with_fewer_microbatches
+
+    _, index = demo_index()
+    stages = split_stages(index, pp, Pipeline(schedule, microbatches=microbatches))
+    signatures = stage_signatures(index, stages)
+    actions = with_fewer_microbatches(RankActions(stages, signatures, lowered_orders(stages)))
+    assert actions.traced is not None
+    fewest = actions.traced.stages.microbatches
+    assert fewest < microbatches and actions.traced_orders == lowered_orders(actions.traced.stages)
+    for rank in range(pp):
+        taken = actions.twin_positions(rank, rank)
+        assert taken is not None and len(taken) == len(actions.orders[rank]) > len(actions.traced_orders[rank])
+    for fewer in range(1, fewest):
+        if stages.schedule.problems(pp, len(stages.stages), fewer):
+            continue
+        cut = replace(stages, microbatches=fewer)
+        short = replace(actions, traced=RankActions(cut, signatures, lowered_orders(cut)), _first_twins={})
+        assert any(short.twin_positions(rank, rank) is None for rank in range(pp))
+    # As few microbatches as DualPipeV takes over pp=4 leave some action without a twin: none fewer.
+    four = split_stages(index, 4, Pipeline("DualPipeV", microbatches=8))
+    alone = RankActions(four, stage_signatures(index, four), lowered_orders(four))
+    assert with_fewer_microbatches(alone) is alone

@@ -23,7 +23,7 @@ from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun
 from meshbind.memory.fake_step import step_errors
 from meshbind.memory.pipelined import PipelinedStep, on_each_action, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.step import StepInputs
-from meshbind.memory.trace import TracedModels, traced_step_settings, tracing_text
+from meshbind.memory.trace import TracedModels, put_together_text, traced_step_settings, tracing_text
 from meshbind.mesh import MeshContext
 from meshbind.model_flops import model_flops_per_token
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
@@ -109,34 +109,36 @@ def step_comms(
 def _pipelined_classes(model: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[RankClassComms]:
     """Each rank class's collectives under the pipeline, in the groups' order: the classes
     ``traced_sources`` picks traced side by side, the rest read from their traces (renumbered under
-    a single-stage schedule, put together from a traced rank's actions under torch's runtime).
+    a single-stage schedule); under torch's runtime every class is put together from a traced
+    rank's actions, traced at the fewest microbatches that give each rank a twin of every action.
     Each rank's stages are cut from ``model``, which is never planned itself."""
     single_stage = step.stages.schedule.single_stage
     alike = alike_pipeline_ranks(step.signatures, step.stages) if alike_layers and single_stage else {}
     actions = step.runtime_actions() if alike_layers else None
+    traced_step = step.traced_step(actions)
     world, places = step.plan.context.world, step.places()
     cut: dict[int, TracedRank] = {}
 
     def trace(position: int) -> tuple[RankClassComms, Orders | None]:
         started, group = time.perf_counter(), step.groups[position]
         watch = PipelinedCommsWatch(world)
-        run_pipelined_fake_step(model, step.plan, step.stages, step.examples, group.first, step.settings, watch)
+        run_pipelined_fake_step(model, step.plan, traced_step.stages, step.examples, group.first, traced_step.settings, watch)
         return pipelined_class_comms(step, group, watch.record, started), watch.orders
 
     def answer(position: int, source: int, taken: list[int] | None, whole: RankClassComms) -> RankClassComms:
         started, group = time.perf_counter(), step.groups[position]
         pp_rank, source_rank = places[position][0], places[source][0]
+        if taken is not None:
+            assert actions is not None
+            source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.work.timelines[0]))
+            return put_together_class(step, group, source_cut, taken, actions)
         if source == position:
             return whole
-        if taken is None:
-            mine, theirs = step.stages.stages_of_rank(pp_rank), step.stages.stages_of_rank(source_rank)
-            further = (pp_rank - source_rank) * world.stage_size
-            moved = whole.work.timelines[0].moved(dict(zip(theirs, mine, strict=True)), further)
-            how = f"{stages_text(mine)}: alike {stages_text(theirs)}'s trace, renumbered"
-            return _class_comms(group, whole.collectives, how, TracedWork((moved,)), started)
-        assert actions is not None
-        source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.work.timelines[0]))
-        return put_together_class(step, group, source_cut, taken, actions)
+        mine, theirs = step.stages.stages_of_rank(pp_rank), step.stages.stages_of_rank(source_rank)
+        further = (pp_rank - source_rank) * world.stage_size
+        moved = whole.work.timelines[0].moved(dict(zip(theirs, mine, strict=True)), further)
+        how = f"{stages_text(mine)}: alike {stages_text(theirs)}'s trace, renumbered"
+        return _class_comms(group, whole.collectives, how, TracedWork((moved,)), started)
 
     return traced_and_put_together(places, alike, actions, trace, answer, lambda position: tracing_text(step.groups[position]))
 
@@ -151,7 +153,7 @@ def put_together_class(
     pp_rank = world.coordinates(group.first)[PIPELINE_AXIS]
     timeline = put_together(pp_rank, source, taken, actions, world.stage_size)
     mine, theirs = step.stages.stages_of_rank(pp_rank), step.stages.stages_of_rank(source.pp_rank)
-    how = f"{stages_text(mine)}: {stages_text(theirs)}' actions, put together"
+    how = put_together_text(step, actions, mine, theirs)
     return _class_comms(group, collectives_in(timeline.events), how, TracedWork((timeline,)), started)
 
 

@@ -128,28 +128,29 @@ def _pipelined_answers(whole: nn.Module, step: PipelinedStep, alike_layers: bool
     """Each rank class's answers under the pipeline, in the groups' order. Under torch's runtime
     (every multi-stage schedule) with ``alike_layers``, the ranks both functions put together from
     a traced rank's actions are put together here from the same traces (both pick the ranks to
-    trace by the same twins); else every class is traced (under a single-stage schedule step
-    memory traces each rank, whose microbatches in flight differ)."""
+    trace, and the microbatches to trace them at, by the same twins); else every class is traced
+    (under a single-stage schedule step memory traces each rank, whose microbatches in flight differ)."""
     world, places = step.plan.context.world, step.places()
+    actions = step.runtime_actions() if alike_layers else None
+    traced_step = step.traced_step(actions)
     cut: dict[int, TracedRank] = {}
 
     def trace(position: int) -> tuple[tuple[Answers, list[StepPart]], Orders | None]:
         started, group = time.perf_counter(), step.groups[position]
         memory_watch, comms_watch = PipelinedMemoryWatch(step.plan), PipelinedCommsWatch(world)
         watch = watched_by(memory_watch, comms_watch)
-        run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, group.first, step.settings, watch)
+        run_pipelined_fake_step(whole, step.plan, traced_step.stages, step.examples, group.first, traced_step.settings, watch)
         memory = pipelined_class_memory(step, group, memory_watch.peak(), started)
         answers = memory, pipelined_class_comms(step, group, comms_watch.record, started)
         return (answers, memory_watch.parts()), comms_watch.orders
 
     def answer(position: int, source: int, taken: list[int] | None, traced: tuple[Answers, list[StepPart]]) -> Answers:
         (answers, parts), group = traced, step.groups[position]
-        if source == position:
+        if taken is None:
             return answers
-        assert taken is not None and actions is not None
+        assert actions is not None
         source_cut = cut.setdefault(source, TracedRank.cut(places[source][0], answers[1].work.timelines[0]))
-        memory = put_together_memory(step, group, step.groups[source], parts, taken, actions.orders)
+        memory = put_together_memory(step, group, step.groups[source], parts, taken, actions)
         return memory, put_together_comms(step, group, source_cut, taken, actions)
 
-    actions = step.runtime_actions() if alike_layers else None
     return traced_and_put_together(places, {}, actions, trace, answer, lambda position: tracing_text(step.groups[position]))

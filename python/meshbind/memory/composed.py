@@ -21,13 +21,17 @@ from meshbind.memory.trackers import Peak, StepPart
 from meshbind.pipeline.stages import PipelineStages
 
 
-def put_together(parts: Sequence[StepPart], taken: Sequence[int], actions: Sequence[Any], moved: Callable[[str], str]) -> Peak:
+def put_together(
+    parts: Sequence[StepPart], taken: Sequence[int], actions: Sequence[Any], moved: Callable[[str], str], more_inputs: int
+) -> Peak:
     """The peak of a rank whose runtime list is ``actions``, from a traced rank's ``parts``: the
     ``i``-th of ``actions`` is the twin of the traced rank's runtime step ``taken[i]``; ``moved``
-    names a module of the traced rank's stages as the module in the same place of this rank's."""
+    names a module of the traced rank's stages as the module in the same place of this rank's;
+    ``more_inputs``: the bytes of inputs this rank holds through its step beyond the traced one's."""
     before, steps, after = parts[0], parts[1:-1], parts[-1]
-    peak = Peak(before.highest["peak"], _kinds(before.highest), moved(before.module), before.phase, {}, before.action)
-    running = before.end
+    highest = _with_inputs(before.highest, more_inputs)
+    peak = Peak(highest["peak"], _kinds(highest), moved(before.module), before.phase, {}, before.action)
+    running = _with_inputs(before.end, more_inputs)
     numbered, last = 0, before.action
     for step, action in zip(taken, actions, strict=True):
         part = steps[step]
@@ -45,6 +49,10 @@ def put_together(parts: Sequence[StepPart], taken: Sequence[int], actions: Seque
 def _stage_kind(run: tuple[str, int, int]) -> tuple[int, str, int]:
     kind, stage, microbatch = run
     return stage, kind, microbatch
+
+
+def _with_inputs(figures: dict[str, int], more: int) -> dict[str, int]:
+    return {**figures, "inputs": figures["inputs"] + more, "peak": figures["peak"] + more}
 
 
 def _moved_by(running: dict[str, int], begin: dict[str, int], then: dict[str, int]) -> dict[str, int]:

@@ -44,7 +44,14 @@ from meshbind.pipeline import (
     stage_model,
 )
 from meshbind.pipeline.alike import stage_signatures
-from meshbind.pipeline.runtime import Orders, RankActions, action_parts, lowered_orders, on_each_runtime_step
+from meshbind.pipeline.runtime import (
+    Orders,
+    RankActions,
+    action_parts,
+    lowered_orders,
+    on_each_runtime_step,
+    with_fewer_microbatches,
+)
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing, assuming
@@ -101,11 +108,27 @@ class PipelinedStep:
         return [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in self.groups]
 
     def runtime_actions(self) -> RankActions | None:
-        """The ranks' runtime lists told apart for putting ranks together; ``None`` under a
-        single-stage schedule, which has none."""
+        """The ranks' runtime lists told apart for putting ranks together, traced at the fewest
+        microbatches that give each rank a twin of every action (``with_fewer_microbatches``);
+        ``None`` under a single-stage schedule, which has none."""
         if self.stages.schedule.single_stage:
             return None
-        return RankActions(self.stages, self.signatures, lowered_orders(self.stages))
+        return with_fewer_microbatches(RankActions(self.stages, self.signatures, lowered_orders(self.stages)))
+
+    def traced_step(self, actions: RankActions | None) -> PipelinedStep:
+        """The step the ranks are traced at: this one at ``actions``' fewer microbatches, of the
+        same size, or this one."""
+        if actions is None or actions.traced is None:
+            return self
+        fewer = actions.traced.stages
+        batch = self.settings.batch // self.stages.microbatches * fewer.microbatches
+        return replace(self, settings=replace(self.settings, batch=batch, pipeline=fewer), stages=fewer)
+
+    def inputs_bytes(self, pp_rank: int) -> int:
+        """The bytes of the step's inputs pipeline rank ``pp_rank`` holds through the step: the
+        token ids on the first stage's rank, the targets on the last's (``step_inputs``)."""
+        tokens, targets = step_inputs(self.settings, self.stages.stages_of_rank(pp_rank), len(self.stages.stages), "meta")
+        return sum(held.nbytes for held in (tokens, targets) if held is not None)
 
 
 def pipelined_step(
@@ -224,11 +247,20 @@ def run_pipelined_fake_step(
             schedule = pipeline_schedule(
                 stages, parts, mesh_context, TRACED_DEVICE, _scaled_loss(last, stages.microbatches), examples
             )
-            tokens = torch.zeros(settings.batch, settings.seq_len, dtype=torch.long) if 0 in mine else None
-            targets = torch.zeros(settings.batch, settings.seq_len, dtype=torch.long) if last is not None else None
+            tokens, targets = step_inputs(settings, mine, count, TRACED_DEVICE)
             _released_after_sending(schedule, plain)
             with watch(models, optimizer, (tokens, targets), mesh_context, schedule):
                 pipelined_training_step(schedule, optimizer, tokens, targets)
+
+
+def step_inputs(
+    settings: StepSettings, mine: Sequence[int], count: int, device: str | torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The token ids a rank running stages ``mine`` of ``count`` feeds its first stage, and the
+    targets its last stage's loss takes; ``None`` for those its stages do not take."""
+    made = [torch.zeros(settings.batch, settings.seq_len, dtype=torch.long, device=device) if held else None
+            for held in (0 in mine, count - 1 in mine)]  # fmt: skip
+    return made[0], made[1]
 
 
 def _scaled_loss(last: nn.Module | None, microbatches: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -32,7 +32,7 @@ from meshbind.memory.trackers import Peak, StepPart, step_tracker, traced_step
 from meshbind.model_index import ModelIndex
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline, stages_text
-from meshbind.pipeline.runtime import Orders, traced_and_put_together
+from meshbind.pipeline.runtime import Orders, RankActions, traced_and_put_together
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan
 from meshbind.routing import Routing
@@ -178,41 +178,52 @@ def extrapolated_class(group: RankGroup, shallow_peaks: list[Peak], run: AlikeRu
 def _pipelined_classes(whole: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[RankClassMemory]:
     """Each rank class's step memory under the pipeline, in the groups' order. Under torch's runtime
     (every multi-stage schedule) with ``alike_layers``, the classes ``traced_sources`` picks are
-    traced, side by side, the rest put together from a traced rank's actions (``memory/composed.py``);
-    else each class is traced, side by side. Each rank's stages are cut from ``whole``, which is
-    never planned itself."""
+    traced, side by side, at the fewest microbatches that give each rank a twin of every action,
+    and every class is put together from a traced rank's actions (``memory/composed.py``); else each
+    class is traced, side by side. Each rank's stages are cut from ``whole``, which is never planned itself."""
 
     Traced = tuple[RankClassMemory, list[StepPart]]  # the class's answer, and its step's parts
+    actions = step.runtime_actions() if alike_layers else None
+    traced_step = step.traced_step(actions)
 
     def trace(position: int) -> tuple[Traced, Orders | None]:
         started, group = time.perf_counter(), step.groups[position]
         watch = PipelinedMemoryWatch(step.plan)
-        run_pipelined_fake_step(whole, step.plan, step.stages, step.examples, group.first, step.settings, watch)
+        run_pipelined_fake_step(whole, step.plan, traced_step.stages, step.examples, group.first, traced_step.settings, watch)
         return (pipelined_class_memory(step, group, watch.peak(), started), watch.parts()), watch.orders
 
     def answer(position: int, source: int, taken: list[int] | None, traced: Traced) -> RankClassMemory:
-        if source == position:
+        if taken is None:
             return traced[0]
-        assert taken is not None and actions is not None
-        return put_together_class(step, step.groups[position], step.groups[source], traced[1], taken, actions.orders)
+        assert actions is not None
+        return put_together_class(step, step.groups[position], step.groups[source], traced[1], taken, actions)
 
-    actions = step.runtime_actions() if alike_layers else None
     return traced_and_put_together(
         step.places(), {}, actions, trace, answer, lambda position: tracing_text(step.groups[position])
     )
 
 
 def put_together_class(
-    step: PipelinedStep, group: RankGroup, source: RankGroup, parts: list[StepPart], taken: list[int], orders: Orders
+    step: PipelinedStep, group: RankGroup, source: RankGroup, parts: list[StepPart], taken: list[int], actions: RankActions
 ) -> RankClassMemory:
     """``group``'s answer put together from the traced ``source``'s ``parts``, its actions' twins
-    at ``taken`` (``RankActions.twin_positions``) in its own order (``orders``)."""
+    at ``taken`` (``RankActions.twin_positions``) in its own order."""
     started = time.perf_counter()
     world = step.plan.context.world
     pp_rank, source_rank = world.coordinates(group.first)[PIPELINE_AXIS], world.coordinates(source.first)[PIPELINE_AXIS]
     mine, theirs = step.stages.stages_of_rank(pp_rank), step.stages.stages_of_rank(source_rank)
-    peak = put_together(parts, taken, orders[pp_rank], module_mover(step.stages, theirs, mine))
-    return class_memory(group, peak, f"{stages_text(mine)}: {stages_text(theirs)}' actions, put together", started, mine)
+    more_inputs = step.inputs_bytes(pp_rank) - step.traced_step(actions).inputs_bytes(pp_rank)
+    peak = put_together(parts, taken, actions.orders[pp_rank], module_mover(step.stages, theirs, mine), more_inputs)
+    return class_memory(group, peak, put_together_text(step, actions, mine, theirs), started, mine)
+
+
+def put_together_text(step: PipelinedStep, actions: RankActions, mine: tuple[int, ...], theirs: tuple[int, ...]) -> str:
+    """How a rank's answer put together from a traced rank's actions was found (``traced``)."""
+    if actions.traced is None:
+        return f"{stages_text(mine)}: {stages_text(theirs)}' actions, put together"
+    whose = "their own" if mine == theirs else f"{stages_text(theirs)}'"
+    fewer, all_of_them = actions.traced.stages.microbatches, step.stages.microbatches
+    return f"{stages_text(mine)}: {whose} actions in a step of {fewer} of its {all_of_them} microbatches, put together"
 
 
 def pipelined_class_memory(step: PipelinedStep, group: RankGroup, peak: Peak, started: float) -> RankClassMemory:

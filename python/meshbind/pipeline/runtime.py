@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from meshbind.forks import in_forks
@@ -82,8 +82,17 @@ class RankActions:
     signatures: Sequence[object]
     """Each stage's modules, told apart (``pipeline.alike.stage_signatures``)."""
     orders: Orders
+    traced: RankActions | None = None
+    """The same pipeline's actions at fewer microbatches of the same size, where the ranks are
+    traced: every rank, a traced one too, is put together from a traced rank's actions there
+    (``with_fewer_microbatches``). ``None``: the ranks are traced at this step itself."""
     _action_twins: dict[int, list[ActionTwin]] = field(default_factory=dict, compare=False, repr=False)
     _first_twins: dict[int, dict[ActionTwin, int]] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def traced_orders(self) -> Orders:
+        """The runtime lists the traced ranks run."""
+        return (self.traced or self).orders
 
     def stage_twins(self, rank: int) -> tuple[object, ...]:
         mine = self.stages.stages_of_rank(rank)
@@ -115,16 +124,37 @@ class RankActions:
         return twins
 
     def twin_positions(self, rank: int, source: int) -> list[int] | None:
-        """Where in ``source``'s list each of ``rank``'s actions has its twin, when ``source`` holds
-        the same stages' modules and has a twin of every one; else ``None``."""
-        if self.stage_twins(source) != self.stage_twins(rank):
+        """Where in ``source``'s traced list (``traced_orders``) each of ``rank``'s actions has its
+        twin, when ``source`` holds the same stages' modules and has a twin of every one; else ``None``."""
+        tracing = self.traced or self
+        if tracing.stage_twins(source) != self.stage_twins(rank):
             return None
+        at = tracing._first_twin_positions(source)
+        positions = [at.get(twin, -1) for twin in self.action_twins(rank)]
+        return None if -1 in positions else positions
+
+    def _first_twin_positions(self, source: int) -> dict[ActionTwin, int]:
         if (at := self._first_twins.get(source)) is None:  # asked of each traced rank for every other
             at = self._first_twins[source] = {}
             for position, twin in enumerate(self.action_twins(source)):
                 at.setdefault(twin, position)
-        positions = [at.get(twin, -1) for twin in self.action_twins(rank)]
-        return None if -1 in positions else positions
+        return at
+
+
+def with_fewer_microbatches(actions: RankActions) -> RankActions:
+    """``actions`` traced at the fewest microbatches (of the same size) whose runtime lists give
+    every rank a twin of each of its own actions, so that a trace's cost no longer grows with the
+    microbatches; ``actions`` itself where no fewer do. The twins do not depend on the microbatches'
+    count (``_twins_of_actions``): an action allocates and frees, sends and gathers what its twin does."""
+    stages = actions.stages
+    for microbatches in range(1, stages.microbatches):
+        if stages.schedule.problems(stages.pp, len(stages.stages), microbatches):
+            continue
+        fewer = replace(stages, microbatches=microbatches)
+        traced = replace(actions, traced=RankActions(fewer, actions.signatures, lowered_orders(fewer)), _first_twins={})
+        if all(traced.twin_positions(rank, rank) is not None for rank in range(stages.pp)):
+            return traced
+    return actions
 
 
 def action_parts(action: Any) -> list[tuple[str, int, int]]:
@@ -140,7 +170,8 @@ def traced_sources(
     places: list[tuple[int, int, int]], alike: dict[int, int], actions: RankActions | None
 ) -> list[tuple[int, list[int] | None]]:
     """For each pipeline rank class (by its pipeline rank, its first rank within it and its ranks),
-    the class whose trace it reads, by position: itself where it is traced; an alike rank's under a
+    the class whose trace it reads, by position: itself where it is traced (with its own twins
+    there when it is traced at fewer microbatches, ``RankActions.traced``); an alike rank's under a
     single-stage schedule; else, with the positions of the twins of its actions, a traced rank's
     that has a twin of each (``RankActions.twin_positions``). Where a rank must be traced and an
     alike later one would put it together, that one is traced instead: the one that would put
@@ -164,15 +195,21 @@ def traced_sources(
                 later = {places[other][0]: other for other in range(position + 1, len(places))
                          if places[other][1:] == (within, count) and sources[other] is None}  # fmt: skip
                 if (stand_in := _widest_source(pp_rank, list(later), actions)) is not None:
-                    sources[later[stand_in]] = (later[stand_in], None)
+                    sources[later[stand_in]] = (later[stand_in], _own_twins(stand_in, actions))
                     traced.setdefault((within, count), []).append(later[stand_in])
                     found = (later[stand_in], actions.twin_positions(pp_rank, stand_in))
             if found is not None:
                 sources[position] = found
                 continue
-        sources[position] = (position, None)
+        sources[position] = (position, _own_twins(pp_rank, actions))
         traced.setdefault((within, count), []).append(position)
     return [source for source in sources if source is not None]
+
+
+def _own_twins(rank: int, actions: RankActions | None) -> list[int] | None:
+    """Where a traced rank's actions have their twins in its own trace: ``None`` (it is its own
+    answer) unless it is traced at fewer microbatches."""
+    return actions.twin_positions(rank, rank) if actions is not None and actions.traced is not None else None
 
 
 def _widest_source(rank: int, later: list[int], actions: RankActions) -> int | None:
@@ -194,13 +231,14 @@ def traced_and_put_together(
     """Each pipeline rank class's answer, by position in ``places`` (as ``traced_sources`` takes
     them): the classes ``traced_sources`` picks traced side by side (``trace(position)``, which
     gives the traced rank's runtime lists too), then ``answer(position, source, taken, traced)`` for
-    every class from its source's trace. A traced rank whose runtime ran other lists than
-    ``actions`` (lowered ahead) is a ``RuntimeError``: the ranks put together would be wrong."""
+    every class from its source's trace (``taken``: the twins of its actions there, ``None`` where
+    the trace is its answer). A traced rank whose runtime ran other lists than ``actions``'
+    traced ones (lowered ahead) is a ``RuntimeError``: the ranks put together would be wrong."""
     sources = traced_sources(places, alike, actions)
     positions = [position for position, (source, _) in enumerate(sources) if source == position]
     traced: dict[int, Traced] = {}
     for position, (found, orders) in zip(positions, in_forks(trace, positions, tracing), strict=True):
-        if actions is not None and orders != actions.orders:
+        if actions is not None and orders != actions.traced_orders:
             raise RuntimeError(
                 f"{tracing(position)}: torch's runtime ran other lists of actions than it lowers from the "
                 "schedule alone; the ranks put together from it would be wrong"

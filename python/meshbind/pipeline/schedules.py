@@ -67,8 +67,10 @@ class Schedule:
             found.append(f"{self.name} runs several stages per rank, but {stages} stages over pp={pp} put one on each")
         if self.placement == "v" and per_rank != 2:
             found.append(f"{self.name} places two stages per rank (a 'v'), but {stages} stages over pp={pp} put {per_rank}")
-        if self.name == "1F1B" and microbatches < stages:
-            found.append(f"1F1B needs at least as many microbatches as stages: {microbatches} microbatches, {stages} stages")
+        if self.name in ("1F1B", "DualPipeV") and microbatches < stages:  # torch's constructors refuse fewer
+            found.append(
+                f"{self.name} needs at least as many microbatches as stages: {microbatches} microbatches, {stages} stages"
+            )
         if self.placement == "loop" and not self.single_stage:
             rounds = max(1, microbatches // pp)
             if microbatches % rounds:
