@@ -82,36 +82,3 @@ def test_one_trace_answers_as_step_memory_and_step_comms_each_alone(case: str) -
         assert "renumbered" in alone_comms.classes[2].traced and "whole" in comms.classes[2].traced
     if case == "Interleaved1F1B, ranks put together":
         assert "put together" in memory.classes[1].traced and "put together" in comms.classes[1].traced
-
-
-@pytest.mark.parametrize(
-    ("schedule", "checkpointing", "microbatches"),
-    [
-        ("Interleaved1F1B", "full", 8),
-        ("ZBVZeroBubble", "none", 8),
-        ("InterleavedZeroBubble", "none", 8),
-        ("DualPipeV", "none", 12),
-    ],
-)
-def test_ranks_put_together_from_a_step_of_fewer_microbatches_answer_as_their_whole_traces(
-    schedule: str, checkpointing: str, microbatches: int
-) -> None:
-    """Under torch's runtime every rank is put together from a trace at the fewest microbatches of
-    the same size that give it a twin of each action: every figure is its whole trace's at all the
-    microbatches (peak, each kind at it with the larger inputs the first and last stages hold, its
-    module, phase and action; each collective and the timeline event by event; the step time)."""
-    build, plan = _demo(DEMO_PIPELINED)
-    settings = dict(batch=microbatches, seq_len=32, device="cpu", activation_checkpointing=checkpointing)
-    pipeline = Pipeline(schedule, microbatches)
-    (memory, comms), (whole_memory, whole_comms) = (
-        step_memory_and_comms(build, plan, pipeline=pipeline, alike_layers=alike, **settings) for alike in (True, False)
-    )
-    fewest = 6 if schedule == "DualPipeV" else 3  # DualPipeV takes no fewer microbatches than stages
-    for found in (*memory.classes, *comms.classes):
-        assert f"actions in a step of {fewest} of its {microbatches} microbatches, put together" in found.traced
-    for found, own in zip(memory.classes, whole_memory.classes, strict=True):
-        assert {**found.to_dict(), "seconds": 0, "traced": ""} == {**own.to_dict(), "seconds": 0, "traced": ""}
-    for found, own in zip(comms.classes, whole_comms.classes, strict=True):
-        assert found.collectives == own.collectives
-        assert found.work.timelines[0].events == own.work.timelines[0].events
-    assert step_time(comms, H100).to_dict() == step_time(whole_comms, H100).to_dict()

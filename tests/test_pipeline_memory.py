@@ -5,21 +5,24 @@ world (``step_memory_checks.pipelined_demo_step_peaks``)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from step_memory_checks import demo_units, hf_pipelined_estimate, hf_transformer, traced
 
-from meshbind import LayoutContext, StepMemory, resolve_plan, step_memory
+from meshbind import GPUS, Cluster, LayoutContext, StepMemory, resolve_plan, step_memory, step_memory_and_comms, step_time
 from meshbind.cli import main
 from meshbind.errors import PipelineError, StepMemoryError
 from meshbind.examples.moe_transformer import MoETransformer, TransformerConfig, loss_head_request
 from meshbind.launch import run_local_world
 from meshbind.pipeline import Pipeline
 from meshbind.pipeline.schedules import Schedule, schedule_named
+from meshbind.resolution.plan import ParallelPlan
 
 LAYERS, SEQ_LEN, MICROBATCHES = 4, 32, 4
+H100 = Cluster(GPUS["H100-SXM"])
 BATCH = MICROBATCHES
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 RUNS = [(schedule, MICROBATCHES, checkpointing) for schedule in SCHEDULES for checkpointing in ("none", "full")]
@@ -32,6 +35,18 @@ RUNS += [
 ]
 
 
+def planned_demo(axes: dict[str, int], layers: int = LAYERS) -> tuple[Callable[[], MoETransformer], ParallelPlan]:
+    """The demo's model factory (``layers`` blocks) and its plan at ``axes``, FSDP over ``dp_shard``."""
+
+    def build() -> MoETransformer:
+        return MoETransformer(TransformerConfig(layers=layers))
+
+    with torch.device("meta"):
+        model = build()
+    units = demo_units(axes["dp_shard"], None)
+    return build, resolve_plan(model, [loss_head_request()], LayoutContext(axes), fully_shard=units, index=True)
+
+
 def pipelined_demo(
     axes: dict[str, int],
     schedule: str,
@@ -41,14 +56,7 @@ def pipelined_demo(
     **settings: Any,
 ) -> StepMemory:
     """``step_memory`` of the demo's model (4 blocks) at ``axes`` under ``schedule``, a sequence per microbatch."""
-
-    def build() -> MoETransformer:
-        return MoETransformer(TransformerConfig(layers=layers))
-
-    with torch.device("meta"):
-        model = build()
-    units = demo_units(axes["dp_shard"], None)
-    plan = resolve_plan(model, [loss_head_request()], LayoutContext(axes), fully_shard=units, index=True)
+    build, plan = planned_demo(axes, layers)
     pipeline = Pipeline(schedule=schedule, microbatches=microbatches)
     return step_memory(
         build,
@@ -150,35 +158,46 @@ def test_each_pipeline_rank_is_its_own_class_and_the_peak_names_the_schedules_ac
 
 
 @pytest.mark.parametrize(
-    ("schedule", "checkpointing", "pp", "dp_shard"),
-    [("Interleaved1F1B", "full", 4, 2), ("ZBVZeroBubble", "none", 4, 2), ("DualPipeV", "none", 8, 1)],
+    ("schedule", "checkpointing", "pp", "dp_shard", "microbatches", "fewest"),
+    [
+        ("Interleaved1F1B", "full", 4, 2, 8, 3),
+        ("ZBVZeroBubble", "none", 4, 2, 8, 3),
+        ("InterleavedZeroBubble", "none", 2, 2, 8, 3),
+        ("DualPipeV", "none", 2, 2, 12, 6),
+        ("DualPipeV", "none", 8, 1, 16, None),
+    ],
 )
 def test_a_rank_put_together_from_a_traced_ranks_actions_is_its_whole_trace(
-    schedule: str, checkpointing: str, pp: int, dp_shard: int
+    schedule: str, checkpointing: str, pp: int, dp_shard: int, microbatches: int, fewest: int | None
 ) -> None:
     """Over two blocks more than the schedule's stages the middle ranks hold alike stages: some are
-    traced, the others put together from their actions (``memory/composed.py``), and every figure
-    of the answer is the one its own whole trace gives: the peak, each kind at it (FSDP's unsharded
-    gradients of a split backward named where they are made), its module, phase and action. Under
-    DualPipeV a wait on a forward's send frees the output on some ranks and not on others (after
-    its backward or before): its twin is one whose microbatch ran the same computations before it."""
+    traced, at the fewest microbatches of the same size that give each rank a twin of every action
+    (``fewest``; none fewer for DualPipeV over 16 stages, which takes no fewer than its stages), and
+    every rank is put together from a traced rank's actions (``memory/composed.py``,
+    ``comms/composed.py``). Every figure is the one its own whole trace at all the microbatches gives:
+    the peak, each kind at it (the larger inputs the first and last stages hold; FSDP's unsharded
+    gradients of a split backward named where they are made), its module, phase and action; each
+    collective, the timeline event by event and the step time. Under DualPipeV a wait on a forward's
+    send frees the output on some ranks and not on others (after its backward or before): its twin
+    is one whose microbatch ran the same computations before it."""
     axes = {"pp": pp, "dp_replicate": 1, "dp_shard": dp_shard, "cp": 1, "tp": 1, "ep": 1}
-    layers, microbatches = 2 * pp + 2, 2 * pp  # two stages a rank
-    put, whole = (
-        pipelined_demo(axes, schedule, checkpointing, layers, microbatches, alike_layers=alike) for alike in (True, False)
+    build, plan = planned_demo(axes, layers=2 * pp + 2)  # two stages a rank
+    settings = dict(batch=microbatches, seq_len=SEQ_LEN, device="cpu", activation_checkpointing=checkpointing)
+    pipeline = Pipeline(schedule, microbatches)
+    (memory, comms), (whole_memory, whole_comms) = (
+        step_memory_and_comms(build, plan, pipeline=pipeline, alike_layers=alike, **settings) for alike in (True, False)
     )
-    assert any("put together" in found.traced for found in put.classes) and all(
-        "whole" in found.traced for found in whole.classes
-    )
-    for found, own in zip(put.classes, whole.classes, strict=True):
-        assert (found.first_rank, found.ranks, found.stages) == (own.first_rank, own.ranks, own.stages)
-        assert (found.peak_bytes, found.live_at_peak, found.peak_module, found.peak_phase, found.peak_action) == (
-            own.peak_bytes,
-            own.live_at_peak,
-            own.peak_module,
-            own.peak_phase,
-            own.peak_action,
-        )
+    assert all("whole" in found.traced for found in (*whole_memory.classes, *whole_comms.classes))
+    fewer = f"in a step of {fewest} of its {microbatches} microbatches, put together" if fewest else "' actions, put together"
+    assert all(fewer in found.traced for found in (*memory.classes, *comms.classes) if "whole" not in found.traced)
+    if pp > 2:  # the middle ranks: some put together from another rank's actions
+        assert any("whole" not in found.traced and "their own" not in found.traced for found in memory.classes)
+    for found, own in zip(memory.classes, whole_memory.classes, strict=True):
+        assert {**found.to_dict(), "seconds": 0, "traced": ""} == {**own.to_dict(), "seconds": 0, "traced": ""}
+    for found, own in zip(comms.classes, whole_comms.classes, strict=True):
+        assert found.collectives == own.collectives
+        assert found.work.timelines[0].events == own.work.timelines[0].events
+    assert step_time(comms, H100).to_dict() == step_time(whole_comms, H100).to_dict()
 
 
 def test_what_a_pipelined_trace_cannot_run_is_refused_before_it_starts() -> None:
