@@ -45,9 +45,12 @@ CASES = {
     "alike blocks extrapolated": (lambda: _llama(8, {"dp_shard": 4, "tp": 2}), {"activation_checkpointing": "full"}, None),
     "the whole model": (lambda: _llama(3, {"dp_shard": 2, "tp": 2}), {}, None),
     "1F1B": (lambda: _demo(DEMO_PIPELINED), {}, Pipeline("1F1B", 4)),
+    # each rank put together from its own actions at four of the eight microbatches
+    "1F1B at fewer microbatches": (lambda: _demo(DEMO_PIPELINED), {}, Pipeline("1F1B", 8)),
     "Interleaved1F1B": (lambda: _demo(DEMO_PIPELINED), {"activation_checkpointing": "full"}, Pipeline("Interleaved1F1B", 4)),
     # step_comms alone reads the third rank's collectives from the second's trace, renumbered
-    "1F1B, alike ranks": (lambda: _demo({**DEMO_PIPELINED, "pp": 4}, layers=6), {}, Pipeline("1F1B", 8)),
+    # (1F1B over no more than pp + 2 microbatches traces every one)
+    "1F1B, alike ranks": (lambda: _demo({**DEMO_PIPELINED, "pp": 4}, layers=6), {}, Pipeline("1F1B", 4)),
     # both alone put the second rank together from the third's actions
     "Interleaved1F1B, ranks put together": (
         lambda: _demo({**DEMO_PIPELINED, "pp": 4}, layers=10),
@@ -80,5 +83,7 @@ def test_one_trace_answers_as_step_memory_and_step_comms_each_alone(case: str) -
         assert "extrapolated" in memory.classes[0].traced and "extrapolated" in comms.classes[0].traced
     if case == "1F1B, alike ranks":
         assert "renumbered" in alone_comms.classes[2].traced and "whole" in comms.classes[2].traced
+    if case == "1F1B at fewer microbatches":
+        assert all("in a step of 4 of its 8 microbatches" in found.traced for found in (*memory.classes, *comms.classes))
     if case == "Interleaved1F1B, ranks put together":
         assert "put together" in memory.classes[1].traced and "put together" in comms.classes[1].traced

@@ -382,7 +382,8 @@ def test_ranks_to_trace_are_chosen_from_lists_lowered_ahead_and_a_trace_that_ran
 
 
 @pytest.mark.parametrize(
-    ("schedule", "pp", "microbatches"), [("Interleaved1F1B", 2, 12), ("DualPipeV", 2, 12), ("ZBVZeroBubble", 4, 16)]
+    ("schedule", "pp", "microbatches"),
+    [("Interleaved1F1B", 2, 12), ("DualPipeV", 2, 12), ("ZBVZeroBubble", 4, 16), ("1F1B", 4, 16)],
 )
 def test_ranks_are_traced_at_the_fewest_microbatches_that_give_each_a_twin_of_every_action(
     schedule: str, pp: int, microbatches: int
@@ -392,15 +393,17 @@ def test_ranks_are_traced_at_the_fewest_microbatches_that_give_each_a_twin_of_ev
     from dataclasses import replace
 
     from meshbind.pipeline.alike import stage_signatures
-    from meshbind.pipeline.runtime import RankActions, lowered_orders, with_fewer_microbatches
+    from meshbind.pipeline.runtime import RankActions, lowered_orders, single_stage_orders, with_fewer_microbatches
 
     _, index = demo_index()
     stages = split_stages(index, pp, Pipeline(schedule, microbatches=microbatches))
     signatures = stage_signatures(index, stages)
-    actions = with_fewer_microbatches(RankActions(stages, signatures, lowered_orders(stages)))
+    single = stages.schedule.single_stage  # torch's own loop: its order, each rank from its own actions
+    orders = single_stage_orders if single else lowered_orders
+    actions = with_fewer_microbatches(RankActions(stages, signatures, orders(stages), single_stage=single))
     assert actions.traced is not None
     fewest = actions.traced.stages.microbatches
-    assert fewest < microbatches and actions.traced_orders == lowered_orders(actions.traced.stages)
+    assert fewest < microbatches and actions.traced_orders == orders(actions.traced.stages)
     for rank in range(pp):
         taken = actions.twin_positions(rank, rank)
         assert taken is not None and len(taken) == len(actions.orders[rank]) > len(actions.traced_orders[rank])
@@ -408,8 +411,10 @@ def test_ranks_are_traced_at_the_fewest_microbatches_that_give_each_a_twin_of_ev
         if stages.schedule.problems(pp, len(stages.stages), fewer):
             continue
         cut = replace(stages, microbatches=fewer)
-        short = replace(actions, traced=RankActions(cut, signatures, lowered_orders(cut)), _first_twins={})
+        short = replace(actions, traced=RankActions(cut, signatures, orders(cut), single_stage=single), _first_twins={})
         assert any(short.twin_positions(rank, rank) is None for rank in range(pp))
+    if single:  # twins on the rank itself only
+        assert all(actions.twin_positions(rank, source) is None for rank in range(pp) for source in range(pp) if source != rank)
     # As few microbatches as DualPipeV takes over pp=4 leave some action without a twin: none fewer.
     four = split_stages(index, 4, Pipeline("DualPipeV", microbatches=8))
     alone = RankActions(four, stage_signatures(index, four), lowered_orders(four))

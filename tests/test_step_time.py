@@ -270,17 +270,19 @@ def test_the_page_draws_each_rank_class_step_by_kind(tmp_path: Path, capsys: pyt
 
 
 @pytest.mark.parametrize(
-    ("schedule", "pp", "layers", "taken"),
+    ("schedule", "pp", "layers", "microbatches", "taken"),
     [
-        ("1F1B", 4, 6, {2: 1}),  # stages 1 and 2 hold two blocks each: the third rank takes the second's trace
+        # Stages 1 and 2 hold two blocks each: the third rank takes the second's trace (1F1B over no
+        # more than pp + 2 microbatches traces every one: no rank is put together from fewer).
+        ("1F1B", 4, 6, 4, {2: 1}),
         # A middle rank of a "v" whose every action has a twin on a traced rank is put together from
         # that rank's actions; the rank traced is the one that puts together the most (here the
         # fourth, traced when the second is reached: the second, third and fifth are put together from it).
-        ("DualPipeV", 6, 22, {1: 3, 2: 3, 4: 3}),
+        ("DualPipeV", 6, 22, 12, {1: 3, 2: 3, 4: 3}),
     ],
 )
 def test_pipeline_ranks_of_alike_stages_take_another_ranks_trace(
-    schedule: str, pp: int, layers: int, taken: dict[int, int]
+    schedule: str, pp: int, layers: int, microbatches: int, taken: dict[int, int]
 ) -> None:
     config = TransformerConfig(layers=layers, experts=4)
     with torch.device("meta"):
@@ -288,9 +290,9 @@ def test_pipeline_ranks_of_alike_stages_take_another_ranks_trace(
     units = FullyShard(("blocks.*.moe", "blocks.*"))
     context = LayoutContext({"pp": pp, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1})
     plan = resolve_plan(model, [loss_head_request()], context, fully_shard=units, index=True)
-    pipeline = Pipeline(schedule, microbatches=2 * pp)
+    pipeline = Pipeline(schedule, microbatches=microbatches)
     shared, whole = (
-        step_comms(lambda: MoETransformer(config), plan, batch=2 * pp, seq_len=16, pipeline=pipeline, alike_layers=alike)
+        step_comms(lambda: MoETransformer(config), plan, batch=microbatches, seq_len=16, pipeline=pipeline, alike_layers=alike)
         for alike in (True, False)
     )
     found = {rank: c.traced for rank, c in enumerate(shared.classes) if "whole" not in c.traced}

@@ -1,9 +1,10 @@
 """Pipeline ranks put together from other ranks' traces, action by action, under the schedules
 torch runs from a list of every rank's actions (its runtime: every multi-stage schedule).
 
-A traced rank's timeline is cut at each action torch's runtime takes. A rank whose every action has
-a twin on one traced rank holding the same stages' modules (``pipeline/runtime.py``) is that
-rank's actions in its own order, renumbered: its stages, microbatches and groups' ranks.
+A traced rank's timeline is cut at each action torch's runtime takes (under a single-stage
+schedule, at each action's start). A rank whose every action has a twin on one traced rank holding
+the same stages' modules (``pipeline/runtime.py``) is that rank's actions in its own order,
+renumbered: its stages, microbatches and groups' ranks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from meshbind.comms.timeline import Compute, CutTimeline, Event, Mark, Timeline, Transfer
 from meshbind.pipeline.runtime import Orders, RankActions, action_parts, on_each_runtime_step
+from meshbind.pipeline.schedules import STAGE_ACTIONS
 from meshbind.world import PIPELINE_AXIS
 
 RUNTIME_STEP = "runtime step"
@@ -34,8 +36,8 @@ class TracedRank:
     """Cut at each runtime step: its ``parts`` are each action's events, its mark first."""
 
     @staticmethod
-    def cut(pp_rank: int, timeline: Timeline) -> TracedRank:
-        return TracedRank(pp_rank, timeline.cut((RUNTIME_STEP,)))
+    def cut(pp_rank: int, timeline: Timeline, actions: RankActions) -> TracedRank:
+        return TracedRank(pp_rank, timeline.cut(STAGE_ACTIONS if actions.single_stage else (RUNTIME_STEP,)))
 
 
 def put_together(rank: int, source: TracedRank, taken: list[int], actions: RankActions, stage_size: int) -> Timeline:
@@ -63,8 +65,11 @@ def put_together(rank: int, source: TracedRank, taken: list[int], actions: RankA
         add(event)
     for position, (step, action) in enumerate(zip(taken, actions.orders[rank], strict=True)):
         microbatches = [microbatch for _, _, microbatch in action_parts(action)]
-        mark, *rest = source.steps.parts[step]
-        add(replace(mark, microbatch=position) if isinstance(mark, Mark) else mark)
+        first, *rest = source.steps.parts[step]
+        if isinstance(first, Mark) and first.what == RUNTIME_STEP:
+            add(replace(first, microbatch=position))
+        else:  # a single-stage schedule's part begins at its action's own mark
+            rest = [first, *rest]
         for event in rest:
             add(event, microbatches)
     for event in source.steps.after:

@@ -63,10 +63,11 @@ def step_comms(
     Under a pipeline (``pp`` above 1, ``pipeline`` as ``step_memory`` takes it) each class runs its
     stages' step under torch's schedule, and the stages' sends and receives are counted too; each
     stage is traced whole, and with ``alike_layers`` a pipeline rank whose stages are alike an
-    earlier one's takes that rank's trace: under a single-stage schedule the whole rank's
-    (``pipeline/alike.py``), under torch's runtime (every multi-stage schedule) each action's twin
-    on a traced rank, put together in the rank's own order (``comms/composed.py``). The step needs
-    no process group of its own and refuses to run inside one."""
+    earlier one's takes that rank's trace: under torch's runtime (every multi-stage schedule) each
+    action's twin on a traced rank, put together in the rank's own order (``comms/composed.py``),
+    and under 1F1B its own actions' at fewer microbatches; where a single-stage schedule traces
+    every microbatch, the whole rank's (``pipeline/alike.py``). The step needs no process group of
+    its own and refuses to run inside one."""
     settings = traced_step_settings(
         "step_comms",
         plan,
@@ -109,12 +110,14 @@ def step_comms(
 def _pipelined_classes(model: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[RankClassComms]:
     """Each rank class's collectives under the pipeline, in the groups' order: the classes
     ``traced_sources`` picks traced side by side, the rest read from their traces (renumbered under
-    a single-stage schedule); under torch's runtime every class is put together from a traced
-    rank's actions, traced at the fewest microbatches that give each rank a twin of every action.
-    Each rank's stages are cut from ``model``, which is never planned itself."""
+    a single-stage schedule that traces every microbatch); with a list of twins
+    (``PipelinedStep.runtime_actions``) every class is put together from a traced rank's actions,
+    traced at the fewest microbatches that give each rank a twin of every action. Each rank's
+    stages are cut from ``model``, which is never planned itself."""
     single_stage = step.stages.schedule.single_stage
-    alike = alike_pipeline_ranks(step.signatures, step.stages) if alike_layers and single_stage else {}
     actions = step.runtime_actions() if alike_layers else None
+    # A rank put together from its own trace at fewer microbatches reads no alike rank's.
+    alike = alike_pipeline_ranks(step.signatures, step.stages) if alike_layers and single_stage and actions is None else {}
     traced_step = step.traced_step(actions)
     world, places = step.plan.context.world, step.places()
     cut: dict[int, TracedRank] = {}
@@ -130,7 +133,7 @@ def _pipelined_classes(model: nn.Module, step: PipelinedStep, alike_layers: bool
         pp_rank, source_rank = places[position][0], places[source][0]
         if taken is not None:
             assert actions is not None
-            source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.work.timelines[0]))
+            source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.work.timelines[0], actions))
             return put_together_class(step, group, source_cut, taken, actions)
         if source == position:
             return whole

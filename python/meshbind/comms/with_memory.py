@@ -3,8 +3,9 @@
 memory trackers and the collective record together, where ``step_memory`` and ``step_comms`` each
 run it. Each answer is the one its own function gives: the same steps, each watched the same way
 (the record only reads the ops the trackers count), extrapolated over alike blocks by the same
-rules, and under torch's pipeline runtime the same ranks put together from a traced rank's actions
-(under a single-stage schedule each rank is traced: its microbatches in flight are its own)."""
+rules, and under a pipeline the same ranks put together from a traced rank's actions (where a
+single-stage schedule traces every microbatch each rank is traced: its microbatches in flight are
+its own)."""
 
 from __future__ import annotations
 
@@ -125,11 +126,12 @@ def step_memory_and_comms(
 
 
 def _pipelined_answers(whole: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[Answers]:
-    """Each rank class's answers under the pipeline, in the groups' order. Under torch's runtime
-    (every multi-stage schedule) with ``alike_layers``, the ranks both functions put together from
-    a traced rank's actions are put together here from the same traces (both pick the ranks to
-    trace, and the microbatches to trace them at, by the same twins); else every class is traced
-    (under a single-stage schedule step memory traces each rank, whose microbatches in flight differ)."""
+    """Each rank class's answers under the pipeline, in the groups' order. With ``alike_layers``,
+    the ranks both functions put together from a traced rank's actions are put together here from
+    the same traces (both pick the ranks to trace, and the microbatches to trace them at, by the
+    same twins: ``PipelinedStep.runtime_actions``); else every class is traced (where a
+    single-stage schedule traces every microbatch step memory traces each rank, whose microbatches
+    in flight differ)."""
     world, places = step.plan.context.world, step.places()
     actions = step.runtime_actions() if alike_layers else None
     traced_step = step.traced_step(actions)
@@ -149,7 +151,7 @@ def _pipelined_answers(whole: nn.Module, step: PipelinedStep, alike_layers: bool
         if taken is None:
             return answers
         assert actions is not None
-        source_cut = cut.setdefault(source, TracedRank.cut(places[source][0], answers[1].work.timelines[0]))
+        source_cut = cut.setdefault(source, TracedRank.cut(places[source][0], answers[1].work.timelines[0], actions))
         memory = put_together_memory(step, group, step.groups[source], parts, taken, actions)
         return memory, put_together_comms(step, group, source_cut, taken, actions)
 

@@ -50,6 +50,7 @@ from meshbind.pipeline.runtime import (
     action_parts,
     lowered_orders,
     on_each_runtime_step,
+    single_stage_orders,
     with_fewer_microbatches,
 )
 from meshbind.report import RankGroup, plan_report
@@ -108,12 +109,19 @@ class PipelinedStep:
         return [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in self.groups]
 
     def runtime_actions(self) -> RankActions | None:
-        """The ranks' runtime lists told apart for putting ranks together, traced at the fewest
-        microbatches that give each rank a twin of every action (``with_fewer_microbatches``);
-        ``None`` under a single-stage schedule, which has none."""
-        if self.stages.schedule.single_stage:
+        """The ranks' lists of actions told apart for putting ranks together, traced at the fewest
+        microbatches that give each rank a twin of every action (``with_fewer_microbatches``).
+        Under a single-stage schedule each rank is put together from its own trace at fewer
+        microbatches, or traced whole where none fewer serve (``None``; always under GPipe, whose
+        one wait on every forward's send frees what grows with the microbatches)."""
+        schedule = self.stages.schedule
+        if not schedule.single_stage:
+            return with_fewer_microbatches(RankActions(self.stages, self.signatures, lowered_orders(self.stages)))
+        if schedule.frees_outputs_together:
             return None
-        return with_fewer_microbatches(RankActions(self.stages, self.signatures, lowered_orders(self.stages)))
+        actions = RankActions(self.stages, self.signatures, single_stage_orders(self.stages), single_stage=True)
+        fewer = with_fewer_microbatches(actions)
+        return fewer if fewer.traced is not None else None
 
     def traced_step(self, actions: RankActions | None) -> PipelinedStep:
         """The step the ranks are traced at: this one at ``actions``' fewer microbatches, of the
@@ -183,12 +191,12 @@ class PipelinedMemoryWatch:
     ) -> Iterator[None]:
         tracker = step_tracker(models, optimizer, inputs, self.blocks)
         self._trackers.append(tracker)
-        _name_actions(schedule, tracker)
+        self.orders = on_each_runtime_step(schedule, lambda _: tracker.cut())
+        _name_actions(schedule, tracker, cut_each=self.orders is None)
         for stage in _stages_of(schedule):
             stage.backward_weight_one_chunk = _then(stage.backward_weight_one_chunk, tracker.weight_gradients_made, stage.submod)
         with traced_step(tracker):
             tracker.cut()
-            self.orders = on_each_runtime_step(schedule, lambda _: tracker.cut())
             yield
 
     def peak(self) -> Peak:
@@ -197,8 +205,8 @@ class PipelinedMemoryWatch:
         return peak
 
     def parts(self) -> list[StepPart]:
-        """The step's parts: until torch's runtime takes its first step, each step it takes (none
-        under a single-stage schedule), and from the schedule's end."""
+        """The step's parts: until torch's runtime takes its first step, each step it takes (under
+        a single-stage schedule, each action from its start), and from the schedule's end."""
         parts: list[StepPart] = self._trackers[0].parts()
         return parts
 
@@ -307,13 +315,15 @@ def stage_actions(action: Any) -> list[tuple[str, int, int]]:
     return [part for part in action_parts(action) if part[0] in _ACTION_WORDS]
 
 
-def _name_actions(schedule: _PipelineSchedule, tracker: Any) -> None:
+def _name_actions(schedule: _PipelineSchedule, tracker: Any, cut_each: bool) -> None:
     """Each action torch's schedule runs on this rank's stages named on the tracker as it starts
-    (``action 5: stage 1 backward of microbatch 2``), and what follows the schedule as ``after the
-    schedule``, a part of its own."""
+    (``action 5: stage 1 backward of microbatch 2``), a part of its own with ``cut_each``, and what
+    follows the schedule as ``after the schedule``, a part of its own."""
     numbers = itertools.count(1)
 
     def starting(stage: int, kind: str, microbatch: int) -> None:
+        if cut_each:
+            tracker.cut()
         tracker.begin_action(action_text(next(numbers), stage, kind, microbatch))
 
     def ended() -> None:

@@ -82,6 +82,11 @@ class RankActions:
     signatures: Sequence[object]
     """Each stage's modules, told apart (``pipeline.alike.stage_signatures``)."""
     orders: Orders
+    single_stage: bool = False
+    """The actions of a single-stage schedule (torch's own loop, no runtime list: ``single_stage_orders``).
+    Its trace is cut where each action starts, so an action's part holds the sends, receives and
+    waits the loop runs up to the next one: its twin also has the same kinds of action before and
+    after it, and is on the same rank."""
     traced: RankActions | None = None
     """The same pipeline's actions at fewer microbatches of the same size, where the ranks are
     traced: every rank, a traced one too, is put together from a traced rank's actions there
@@ -110,7 +115,7 @@ class RankActions:
         seen: Counter[tuple[str, int]] = Counter()
         ran: dict[tuple[int, int], frozenset[str]] = {}  # by stage and microbatch: its computations run so far
         twins: list[ActionTwin] = []
-        for parts in runs:
+        for position, parts in enumerate(runs):
             twin: list[object] = []
             for kind, stage, microbatch in parts:
                 family = (kind, stage)
@@ -120,6 +125,8 @@ class RankActions:
             for kind, stage, microbatch in parts:
                 if kind in STAGE_ACTIONS:
                     ran[stage, microbatch] = ran.get((stage, microbatch), frozenset()) | {kind}
+            if self.single_stage:
+                twin.append(tuple(_kinds(runs, at) for at in (position - 1, position + 1)))
             twins.append(tuple(twin))
         return twins
 
@@ -127,7 +134,7 @@ class RankActions:
         """Where in ``source``'s traced list (``traced_orders``) each of ``rank``'s actions has its
         twin, when ``source`` holds the same stages' modules and has a twin of every one; else ``None``."""
         tracing = self.traced or self
-        if tracing.stage_twins(source) != self.stage_twins(rank):
+        if tracing.stage_twins(source) != self.stage_twins(rank) or (self.single_stage and source != rank):
             return None
         at = tracing._first_twin_positions(source)
         positions = [at.get(twin, -1) for twin in self.action_twins(rank)]
@@ -141,9 +148,25 @@ class RankActions:
         return at
 
 
+def _kinds(runs: list[list[tuple[str, int, int]]], position: int) -> tuple[str, ...]:
+    """The kinds of the action at ``position`` of a rank's list; none before the first or after the last."""
+    return tuple(kind for kind, _, _ in runs[position]) if 0 <= position < len(runs) else ()
+
+
+def single_stage_orders(stages: PipelineStages) -> Orders:
+    """Each pipeline rank's actions under a single-stage schedule, in the order torch's own loop
+    runs them (``PipelineStages.order``), as torch's actions."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    return {
+        rank: [_Action(stage, _ComputationType.from_str(kind), microbatch) for step in steps for kind, stage, microbatch in step]
+        for rank, steps in enumerate(stages.order)
+    }
+
+
 def with_fewer_microbatches(actions: RankActions) -> RankActions:
-    """``actions`` traced at the fewest microbatches (of the same size) whose runtime lists give
-    every rank a twin of each of its own actions, so that a trace's cost no longer grows with the
+    """``actions`` traced at the fewest microbatches (of the same size) whose lists give every
+    rank a twin of each of its own actions, so that a trace's cost no longer grows with the
     microbatches; ``actions`` itself where no fewer do. The twins do not depend on the microbatches'
     count (``_twins_of_actions``): an action allocates and frees, sends and gathers what its twin does."""
     stages = actions.stages
@@ -151,7 +174,9 @@ def with_fewer_microbatches(actions: RankActions) -> RankActions:
         if stages.schedule.problems(stages.pp, len(stages.stages), microbatches):
             continue
         fewer = replace(stages, microbatches=microbatches)
-        traced = replace(actions, traced=RankActions(fewer, actions.signatures, lowered_orders(fewer)), _first_twins={})
+        orders = single_stage_orders(fewer) if actions.single_stage else lowered_orders(fewer)
+        at_fewer = replace(actions, stages=fewer, orders=orders, _action_twins={}, _first_twins={})
+        traced = replace(actions, traced=at_fewer, _first_twins={})
         if all(traced.twin_positions(rank, rank) is not None for rank in range(stages.pp)):
             return traced
     return actions
@@ -238,7 +263,7 @@ def traced_and_put_together(
     positions = [position for position, (source, _) in enumerate(sources) if source == position]
     traced: dict[int, Traced] = {}
     for position, (found, orders) in zip(positions, in_forks(trace, positions, tracing), strict=True):
-        if actions is not None and orders != actions.traced_orders:
+        if actions is not None and not actions.single_stage and orders != actions.traced_orders:
             raise RuntimeError(
                 f"{tracing(position)}: torch's runtime ran other lists of actions than it lowers from the "
                 "schedule alone; the ranks put together from it would be wrong"

@@ -30,6 +30,9 @@ class Schedule:
     placement: str = "loop"
     splits_backward: bool = False
     """Whether it runs a backward in two (the inputs' gradients, later the weights'): the zero-bubble schedules."""
+    frees_outputs_together: bool = False
+    """Whether it waits on every forward's send at once, after the last forward, freeing every
+    microbatch's output there (GPipe): what that one moment frees grows with the microbatches."""
 
     def default_stages_per_rank(self) -> int:
         """torchtitan's default: one for a single-stage schedule, two otherwise."""
@@ -84,7 +87,7 @@ class Schedule:
 SCHEDULES = {
     schedule.name: schedule
     for schedule in (
-        Schedule("GPipe", single_stage=True),
+        Schedule("GPipe", single_stage=True, frees_outputs_together=True),
         Schedule("1F1B", single_stage=True),
         Schedule("Interleaved1F1B", single_stage=False),
         Schedule("LoopedBFS", single_stage=False),
