@@ -360,7 +360,13 @@ def test_ranks_to_trace_are_chosen_from_lists_lowered_ahead_and_a_trace_that_ran
     before any trace are the ones a traced rank runs (the traces check each), and a traced rank
     whose runtime ran other lists stops the answer rather than putting ranks together from it."""
     from meshbind.pipeline.alike import stage_signatures
-    from meshbind.pipeline.runtime import RankActions, lowered_orders, traced_and_put_together
+    from meshbind.pipeline.runtime import (
+        RankActions,
+        lowered_orders,
+        single_stage_orders,
+        traced_and_put_together,
+        with_fewer_microbatches,
+    )
 
     _, index = demo_index()
     stages = split_stages(index, 2, Pipeline("Interleaved1F1B"))
@@ -377,8 +383,29 @@ def test_ranks_to_trace_are_chosen_from_lists_lowered_ahead_and_a_trace_that_ran
         return traced_and_put_together(places, {}, actions, lambda p: (p, ran), answer, lambda p: f"tracing rank {p}")
 
     assert answered(orders) == [(0, 0), (1, 1)]  # the two ranks hold unlike stages: each traced
-    with pytest.raises(RuntimeError, match="tracing rank 0: torch's runtime ran other lists"):
+    with pytest.raises(RuntimeError, match="tracing rank 0: torch ran other lists of actions"):
         answered({rank: ranks[:-1] for rank, ranks in orders.items()})
+
+    # 1F1B runs torch's own loop: each traced rank's step gives the actions it ran, which must be
+    # the order read ahead (at the fewer microbatches it is traced at).
+    one_stage = split_stages(index, 2, Pipeline("1F1B", microbatches=8))
+    loop = with_fewer_microbatches(
+        RankActions(one_stage, stage_signatures(index, one_stage), single_stage_orders(one_stage), single_stage=True)
+    )
+    assert loop.traced is not None and loop.traced_orders == single_stage_orders(loop.traced.stages)
+
+    def ran_own(lists: dict[int, list[object]]) -> list[tuple[int, list[int] | None]]:
+        def answer(_: int, source: int, taken: list[int] | None, __: int) -> tuple[int, list[int] | None]:
+            return source, taken
+
+        def trace(p: int) -> tuple[int, dict[int, list[object]]]:
+            return p, {p: lists[p]}
+
+        return traced_and_put_together(places, {}, loop, trace, answer, lambda p: f"tracing rank {p}")
+
+    assert [source for source, _ in ran_own(loop.traced_orders)] == [0, 1]  # each from its own trace
+    with pytest.raises(RuntimeError, match="tracing rank 1: torch ran other lists of actions"):
+        ran_own({0: loop.traced_orders[0], 1: loop.traced_orders[1][::-1]})
 
 
 @pytest.mark.parametrize(

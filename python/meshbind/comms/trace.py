@@ -21,7 +21,7 @@ from meshbind.comms.timeline import OPTIMIZER, SCHEDULE_END, Timeline, TracedWor
 from meshbind.forks import in_forks
 from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun
 from meshbind.memory.fake_step import step_errors
-from meshbind.memory.pipelined import PipelinedStep, on_each_action, pipelined_step, run_pipelined_fake_step
+from meshbind.memory.pipelined import PipelinedStep, actions_run, on_each_action, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.step import StepInputs
 from meshbind.memory.trace import TracedModels, put_together_text, traced_step_settings, tracing_text
 from meshbind.mesh import MeshContext
@@ -111,11 +111,11 @@ def _pipelined_classes(model: nn.Module, step: PipelinedStep, alike_layers: bool
     """Each rank class's collectives under the pipeline, in the groups' order: the classes
     ``traced_sources`` picks traced side by side, the rest read from their traces (renumbered under
     a single-stage schedule that traces every microbatch); with a list of twins
-    (``PipelinedStep.runtime_actions``) every class is put together from a traced rank's actions,
+    (``PipelinedStep.actions_to_put_together``) every class is put together from a traced rank's actions,
     traced at the fewest microbatches that give each rank a twin of every action. Each rank's
     stages are cut from ``model``, which is never planned itself."""
     single_stage = step.stages.schedule.single_stage
-    actions = step.runtime_actions() if alike_layers else None
+    actions = step.actions_to_put_together() if alike_layers else None
     # A rank put together from its own trace at fewer microbatches reads no alike rank's.
     alike = alike_pipeline_ranks(step.signatures, step.stages) if alike_layers and single_stage and actions is None else {}
     traced_step = step.traced_step(actions)
@@ -232,7 +232,7 @@ class PipelinedCommsWatch:
     def __init__(self, world: World) -> None:
         self.world = world
         self.record = CollectiveRecord(Timeline())
-        self._orders: list[Orders | None] = []
+        self._orders: list[Orders] = []
 
     @contextmanager
     def __call__(self, _models: Any, optimizer: Any, _inputs: Any, mesh_context: MeshContext, schedule: Any) -> Iterator[None]:
@@ -245,7 +245,7 @@ class PipelinedCommsWatch:
             yield
 
     @property
-    def orders(self) -> Orders | None:
+    def orders(self) -> Orders:
         return self._orders[0]
 
 
@@ -264,12 +264,12 @@ def _marked(optimizer: torch.optim.Optimizer | None, record: CollectiveRecord) -
 
 
 @contextmanager
-def _marked_actions(schedule: Any, record: CollectiveRecord, orders: list[Orders | None]) -> Iterator[None]:
+def _marked_actions(schedule: Any, record: CollectiveRecord, orders: list[Orders]) -> Iterator[None]:
     """Marks each pipeline action as it starts, each step of torch's runtime, and the schedule's
-    end, on the record's timeline; every rank's runtime list of actions goes to ``orders``."""
+    end, on the record's timeline; the lists of actions the step runs go to ``orders`` (``actions_run``)."""
     timeline = record.timeline
     on_each_action(
         schedule, lambda stage, kind, microbatch: timeline.mark(kind, stage, microbatch), lambda: timeline.mark(SCHEDULE_END)
     )
-    orders.append(marked_runtime_steps(schedule, timeline))
+    orders.append(actions_run(schedule, marked_runtime_steps(schedule, timeline)))
     yield

@@ -129,11 +129,11 @@ def _pipelined_answers(whole: nn.Module, step: PipelinedStep, alike_layers: bool
     """Each rank class's answers under the pipeline, in the groups' order. With ``alike_layers``,
     the ranks both functions put together from a traced rank's actions are put together here from
     the same traces (both pick the ranks to trace, and the microbatches to trace them at, by the
-    same twins: ``PipelinedStep.runtime_actions``); else every class is traced (where a
+    same twins: ``PipelinedStep.actions_to_put_together``); else every class is traced (where a
     single-stage schedule traces every microbatch step memory traces each rank, whose microbatches
     in flight differ)."""
     world, places = step.plan.context.world, step.places()
-    actions = step.runtime_actions() if alike_layers else None
+    actions = step.actions_to_put_together() if alike_layers else None
     traced_step = step.traced_step(actions)
     cut: dict[int, TracedRank] = {}
 

@@ -1,7 +1,8 @@
-"""Pipeline ranks' step memory put together from another rank's trace, action by action, under
-torch's runtime (every multi-stage schedule).
+"""Pipeline ranks' step memory put together from a traced rank's step, action by action, under
+torch's runtime (every multi-stage schedule) and under 1F1B's own loop (a rank from its own trace).
 
-A traced rank's step is cut at each step torch's runtime takes (``PipelinedMemoryWatch.parts``). A
+A traced rank's step is cut at each step torch's runtime takes, or where each action of 1F1B's loop
+starts (``PipelinedMemoryWatch.parts``). A
 rank whose every action has a twin on a traced rank holding the same stages' modules
 (``pipeline/runtime.py``) allocates and frees in each action what its twin does: every tensor a
 stage frees is freed by reference counting where it is let go of (``memory/trackers.py``), so what

@@ -51,6 +51,7 @@ from meshbind.pipeline.runtime import (
     lowered_orders,
     on_each_runtime_step,
     single_stage_orders,
+    torch_action,
     with_fewer_microbatches,
 )
 from meshbind.report import RankGroup, plan_report
@@ -108,7 +109,7 @@ class PipelinedStep:
         world = self.plan.context.world
         return [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in self.groups]
 
-    def runtime_actions(self) -> RankActions | None:
+    def actions_to_put_together(self) -> RankActions | None:
         """The ranks' lists of actions told apart for putting ranks together, traced at the fewest
         microbatches that give each rank a twin of every action (``with_fewer_microbatches``).
         Under a single-stage schedule each rank is put together from its own trace at fewer
@@ -183,7 +184,7 @@ class PipelinedMemoryWatch:
         self.blocks = plan.index.layer_list()
         self._trackers: list[Any] = []
         self.orders: Orders | None = None
-        """Every rank's list of actions under torch's runtime (``None``: a single-stage schedule)."""
+        """The lists of actions the step ran (``actions_run``)."""
 
     @contextmanager
     def __call__(
@@ -191,8 +192,9 @@ class PipelinedMemoryWatch:
     ) -> Iterator[None]:
         tracker = step_tracker(models, optimizer, inputs, self.blocks)
         self._trackers.append(tracker)
-        self.orders = on_each_runtime_step(schedule, lambda _: tracker.cut())
-        _name_actions(schedule, tracker, cut_each=self.orders is None)
+        runtime_lists = on_each_runtime_step(schedule, lambda _: tracker.cut())
+        _name_actions(schedule, tracker, cut_each=runtime_lists is None)
+        self.orders = actions_run(schedule, runtime_lists)
         for stage in _stages_of(schedule):
             stage.backward_weight_one_chunk = _then(stage.backward_weight_one_chunk, tracker.weight_gradients_made, stage.submod)
         with traced_step(tracker):
@@ -209,6 +211,17 @@ class PipelinedMemoryWatch:
         a single-stage schedule, each action from its start), and from the schedule's end."""
         parts: list[StepPart] = self._trackers[0].parts()
         return parts
+
+
+def actions_run(schedule: _PipelineSchedule, runtime_lists: Orders | None) -> Orders:
+    """The lists of actions a traced step runs: every rank's runtime list (``runtime_lists``, from
+    ``on_each_runtime_step``), or under a single-stage schedule (torch's own loop, no list) this
+    rank's actions as each starts, filled in as the step runs."""
+    if runtime_lists is not None:
+        return runtime_lists
+    ran: list[Any] = []
+    on_each_action(schedule, lambda stage, kind, microbatch: ran.append(torch_action(kind, stage, microbatch)), lambda: None)
+    return {_stages_of(schedule)[0].stage_index: ran}  # one stage a rank: its index is the rank's
 
 
 def _then(run: Callable[..., Any], after: Callable[[nn.Module], None], stage: nn.Module) -> Callable[..., Any]:

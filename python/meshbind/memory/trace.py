@@ -177,14 +177,14 @@ def extrapolated_class(group: RankGroup, shallow_peaks: list[Peak], run: AlikeRu
 
 def _pipelined_classes(whole: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[RankClassMemory]:
     """Each rank class's step memory under the pipeline, in the groups' order. With ``alike_layers``
-    and a list of twins (``PipelinedStep.runtime_actions``: every multi-stage schedule, 1F1B over
+    and a list of twins (``PipelinedStep.actions_to_put_together``: every multi-stage schedule, 1F1B over
     more than ``pp + 2`` microbatches), the classes ``traced_sources`` picks are traced, side by
     side, at the fewest microbatches that give each rank a twin of every action, and every class
     is put together from a traced rank's actions (``memory/composed.py``); else each class is
     traced, side by side. Each rank's stages are cut from ``whole``, which is never planned itself."""
 
     Traced = tuple[RankClassMemory, list[StepPart]]  # the class's answer, and its step's parts
-    actions = step.runtime_actions() if alike_layers else None
+    actions = step.actions_to_put_together() if alike_layers else None
     traced_step = step.traced_step(actions)
 
     def trace(position: int) -> tuple[Traced, Orders | None]:

@@ -7,7 +7,9 @@ both the stage's first of that kind, its last, or neither (FSDP gathers in the f
 the last). A rank whose every action has a twin on a traced rank holding the same stages' modules
 can be put together from that rank's actions in its own order (``comms/composed.py``,
 ``memory/composed.py``). torch lowers the lists from the schedule alone, so which ranks to trace is
-known before any is traced (``traced_and_put_together``)."""
+known before any is traced (``traced_and_put_together``). A single-stage schedule runs torch's own
+loop instead; its actions are read from the schedule's order (``single_stage_orders``), and a rank
+is put together from its own actions only (``RankActions.single_stage``)."""
 
 from __future__ import annotations
 
@@ -156,12 +158,14 @@ def _kinds(runs: list[list[tuple[str, int, int]]], position: int) -> tuple[str, 
 def single_stage_orders(stages: PipelineStages) -> Orders:
     """Each pipeline rank's actions under a single-stage schedule, in the order torch's own loop
     runs them (``PipelineStages.order``), as torch's actions."""
+    return {rank: [torch_action(*action) for step in steps for action in step] for rank, steps in enumerate(stages.order)}
+
+
+def torch_action(kind: str, stage: int, microbatch: int) -> Any:
+    """torch's action of ``kind`` (as torch names it: ``F``, ``B``, ...) on a stage and microbatch."""
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-    return {
-        rank: [_Action(stage, _ComputationType.from_str(kind), microbatch) for step in steps for kind, stage, microbatch in step]
-        for rank, steps in enumerate(stages.order)
-    }
+    return _Action(stage, _ComputationType.from_str(kind), microbatch)
 
 
 def with_fewer_microbatches(actions: RankActions) -> RankActions:
@@ -257,16 +261,19 @@ def traced_and_put_together(
     them): the classes ``traced_sources`` picks traced side by side (``trace(position)``, which
     gives the traced rank's runtime lists too), then ``answer(position, source, taken, traced)`` for
     every class from its source's trace (``taken``: the twins of its actions there, ``None`` where
-    the trace is its answer). A traced rank whose runtime ran other lists than ``actions``'
-    traced ones (lowered ahead) is a ``RuntimeError``: the ranks put together would be wrong."""
+    the trace is its answer). A traced rank that ran other lists than ``actions``' traced ones
+    (read ahead; ``trace`` gives the lists its step ran: every rank's under torch's runtime, its
+    own under a single-stage schedule) is a ``RuntimeError``: the ranks put together would be wrong."""
     sources = traced_sources(places, alike, actions)
     positions = [position for position, (source, _) in enumerate(sources) if source == position]
     traced: dict[int, Traced] = {}
     for position, (found, orders) in zip(positions, in_forks(trace, positions, tracing), strict=True):
-        if actions is not None and not actions.single_stage and orders != actions.traced_orders:
+        if actions is not None and (
+            orders is None or any(actions.traced_orders.get(rank) != ran for rank, ran in orders.items())
+        ):
             raise RuntimeError(
-                f"{tracing(position)}: torch's runtime ran other lists of actions than it lowers from the "
-                "schedule alone; the ranks put together from it would be wrong"
+                f"{tracing(position)}: torch ran other lists of actions than are read from the schedule alone "
+                "(the runtime's lowered lists, or a single-stage schedule's loop); the ranks put together from it would be wrong"
             )
         traced[position] = found
     return [answer(position, source, taken, traced[source]) for position, (source, taken) in enumerate(sources)]
