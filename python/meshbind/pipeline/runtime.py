@@ -98,7 +98,7 @@ class RankActions:
 
     @property
     def traced_orders(self) -> Orders:
-        """The runtime lists the traced ranks run."""
+        """The lists of actions the traced ranks run."""
         return (self.traced or self).orders
 
     def stage_twins(self, rank: int) -> tuple[object, ...]:
