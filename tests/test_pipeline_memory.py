@@ -164,7 +164,7 @@ def test_each_pipeline_rank_is_its_own_class_and_the_peak_names_the_schedules_ac
         ("ZBVZeroBubble", "none", 4, 2, 8, 3),
         ("InterleavedZeroBubble", "none", 2, 2, 8, 3),
         ("DualPipeV", "none", 2, 2, 12, 6),
-        ("DualPipeV", "none", 8, 1, 16, None),
+        ("DualPipeV", "none", 6, 1, 12, None),
         ("1F1B", "full", 4, 2, 12, 6),
         ("GPipe", "none", 2, 2, 8, None),
     ],
@@ -174,7 +174,7 @@ def test_a_rank_put_together_from_a_traced_ranks_actions_is_its_whole_trace(
 ) -> None:
     """Over two blocks more than the schedule's stages the middle ranks hold alike stages: some are
     traced, at the fewest microbatches of the same size that give each rank a twin of every action
-    (``fewest``; none fewer for DualPipeV over 16 stages, which takes no fewer than its stages), and
+    (``fewest``; none fewer for DualPipeV over 12 stages, which takes no fewer than its stages), and
     every rank is put together from a traced rank's actions (``memory/composed.py``,
     ``comms/composed.py``). Every figure is the one its own whole trace at all the microbatches gives:
     the peak, each kind at it (the larger inputs the first and last stages hold; FSDP's unsharded
