@@ -343,7 +343,7 @@ def test_every_watch_of_a_runtime_step_is_called_and_the_lists_handed_back_call_
     runtime list, and both are called as torch's runtime takes each action."""
     from types import SimpleNamespace
 
-    from meshbind.pipeline.runtime import on_each_runtime_step
+    from meshbind.pipeline.hooks import on_each_runtime_step
 
     schedule = SimpleNamespace(rank=1, pipeline_order_with_comms={0: ["a", "b"], 1: ["c", "d", "e"]})
     seen: list[tuple[str, int]] = []

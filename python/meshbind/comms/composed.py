@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from meshbind.comms.timeline import Compute, CutTimeline, Event, Mark, Timeline, Transfer
-from meshbind.pipeline.runtime import Orders, RankActions, action_parts, on_each_runtime_step
+from meshbind.pipeline.hooks import on_each_runtime_step
+from meshbind.pipeline.runtime import Orders, RankActions, action_parts
 from meshbind.pipeline.schedules import STAGE_ACTIONS
 from meshbind.world import PIPELINE_AXIS
 

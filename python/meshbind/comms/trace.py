@@ -21,7 +21,7 @@ from meshbind.comms.timeline import OPTIMIZER, SCHEDULE_END, Timeline, TracedWor
 from meshbind.forks import in_forks
 from meshbind.memory.depth import TRACED_DEPTHS, AlikeRun
 from meshbind.memory.fake_step import step_errors
-from meshbind.memory.pipelined import PipelinedStep, actions_run, on_each_action, pipelined_step, run_pipelined_fake_step
+from meshbind.memory.pipelined import PipelinedStep, pipelined_step, run_pipelined_fake_step
 from meshbind.memory.step import StepInputs
 from meshbind.memory.trace import TracedModels, put_together_text, traced_step_settings, tracing_text
 from meshbind.mesh import MeshContext
@@ -29,6 +29,7 @@ from meshbind.model_flops import model_flops_per_token
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline, stages_text
 from meshbind.pipeline.alike import alike_pipeline_ranks
+from meshbind.pipeline.hooks import actions_run, on_each_action
 from meshbind.pipeline.runtime import Orders, RankActions, traced_and_put_together
 from meshbind.report import RankGroup, plan_report
 from meshbind.resolution.plan import ParallelPlan

@@ -44,14 +44,13 @@ from meshbind.pipeline import (
     stage_model,
 )
 from meshbind.pipeline.alike import stage_signatures
+from meshbind.pipeline.hooks import actions_run, on_each_action, on_each_runtime_step, stages_of
 from meshbind.pipeline.runtime import (
     Orders,
     RankActions,
     action_parts,
     lowered_orders,
-    on_each_runtime_step,
     single_stage_orders,
-    torch_action,
     with_fewer_microbatches,
 )
 from meshbind.report import RankGroup, plan_report
@@ -195,7 +194,7 @@ class PipelinedMemoryWatch:
         runtime_lists = on_each_runtime_step(schedule, lambda _: tracker.cut())
         _name_actions(schedule, tracker, cut_each=runtime_lists is None)
         self.orders = actions_run(schedule, runtime_lists)
-        for stage in _stages_of(schedule):
+        for stage in stages_of(schedule):
             stage.backward_weight_one_chunk = _then(stage.backward_weight_one_chunk, tracker.weight_gradients_made, stage.submod)
         with traced_step(tracker):
             tracker.cut()
@@ -211,17 +210,6 @@ class PipelinedMemoryWatch:
         a single-stage schedule, each action from its start), and from the schedule's end."""
         parts: list[StepPart] = self._trackers[0].parts()
         return parts
-
-
-def actions_run(schedule: _PipelineSchedule, runtime_lists: Orders | None) -> Orders:
-    """The lists of actions a traced step runs: every rank's runtime list (``runtime_lists``, from
-    ``on_each_runtime_step``), or under a single-stage schedule (torch's own loop, no list) this
-    rank's actions as each starts, filled in as the step runs."""
-    if runtime_lists is not None:
-        return runtime_lists
-    ran: list[Any] = []
-    on_each_action(schedule, lambda stage, kind, microbatch: ran.append(torch_action(kind, stage, microbatch)), lambda: None)
-    return {_stages_of(schedule)[0].stage_index: ran}  # one stage a rank: its index is the rank's
 
 
 def _then(run: Callable[..., Any], after: Callable[[nn.Module], None], stage: nn.Module) -> Callable[..., Any]:
@@ -300,18 +288,13 @@ def _released_after_sending(schedule: _PipelineSchedule, plain: torch.Tensor) ->
     from its gradient edge), but only for a plain tensor: a fake one would be kept to its backward,
     holding a microbatch's output longer than a real step does. Here a fake output is judged as
     the plain tensor it stands for."""
-    for stage in _stages_of(schedule):
+    for stage in stages_of(schedule):
         judge = stage._output_slot_is_releasable
 
         def releasable(output: Any, _judge: Any = judge) -> Any:
             return _judge(plain if isinstance(output, FakeTensor) else output)
 
         stage._output_slot_is_releasable = releasable
-
-
-def _stages_of(schedule: _PipelineSchedule) -> list[Any]:
-    """The stages a schedule runs: torch keeps them as ``_stage`` (one per rank) or ``_stages``."""
-    return list(getattr(schedule, "_stages", None) or [schedule._stage])  # type: ignore[attr-defined]
 
 
 _ACTION_WORDS = {"F": "forward", "B": "backward", "I": "backward", "W": "weight gradients"}
@@ -344,30 +327,3 @@ def _name_actions(schedule: _PipelineSchedule, tracker: Any, cut_each: bool) -> 
         tracker.cut()
 
     on_each_action(schedule, starting, ended)
-
-
-def on_each_action(schedule: _PipelineSchedule, starting: Callable[[int, str, int], None], ended: Callable[[], None]) -> None:
-    """``starting(stage, kind, microbatch)`` called as each action torch's schedule runs on this
-    rank's stages starts (kind as torch's actions name it: ``F``, ``B``, ``I`` for a backward that
-    leaves the weights' gradients to a ``W``), ``ended()`` after the schedule's step. The schedule
-    and its stages are the trace's own: nothing is put back."""
-    for stage in _stages_of(schedule):
-        index = stage.stage_index
-        stage.forward_one_chunk = _starting(starting, index, "F", stage.forward_one_chunk)
-        stage.backward_one_chunk = _starting(starting, index, "B", stage.backward_one_chunk)
-        stage.backward_weight_one_chunk = _starting(starting, index, "W", stage.backward_weight_one_chunk)
-    run = schedule.step
-
-    def step(*args: Any, **kwargs: Any) -> None:
-        run(*args, **kwargs)
-        ended()
-
-    schedule.step = step  # type: ignore[method-assign]
-
-
-def _starting(starting: Callable[[int, str, int], None], stage: int, kind: str, run: Callable[..., Any]) -> Callable[..., Any]:
-    def started(chunk: int, *args: Any, **kwargs: Any) -> Any:
-        starting(stage, "I" if kind == "B" and kwargs.get("full_backward") is False else kind, chunk)
-        return run(chunk, *args, **kwargs)
-
-    return started

@@ -30,35 +30,6 @@ Traced = TypeVar("Traced")
 Answer = TypeVar("Answer")
 
 
-class _Taking(list[Any]):
-    """A rank's list of actions that calls each of its ``taken`` hooks with an action's position as
-    torch's runtime takes it (step memory's and the collectives' watches, together, each add one)."""
-
-    def __init__(self, actions: list[Any]) -> None:
-        super().__init__(actions)
-        self.taken: list[Callable[[int], None]] = []
-
-    def __iter__(self) -> Any:
-        for position, action in enumerate(super().__iter__()):
-            for taken in self.taken:
-                taken(position)
-            yield action
-
-
-def on_each_runtime_step(schedule: Any, taken: Callable[[int], None]) -> Orders | None:
-    """Every rank's list of actions under torch's runtime, ``taken(position)`` called as the
-    schedule's own rank takes each; ``None`` for a single-stage schedule, which has no such list."""
-    orders = getattr(schedule, "pipeline_order_with_comms", None)
-    if not orders:
-        return None
-    lists = {rank: actions[:] for rank, actions in orders.items()}  # sliced: iterating a `_Taking` calls its hooks
-    mine = orders[schedule.rank]
-    if not isinstance(mine, _Taking):
-        mine = orders[schedule.rank] = _Taking(mine)
-    mine.taken.append(taken)
-    return lists
-
-
 def lowered_orders(stages: PipelineStages) -> Orders:
     """torch's runtime lists of a multi-stage schedule, as its constructor lowers them from the
     compute order and the schedule's settings alone: built here over stand-in stages, as torch's
