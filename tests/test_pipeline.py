@@ -380,7 +380,7 @@ def test_ranks_to_trace_are_chosen_from_lists_lowered_ahead_and_a_trace_that_ran
         def answer(_: int, source: int, __: list[int] | None, traced: int) -> tuple[int, int]:
             return source, traced
 
-        return traced_and_put_together(places, {}, actions, lambda p: (p, ran), answer, lambda p: f"tracing rank {p}")
+        return traced_and_put_together(places, actions, lambda p: (p, ran), answer, lambda p: f"tracing rank {p}")
 
     assert answered(orders) == [(0, 0), (1, 1)]  # the two ranks hold unlike stages: each traced
     with pytest.raises(RuntimeError, match="tracing rank 0: torch ran other lists of actions"):
@@ -401,7 +401,7 @@ def test_ranks_to_trace_are_chosen_from_lists_lowered_ahead_and_a_trace_that_ran
         def trace(p: int) -> tuple[int, dict[int, list[object]]]:
             return p, {p: lists[p]}
 
-        return traced_and_put_together(places, {}, loop, trace, answer, lambda p: f"tracing rank {p}")
+        return traced_and_put_together(places, loop, trace, answer, lambda p: f"tracing rank {p}")
 
     assert [source for source, _ in ran_own(loop.traced_orders)] == [0, 1]  # each from its own trace
     with pytest.raises(RuntimeError, match="tracing rank 1: torch ran other lists of actions"):
@@ -425,7 +425,7 @@ def test_ranks_are_traced_at_the_fewest_microbatches_that_give_each_a_twin_of_ev
     _, index = demo_index()
     stages = split_stages(index, pp, Pipeline(schedule, microbatches=microbatches))
     signatures = stage_signatures(index, stages)
-    single = stages.schedule.single_stage  # torch's own loop: its order, each rank from its own actions
+    single = stages.schedule.single_stage  # torch's own loop: its order
     orders = single_stage_orders if single else lowered_orders
     actions = with_fewer_microbatches(RankActions(stages, signatures, orders(stages), single_stage=single))
     assert actions.traced is not None
@@ -440,8 +440,10 @@ def test_ranks_are_traced_at_the_fewest_microbatches_that_give_each_a_twin_of_ev
         cut = replace(stages, microbatches=fewer)
         short = replace(actions, traced=RankActions(cut, signatures, orders(cut), single_stage=single), _first_twins={})
         assert any(short.twin_positions(rank, rank) is None for rank in range(pp))
-    if single:  # twins on the rank itself only
-        assert all(actions.twin_positions(rank, source) is None for rank in range(pp) for source in range(pp) if source != rank)
+    if single:  # a rank that does not both receive and send (the first stage's, the last's) twins on itself only
+        edges = (0, pp - 1)
+        assert all(actions.twin_positions(rank, source) is None for rank in range(pp) for source in edges if source != rank)
+        assert all(actions.twin_positions(rank, source) is None for rank in edges for source in range(pp) if source != rank)
     # As few microbatches as DualPipeV takes over pp=4 leave some action without a twin: none fewer.
     four = split_stages(index, 4, Pipeline("DualPipeV", microbatches=8))
     alone = RankActions(four, stage_signatures(index, four), lowered_orders(four))

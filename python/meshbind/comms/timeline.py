@@ -14,8 +14,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
-from meshbind.world import PIPELINE_AXIS
-
 _HALF = (torch.bfloat16, torch.float16)
 # Operators that make a tensor without touching memory (the allocator's work, not a kernel's).
 _NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "alias"})
@@ -144,18 +142,6 @@ class Timeline:
                 current = after
             current.append(event)
         return CutTimeline(tuple(before), tuple(map(tuple, parts)), tuple(after))
-
-    def moved(self, stages: dict[int, int], ranks: int) -> Timeline:
-        """This timeline as a pipeline rank running alike stages runs it: its actions' stages
-        renumbered by ``stages``, its groups ``ranks`` further on (a group along ``pp`` is the same one)."""
-        events: list[Event] = []
-        for event in self.events:
-            if isinstance(event, Mark) and event.stage >= 0:
-                event = replace(event, stage=stages[event.stage])
-            elif isinstance(event, Transfer) and PIPELINE_AXIS not in event.axes:
-                event = replace(event, lowest_rank=event.lowest_rank + ranks, highest_rank=event.highest_rank + ranks)
-            events.append(event)
-        return Timeline(events)
 
 
 @dataclass(frozen=True)

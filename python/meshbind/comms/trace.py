@@ -28,7 +28,6 @@ from meshbind.mesh import MeshContext
 from meshbind.model_flops import model_flops_per_token
 from meshbind.names import ActivationCheckpointing, Checkpointing, Device, Optimizer
 from meshbind.pipeline import Pipeline, stages_text
-from meshbind.pipeline.alike import alike_pipeline_ranks
 from meshbind.pipeline.hooks import actions_run, on_each_action
 from meshbind.pipeline.runtime import Orders, RankActions, traced_and_put_together
 from meshbind.report import RankGroup, plan_report
@@ -110,15 +109,11 @@ def step_comms(
 
 def _pipelined_classes(model: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[RankClassComms]:
     """Each rank class's collectives under the pipeline, in the groups' order: the classes
-    ``traced_sources`` picks traced side by side, the rest read from their traces (renumbered under
-    a single-stage schedule that traces every microbatch); with a list of twins
+    ``traced_sources`` picks traced side by side; with a list of twins
     (``PipelinedStep.actions_to_put_together``) every class is put together from a traced rank's actions,
     traced at the fewest microbatches that give each rank a twin of every action. Each rank's
     stages are cut from ``model``, which is never planned itself."""
-    single_stage = step.stages.schedule.single_stage
     actions = step.actions_to_put_together() if alike_layers else None
-    # A rank put together from its own trace at fewer microbatches reads no alike rank's.
-    alike = alike_pipeline_ranks(step.signatures, step.stages) if alike_layers and single_stage and actions is None else {}
     traced_step = step.traced_step(actions)
     world, places = step.plan.context.world, step.places()
     cut: dict[int, TracedRank] = {}
@@ -130,21 +125,13 @@ def _pipelined_classes(model: nn.Module, step: PipelinedStep, alike_layers: bool
         return pipelined_class_comms(step, group, watch.record, started), watch.orders
 
     def answer(position: int, source: int, taken: list[int] | None, whole: RankClassComms) -> RankClassComms:
-        started, group = time.perf_counter(), step.groups[position]
-        pp_rank, source_rank = places[position][0], places[source][0]
-        if taken is not None:
-            assert actions is not None
-            source_cut = cut.setdefault(source, TracedRank.cut(source_rank, whole.work.timelines[0], actions))
-            return put_together_class(step, group, source_cut, taken, actions)
-        if source == position:
+        if taken is None:
             return whole
-        mine, theirs = step.stages.stages_of_rank(pp_rank), step.stages.stages_of_rank(source_rank)
-        further = (pp_rank - source_rank) * world.stage_size
-        moved = whole.work.timelines[0].moved(dict(zip(theirs, mine, strict=True)), further)
-        how = f"{stages_text(mine)}: alike {stages_text(theirs)}'s trace, renumbered"
-        return _class_comms(group, whole.collectives, how, TracedWork((moved,)), started)
+        assert actions is not None
+        source_cut = cut.setdefault(source, TracedRank.cut(places[source][0], whole.work.timelines[0], actions))
+        return put_together_class(step, step.groups[position], source_cut, taken, actions)
 
-    return traced_and_put_together(places, alike, actions, trace, answer, lambda position: tracing_text(step.groups[position]))
+    return traced_and_put_together(places, actions, trace, answer, lambda position: tracing_text(step.groups[position]))
 
 
 def put_together_class(

@@ -155,4 +155,4 @@ def _pipelined_answers(whole: nn.Module, step: PipelinedStep, alike_layers: bool
         memory = put_together_memory(step, group, step.groups[source], parts, taken, actions)
         return memory, put_together_comms(step, group, source_cut, taken, actions)
 
-    return traced_and_put_together(places, {}, actions, trace, answer, lambda position: tracing_text(step.groups[position]))
+    return traced_and_put_together(places, actions, trace, answer, lambda position: tracing_text(step.groups[position]))

@@ -108,20 +108,18 @@ class PipelinedStep:
         world = self.plan.context.world
         return [(world.coordinates(g.first)[PIPELINE_AXIS], g.first % world.stage_size, g.count) for g in self.groups]
 
-    def actions_to_put_together(self) -> RankActions | None:
+    def actions_to_put_together(self) -> RankActions:
         """The ranks' lists of actions told apart for putting ranks together, traced at the fewest
-        microbatches that give each rank a twin of every action (``with_fewer_microbatches``).
-        Under a single-stage schedule each rank is put together from its own trace at fewer
-        microbatches, or traced whole where none fewer serve (``None``; always under GPipe, whose
-        one wait on every forward's send frees what grows with the microbatches)."""
+        microbatches that give each rank a twin of every action (``with_fewer_microbatches``),
+        except under GPipe, whose one wait on every forward's send frees what grows with the
+        microbatches: it is traced at all of them."""
         schedule = self.stages.schedule
         if not schedule.single_stage:
             return with_fewer_microbatches(RankActions(self.stages, self.signatures, lowered_orders(self.stages)))
-        if schedule.frees_outputs_together:
-            return None
         actions = RankActions(self.stages, self.signatures, single_stage_orders(self.stages), single_stage=True)
-        fewer = with_fewer_microbatches(actions)
-        return fewer if fewer.traced is not None else None
+        if schedule.frees_outputs_together:
+            return actions
+        return with_fewer_microbatches(actions)
 
     def traced_step(self, actions: RankActions | None) -> PipelinedStep:
         """The step the ranks are traced at: this one at ``actions``' fewer microbatches, of the

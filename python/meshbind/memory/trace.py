@@ -178,8 +178,8 @@ def extrapolated_class(group: RankGroup, shallow_peaks: list[Peak], run: AlikeRu
 def _pipelined_classes(whole: nn.Module, step: PipelinedStep, alike_layers: bool) -> list[RankClassMemory]:
     """Each rank class's step memory under the pipeline, in the groups' order. With ``alike_layers``
     and a list of twins (``PipelinedStep.actions_to_put_together``: every multi-stage schedule, 1F1B over
-    more than ``pp + 2`` microbatches), the classes ``traced_sources`` picks are traced, side by
-    side, at the fewest microbatches that give each rank a twin of every action, and every class
+    more than ``pp + 2`` microbatches, GPipe), the classes ``traced_sources`` picks are traced, side
+    by side, at the fewest microbatches that give each rank a twin of every action, and every class
     is put together from a traced rank's actions (``memory/composed.py``); else each class is
     traced, side by side. Each rank's stages are cut from ``whole``, which is never planned itself."""
 
@@ -199,9 +199,7 @@ def _pipelined_classes(whole: nn.Module, step: PipelinedStep, alike_layers: bool
         assert actions is not None
         return put_together_class(step, step.groups[position], step.groups[source], traced[1], taken, actions)
 
-    return traced_and_put_together(
-        step.places(), {}, actions, trace, answer, lambda position: tracing_text(step.groups[position])
-    )
+    return traced_and_put_together(step.places(), actions, trace, answer, lambda position: tracing_text(step.groups[position]))
 
 
 def put_together_class(

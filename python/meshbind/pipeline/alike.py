@@ -1,38 +1,11 @@
-"""Pipeline ranks that run alike stages: what each holds is the same classes and parameters (names
-within each stage's modules, shapes, dtypes) in the same places, none holds the first or the last
-stage (which take the tokens or make the loss), and torch's schedule runs the same actions on each
-of its stages, beginning and ending with the same (a "v" schedule splits some backwards on one
-rank and not on another). One step of such ranks runs the same actions on the same shapes: a trace of one stands
-for the others, its stages renumbered."""
+"""Pipeline stages told apart by what they hold: the same classes and parameters (names within
+each stage's modules, shapes, dtypes) in the same places. Stages alike by this run the same actions
+on the same shapes, so an action on one is a twin of an action on another (``pipeline/runtime.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from meshbind.model_index import ModelIndex
 from meshbind.pipeline.stages import PipelineStages
-
-
-def alike_pipeline_ranks(signatures: Sequence[object], stages: PipelineStages) -> dict[int, int]:
-    """Each pipeline rank that runs stages alike an earlier rank's (``signatures``: each stage's, as
-    ``stage_signatures`` tells them apart), mapped to the first such rank."""
-    order = stages.order
-    last = len(stages.stages) - 1
-    first_with: dict[tuple[object, ...], int] = {}
-    alike = {}
-    for rank in range(stages.pp):
-        mine = stages.stages_of_rank(rank)
-        if 0 in mine or last in mine:
-            continue
-        actions = [[(kind, microbatch) for step in order[rank] for kind, at, microbatch in step if at == stage] for stage in mine]
-        # The same actions on each stage, the same first and last (FSDP gathers in the first, reduces in the last).
-        ran = tuple((frozenset(done), done[0], done[-1]) for done in actions)
-        signature = (tuple(signatures[stage] for stage in mine), ran)
-        if signature in first_with:
-            alike[rank] = first_with[signature]
-        else:
-            first_with[signature] = rank
-    return alike
 
 
 def stage_signatures(index: ModelIndex, stages: PipelineStages) -> list[tuple[object, ...]]:

@@ -9,7 +9,8 @@ can be put together from that rank's actions in its own order (``comms/composed.
 ``memory/composed.py``). torch lowers the lists from the schedule alone, so which ranks to trace is
 known before any is traced (``traced_and_put_together``). A single-stage schedule runs torch's own
 loop instead; its actions are read from the schedule's order (``single_stage_orders``), and a rank
-is put together from its own actions only (``RankActions.single_stage``)."""
+is put together from its own actions, or (between the first stage and the last) from another's
+(``RankActions.single_stage``)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ class RankActions:
     """The actions of a single-stage schedule (torch's own loop, no runtime list: ``single_stage_orders``).
     Its trace is cut where each action starts, so an action's part holds the sends, receives and
     waits the loop runs up to the next one: its twin also has the same kinds of action before and
-    after it, and is on the same rank."""
+    after it, and is on the same rank or, where both receive and send, on another that does
+    (``_sends_and_receives``: neither holds the first stage nor the last)."""
     traced: RankActions | None = None
     """The same pipeline's actions at fewer microbatches of the same size, where the ranks are
     traced: every rank, a traced one too, is put together from a traced rank's actions there
@@ -107,11 +109,19 @@ class RankActions:
         """Where in ``source``'s traced list (``traced_orders``) each of ``rank``'s actions has its
         twin, when ``source`` holds the same stages' modules and has a twin of every one; else ``None``."""
         tracing = self.traced or self
-        if tracing.stage_twins(source) != self.stage_twins(rank) or (self.single_stage and source != rank):
+        if tracing.stage_twins(source) != self.stage_twins(rank):
+            return None
+        if self.single_stage and source != rank and not self._sends_and_receives(rank, source):
             return None
         at = tracing._first_twin_positions(source)
         positions = [at.get(twin, -1) for twin in self.action_twins(rank)]
         return None if -1 in positions else positions
+
+    def _sends_and_receives(self, *ranks: int) -> bool:
+        """Whether each of ``ranks`` receives its stage's inputs and sends its outputs (holds
+        neither the first stage nor the last), as a part of each of its actions then does alike."""
+        edges = {0, len(self.stages.stages) - 1}
+        return not any(edges & set(self.stages.stages_of_rank(rank)) for rank in ranks)
 
     def _first_twin_positions(self, source: int) -> dict[ActionTwin, int]:
         if (at := self._first_twins.get(source)) is None:  # asked of each traced rank for every other
@@ -119,6 +129,12 @@ class RankActions:
             for position, twin in enumerate(self.action_twins(source)):
                 at.setdefault(twin, position)
         return at
+
+
+def _only_part(action: Any) -> tuple[str, int, int]:
+    """The kind, stage and microbatch of a single-stage schedule's action (one part)."""
+    (part,) = action_parts(action)
+    return part
 
 
 def _kinds(runs: list[list[tuple[str, int, int]]], position: int) -> tuple[str, ...]:
@@ -166,24 +182,17 @@ def action_parts(action: Any) -> list[tuple[str, int, int]]:
     ]
 
 
-def traced_sources(
-    places: list[tuple[int, int, int]], alike: dict[int, int], actions: RankActions | None
-) -> list[tuple[int, list[int] | None]]:
+def traced_sources(places: list[tuple[int, int, int]], actions: RankActions | None) -> list[tuple[int, list[int] | None]]:
     """For each pipeline rank class (by its pipeline rank, its first rank within it and its ranks),
     the class whose trace it reads, by position: itself where it is traced (with its own twins
-    there when it is traced at fewer microbatches, ``RankActions.traced``); an alike rank's under a
-    single-stage schedule; else, with the positions of the twins of its actions, a traced rank's
-    that has a twin of each (``RankActions.twin_positions``). Where a rank must be traced and an
-    alike later one would put it together, that one is traced instead: the one that would put
-    together the most."""
-    position_of = {place: position for position, place in enumerate(places)}
+    there when it is traced at fewer microbatches, ``RankActions.traced``); else, with the
+    positions of the twins of its actions, a traced rank's that has a twin of each
+    (``RankActions.twin_positions``). Where a rank must be traced and an alike later one would put
+    it together, that one is traced instead: the one that would put together the most."""
     traced: dict[tuple[int, int], list[int]] = {}  # positions, by first rank within the pipeline rank and ranks
     sources: list[tuple[int, list[int] | None] | None] = [None] * len(places)
     for position, (pp_rank, within, count) in enumerate(places):
         if sources[position] is not None:  # traced ahead
-            continue
-        if (alike_place := (alike.get(pp_rank, -1), within, count)) in position_of:
-            sources[position] = (position_of[alike_place], None)
             continue
         if actions is not None:
             found: tuple[int, list[int] | None] | None = next(
@@ -222,7 +231,6 @@ def _widest_source(rank: int, later: list[int], actions: RankActions) -> int | N
 
 def traced_and_put_together(
     places: list[tuple[int, int, int]],
-    alike: dict[int, int],
     actions: RankActions | None,
     trace: Callable[[int], tuple[Traced, Orders | None]],
     answer: Callable[[int, int, list[int] | None, Traced], Answer],
@@ -235,7 +243,7 @@ def traced_and_put_together(
     the trace is its answer). A traced rank that ran other lists than ``actions``' traced ones
     (read ahead; ``trace`` gives the lists its step ran: every rank's under torch's runtime, its
     own under a single-stage schedule) is a ``RuntimeError``: the ranks put together would be wrong."""
-    sources = traced_sources(places, alike, actions)
+    sources = traced_sources(places, actions)
     positions = [position for position, (source, _) in enumerate(sources) if source == position]
     traced: dict[int, Traced] = {}
     for position, (found, orders) in zip(positions, in_forks(trace, positions, tracing), strict=True):
