@@ -410,7 +410,7 @@ def test_ranks_to_trace_are_chosen_from_lists_lowered_ahead_and_a_trace_that_ran
 
 @pytest.mark.parametrize(
     ("schedule", "pp", "microbatches"),
-    [("Interleaved1F1B", 2, 12), ("DualPipeV", 2, 12), ("ZBVZeroBubble", 4, 16), ("1F1B", 4, 16)],
+    [("Interleaved1F1B", 2, 12), ("DualPipeV", 2, 12), ("ZBVZeroBubble", 4, 16), ("1F1B", 4, 16), ("GPipe", 4, 16)],
 )
 def test_ranks_are_traced_at_the_fewest_microbatches_that_give_each_a_twin_of_every_action(
     schedule: str, pp: int, microbatches: int

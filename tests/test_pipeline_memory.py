@@ -167,7 +167,8 @@ def test_each_pipeline_rank_is_its_own_class_and_the_peak_names_the_schedules_ac
         ("DualPipeV", "none", 6, 1, 12, None),
         ("1F1B", "full", 4, 2, 12, 6),
         ("1F1B", "selective-op", 6, 2, 6, None),
-        ("GPipe", "none", 4, 2, 8, None),
+        ("GPipe", "none", 4, 2, 8, 3),
+        ("GPipe", "full", 2, 2, 12, 3),
     ],
 )
 def test_a_rank_put_together_from_a_traced_ranks_actions_is_its_whole_trace(
@@ -185,8 +186,8 @@ def test_a_rank_put_together_from_a_traced_ranks_actions_is_its_whole_trace(
     is one whose microbatch ran the same computations before it. Under a single-stage schedule
     (torch's own loop) each part holds the sends and waits up to the next action: a middle rank is
     put together from another middle rank's actions (1F1B: though each rank warms up with a
-    different number of forwards), the first and last ranks from their own; GPipe is traced at every
-    microbatch (one wait on every forward's send frees every output)."""
+    different number of forwards), the first and last ranks from their own; under GPipe each wait
+    on a forward's send, all after the last forward, releases its microbatch's output in a part of its own."""
     axes = {"pp": pp, "dp_replicate": 1, "dp_shard": dp_shard, "cp": 1, "tp": 1, "ep": 1}
     build, plan = planned_demo(axes, layers=2 * pp + 2)  # two stages a rank
     settings = dict(batch=microbatches, seq_len=SEQ_LEN, device="cpu", activation_checkpointing=checkpointing)

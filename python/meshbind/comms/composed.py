@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from meshbind.comms.timeline import Compute, CutTimeline, Event, Mark, Timeline, Transfer
 from meshbind.pipeline.hooks import on_each_runtime_step
 from meshbind.pipeline.runtime import Orders, RankActions, action_parts
-from meshbind.pipeline.schedules import STAGE_ACTIONS
+from meshbind.pipeline.schedules import RELEASE, STAGE_ACTIONS
 from meshbind.world import PIPELINE_AXIS
 
 RUNTIME_STEP = "runtime step"
@@ -38,7 +38,7 @@ class TracedRank:
 
     @staticmethod
     def cut(pp_rank: int, timeline: Timeline, actions: RankActions) -> TracedRank:
-        return TracedRank(pp_rank, timeline.cut(STAGE_ACTIONS if actions.single_stage else (RUNTIME_STEP,)))
+        return TracedRank(pp_rank, timeline.cut((*STAGE_ACTIONS, RELEASE) if actions.single_stage else (RUNTIME_STEP,)))
 
 
 def put_together(rank: int, source: TracedRank, taken: list[int], actions: RankActions, stage_size: int) -> Timeline:
@@ -50,7 +50,7 @@ def put_together(rank: int, source: TracedRank, taken: list[int], actions: RankA
     events: list[Event] = []
 
     def add(event: Event, microbatches: list[int] | None = None) -> None:
-        if isinstance(event, Mark) and event.what in ("F", "B", "I", "W") and microbatches is not None:
+        if isinstance(event, Mark) and event.what in (*STAGE_ACTIONS, RELEASE) and microbatches is not None:
             event = replace(event, stage=stage_of[event.stage], microbatch=microbatches.pop(0))
         elif isinstance(event, Transfer):
             if PIPELINE_AXIS not in event.axes:  # a group along pp is the same one

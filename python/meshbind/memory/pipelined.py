@@ -110,16 +110,10 @@ class PipelinedStep:
 
     def actions_to_put_together(self) -> RankActions:
         """The ranks' lists of actions told apart for putting ranks together, traced at the fewest
-        microbatches that give each rank a twin of every action (``with_fewer_microbatches``),
-        except under GPipe, whose one wait on every forward's send frees what grows with the
-        microbatches: it is traced at all of them."""
-        schedule = self.stages.schedule
-        if not schedule.single_stage:
-            return with_fewer_microbatches(RankActions(self.stages, self.signatures, lowered_orders(self.stages)))
-        actions = RankActions(self.stages, self.signatures, single_stage_orders(self.stages), single_stage=True)
-        if schedule.frees_outputs_together:
-            return actions
-        return with_fewer_microbatches(actions)
+        microbatches that give each rank a twin of every action (``with_fewer_microbatches``)."""
+        single = self.stages.schedule.single_stage
+        orders = single_stage_orders(self.stages) if single else lowered_orders(self.stages)
+        return with_fewer_microbatches(RankActions(self.stages, self.signatures, orders, single_stage=single))
 
     def traced_step(self, actions: RankActions | None) -> PipelinedStep:
         """The step the ranks are traced at: this one at ``actions``' fewer microbatches, of the
@@ -318,7 +312,8 @@ def _name_actions(schedule: _PipelineSchedule, tracker: Any, cut_each: bool) -> 
     def starting(stage: int, kind: str, microbatch: int) -> None:
         if cut_each:
             tracker.cut()
-        tracker.begin_action(action_text(next(numbers), stage, kind, microbatch))
+        if kind in _ACTION_WORDS:  # a release (GPipe's) is a part of its own, not a stage's action
+            tracker.begin_action(action_text(next(numbers), stage, kind, microbatch))
 
     def ended() -> None:
         tracker.action = AFTER_THE_SCHEDULE

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshbind.pipeline.runtime import Orders, torch_action
+from meshbind.pipeline.schedules import RELEASE
 
 
 class _Taking(list[Any]):
@@ -42,13 +43,18 @@ def on_each_runtime_step(schedule: Any, taken: Callable[[int], None]) -> Orders 
 def on_each_action(schedule: Any, starting: Callable[[int, str, int], None], ended: Callable[[], None]) -> None:
     """``starting(stage, kind, microbatch)`` called as each action torch's schedule runs on this
     rank's stages starts (kind as torch's actions name it: ``F``, ``B``, ``I`` for a backward that
-    leaves the weights' gradients to a ``W``), ``ended()`` after the schedule's step. The schedule
+    leaves the weights' gradients to a ``W``; under GPipe ``SEND_F`` too, as each forward's output
+    is released after the wait on its send), ``ended()`` after the schedule's step. The schedule
     and its stages are the trace's own: nothing is put back."""
+    from torch.distributed.pipelining.schedules import ScheduleGPipe
+
     for stage in stages_of(schedule):
         index = stage.stage_index
         stage.forward_one_chunk = _starting(starting, index, "F", stage.forward_one_chunk)
         stage.backward_one_chunk = _starting(starting, index, "B", stage.backward_one_chunk)
         stage.backward_weight_one_chunk = _starting(starting, index, "W", stage.backward_weight_one_chunk)
+        if isinstance(schedule, ScheduleGPipe):  # its waits on the sends all follow the last forward
+            stage.release_fwd_send_outputs = _starting(starting, index, RELEASE, stage.release_fwd_send_outputs)
     run = schedule.step
 
     def step(*args: Any, **kwargs: Any) -> None:

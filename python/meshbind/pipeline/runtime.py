@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from meshbind.forks import in_forks
-from meshbind.pipeline.schedules import STAGE_ACTIONS
+from meshbind.pipeline.schedules import RELEASE, STAGE_ACTIONS
 from meshbind.pipeline.stages import PipelineStages
 
 Orders = dict[int, list[Any]]
@@ -144,8 +144,17 @@ def _kinds(runs: list[list[tuple[str, int, int]]], position: int) -> tuple[str, 
 
 def single_stage_orders(stages: PipelineStages) -> Orders:
     """Each pipeline rank's actions under a single-stage schedule, in the order torch's own loop
-    runs them (``PipelineStages.order``), as torch's actions."""
-    return {rank: [torch_action(*action) for step in steps for action in step] for rank, steps in enumerate(stages.order)}
+    runs them (``PipelineStages.order``), as torch's actions; under GPipe each forward's release
+    (``RELEASE``) follows the last forward, in the forwards' order."""
+    orders = {}
+    for rank, steps in enumerate(stages.order):
+        actions = [action for step in steps for action in step]
+        if stages.schedule.frees_outputs_together:
+            forwards = [action for action in actions if action[0] == "F"]
+            after = actions.index(forwards[-1]) + 1
+            actions[after:after] = [(RELEASE, stage, microbatch) for _, stage, microbatch in forwards]
+        orders[rank] = [torch_action(*action) for action in actions]
+    return orders
 
 
 def torch_action(kind: str, stage: int, microbatch: int) -> Any:

@@ -32,7 +32,8 @@ class Schedule:
     """Whether it runs a backward in two (the inputs' gradients, later the weights'): the zero-bubble schedules."""
     frees_outputs_together: bool = False
     """Whether it waits on every forward's send at once, after the last forward, freeing every
-    microbatch's output there (GPipe): what that one moment frees grows with the microbatches."""
+    microbatch's output there (GPipe): each wait and release is then an action of its own
+    (``RELEASE``), so that what one frees does not grow with the microbatches."""
 
     def default_stages_per_rank(self) -> int:
         """torchtitan's default: one for a single-stage schedule, two otherwise."""
@@ -113,6 +114,9 @@ ActionKey = tuple[str, int, int]
 STAGE_ACTIONS = ("F", "B", "I", "W")
 """torch's kinds of a stage's actions: forward, full backward, the backward for inputs only, the
 weights' gradients."""
+RELEASE = "SEND_F"
+"""torch's kind of a forward's send: under GPipe, the wait on it that releases the microbatch's
+output, an action of its own (``Schedule.frees_outputs_together``)."""
 RunOrder = tuple[tuple[tuple[ActionKey, ...], ...], ...]
 """Each pipeline rank's steps in the order torch runs them, each step the stage actions it runs."""
 
