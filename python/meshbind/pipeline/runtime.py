@@ -131,12 +131,6 @@ class RankActions:
         return at
 
 
-def _only_part(action: Any) -> tuple[str, int, int]:
-    """The kind, stage and microbatch of a single-stage schedule's action (one part)."""
-    (part,) = action_parts(action)
-    return part
-
-
 def _kinds(runs: list[list[tuple[str, int, int]]], position: int) -> tuple[str, ...]:
     """The kinds of the action at ``position`` of a rank's list; none before the first or after the last."""
     return tuple(kind for kind, _, _ in runs[position]) if 0 <= position < len(runs) else ()
